@@ -1,0 +1,225 @@
+"""Decode attention, one layer: SnapMLA kernels vs vLLM 0.26.0's bundled FlashMLA, in one process.
+
+    python benchmarks/bench_decode.py --out out/bench_decode [--quick]
+
+Backends, on the same random data and shapes (those of /work/shared/anchors/h200-baselines.md):
+
+* ``flashmla-bf16``: FlashMLA over a bf16 cache (vLLM's default MLA decode);
+* ``flashmla-fp8``: FlashMLA's dense FP8 path (``--kv-cache-dtype fp8``): q and the 576-wide row
+  in e4m3 with per-tensor scale 1.0; its q cast is not timed;
+* every entry of ``SNAPMLA_KERNELS`` over the ``fp8_snapmla`` cache; the timed call includes the
+  query quantization (``ops.quantize_q``) and the split combine.
+
+Times are ``triton.testing.do_bench`` medians; do_bench overwrites a 256 MB buffer before every
+timed call, so each call reads its cache from HBM (every cache here is larger than the L2 anyway).
+TFLOP/s counts ``2*B*H*s_q*N*(576+512)``; GB/s counts each backend's own cache bytes per token
+(1152 bf16, 576 fp8, 656 fp8_snapmla).  Writes ``decode.csv`` and ``decode.png`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vllm_snapmla import format as fmt  # noqa: E402
+from vllm_snapmla import ops, reference  # noqa: E402
+
+# Kernels with snapmla_decode's signature: name -> "module:function".  A later CUDA kernel is one
+# more line here.
+SNAPMLA_KERNELS = {
+    "snapmla-triton": "vllm_snapmla.triton.decode:snapmla_decode",
+}
+
+# (batch, heads, context, s_q)
+SHAPES = [
+    (32, 128, 4096, 1), (64, 128, 8192, 1), (32, 128, 16384, 1), (16, 128, 32768, 1),
+    (8, 128, 65536, 1), (4, 128, 131072, 1),
+    (128, 16, 8192, 1), (64, 16, 32768, 1), (32, 16, 65536, 1),
+    (128, 64, 16384, 1), (32, 32, 16384, 1), (32, 64, 16384, 1),
+    (32, 128, 16384, 2),
+]
+QUICK_SHAPES = [(32, 128, 4096, 1), (8, 128, 65536, 1), (64, 16, 32768, 1), (32, 128, 16384, 2)]
+
+BYTES_PER_TOKEN = {"flashmla-bf16": 2 * fmt.HEAD_SIZE, "flashmla-fp8": fmt.HEAD_SIZE}
+
+
+def _flashmla():
+    """vLLM's FlashMLA entry points, or the reason they cannot be used."""
+    try:
+        from vllm.v1.attention.ops import flashmla as fm
+    except Exception as e:  # noqa: BLE001  (any import failure means: run ours only)
+        return None, f"vllm not importable ({type(e).__name__}: {e})"
+    ok, reason = fm.is_flashmla_dense_supported()
+    return (fm, None) if ok else (None, reason)
+
+
+def _load(spec: str):
+    module, fn = spec.split(":")
+    return getattr(importlib.import_module(module), fn)
+
+
+def _make_inputs(B, H, N, s_q, gen):
+    """Random q and cache contents, a shuffled block table, and every backend's cache layout."""
+    dev = "cuda"
+    blocks_per_seq = N // fmt.PAGE_SIZE
+    nb = B * blocks_per_seq
+    perm = torch.randperm(nb, generator=gen).cuda()
+    block_table = perm.view(B, blocks_per_seq).int()
+    kv_c = torch.randn(nb * fmt.PAGE_SIZE, fmt.KV_LORA_RANK, device=dev, dtype=torch.bfloat16)
+    k_pe = torch.randn(nb * fmt.PAGE_SIZE, fmt.ROPE_DIM, device=dev, dtype=torch.bfloat16)
+    # Token t of request b lives in block perm[b * blocks_per_seq + t // 64].
+    snap = torch.empty(nb, fmt.PAGE_SIZE, fmt.BYTES_PER_TOKEN, dtype=torch.uint8, device=dev)
+    snap[perm] = reference.quantize_kv(kv_c, k_pe).view(nb, fmt.PAGE_SIZE, -1)
+    bf16 = torch.empty(nb, fmt.PAGE_SIZE, 1, fmt.HEAD_SIZE, dtype=torch.bfloat16, device=dev)
+    bf16[perm] = torch.cat([kv_c, k_pe], -1).view(nb, fmt.PAGE_SIZE, 1, -1)
+    del kv_c, k_pe
+    q_nope = torch.randn(B, s_q, H, fmt.KV_LORA_RANK, device=dev, dtype=torch.bfloat16)
+    q_pe = torch.randn(B, s_q, H, fmt.ROPE_DIM, device=dev, dtype=torch.bfloat16)
+    seq_lens = torch.full((B,), N, dtype=torch.int32, device=dev)
+    return dict(q_nope=q_nope, q_pe=q_pe, snap=snap, bf16=bf16, block_table=block_table,
+                seq_lens=seq_lens)
+
+
+def _runners(inp, fm, scale, quantize):
+    """name -> zero-argument callable returning (out, lse)."""
+    runners = {}
+    bt, sl = inp["block_table"], inp["seq_lens"]
+    B, s_q, H, _ = inp["q_nope"].shape
+    if fm is not None:
+        q = torch.cat([inp["q_nope"], inp["q_pe"]], -1)
+        meta, _ = fm.get_mla_metadata()
+        runners["flashmla-bf16"] = lambda: fm.flash_mla_with_kvcache(
+            q, inp["bf16"], bt, sl, fmt.KV_LORA_RANK, meta, softmax_scale=scale, causal=True)
+        q8 = q.to(torch.float8_e4m3fn)
+        cache8 = inp["bf16"].to(torch.float8_e4m3fn)
+        one = torch.ones(1, dtype=torch.float32, device="cuda")
+        sched, splits = fm.get_mla_metadata_dense_fp8(sl, s_q * H, 1)
+        runners["flashmla-fp8"] = lambda: fm.flash_mla_with_kvcache_fp8(
+            q8, cache8, bt, sl, fmt.KV_LORA_RANK, sched, splits, softmax_scale=scale, causal=True,
+            descale_q=one, descale_k=one)
+    for name, spec in SNAPMLA_KERNELS.items():
+        try:
+            kernel = _load(spec)
+        except (ImportError, AttributeError) as e:
+            print(f"  {name}: not available ({e})", flush=True)
+            continue
+
+        def run(kernel=kernel):
+            q8, qs, qpe = quantize(inp["q_nope"], inp["q_pe"])
+            return kernel(q8, qs, qpe, inp["snap"], bt, sl, scale, True)
+        runners[name] = run
+    return runners
+
+
+def _plot(rows, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not importable: no plot", flush=True)
+        return
+    fig, (ax_tf, ax_sp) = plt.subplots(1, 2, figsize=(13, 5))
+    series = sorted({(r["backend"], r["H"], r["s_q"]) for r in rows})
+    for backend, H, s_q in series:
+        pts = sorted((r["N"], r["tflops"]) for r in rows
+                     if (r["backend"], r["H"], r["s_q"]) == (backend, H, s_q))
+        ax_tf.plot(*zip(*pts), marker="o", label=f"{backend} H={H} s_q={s_q}")
+        for key, style in (("speedup_vs_bf16", "-"), ("speedup_vs_fp8", "--")):
+            sp = sorted((r["N"], r[key]) for r in rows if (r["backend"], r["H"], r["s_q"])
+                        == (backend, H, s_q) and r.get(key))
+            if sp and backend.startswith("snapmla"):
+                ax_sp.plot(*zip(*sp), style, marker="o",
+                           label=f"{backend} H={H} s_q={s_q} vs {key.split('_')[-1]}")
+    for ax, title in ((ax_tf, "TFLOP/s"), (ax_sp, "speedup vs FlashMLA")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context length N")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=6)
+    ax_sp.axhline(1.0, color="gray", lw=0.8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="out/bench_decode", help="folder for decode.csv/png")
+    parser.add_argument("--quick", action="store_true", help="4 shapes, shorter timing")
+    args = parser.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    from triton.testing import do_bench
+
+    fm, why = _flashmla()
+    if fm is None:
+        print(f"FlashMLA unavailable, timing ours only: {why}", flush=True)
+    if ops.native() is not None:
+        quantize, quant_note = ops.quantize_q, "native quantize_q"
+    else:
+        quantize, quant_note = reference.quantize_q, "torch reference quantize_q (no native build)"
+    print(f"{torch.cuda.get_device_name()}; ours include {quant_note} and the combine", flush=True)
+
+    scale = fmt.HEAD_SIZE ** -0.5
+    rep, warmup = (50, 10) if args.quick else (200, 25)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for B, H, N, s_q in (QUICK_SHAPES if args.quick else SHAPES):
+        print(f"shape B={B} H={H} N={N} s_q={s_q} ...", flush=True)
+        inp = _make_inputs(B, H, N, s_q, gen)
+        runners = _runners(inp, fm, scale, quantize)
+        base_out = runners["flashmla-bf16"]()[0].float() if "flashmla-bf16" in runners else None
+        flops = 2 * B * H * s_q * N * (fmt.HEAD_SIZE + fmt.KV_LORA_RANK)
+        times = {}
+        for name, fn in runners.items():
+            out = fn()[0].float()
+            relerr = ((out - base_out).norm() / base_out.norm()).item() if base_out is not None \
+                else float("nan")
+            us = do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e3
+            times[name] = us
+            nbytes = B * N * BYTES_PER_TOKEN.get(name, fmt.BYTES_PER_TOKEN)
+            rows.append(dict(backend=name, B=B, H=H, N=N, s_q=s_q, us=us,
+                             tflops=flops / us * 1e-6, gbps=nbytes / us * 1e-3, relerr=relerr))
+            print(f"  {name:16s} {us:9.1f} us  {flops / us * 1e-6:6.0f} TFLOP/s  "
+                  f"{nbytes / us * 1e-3:6.0f} GB/s  relerr {relerr:.1e}", flush=True)
+        for r in rows[-len(runners):]:
+            for base in ("bf16", "fp8"):
+                t = times.get(f"flashmla-{base}")
+                r[f"speedup_vs_{base}"] = t / r["us"] if t else None
+        del inp, runners
+        torch.cuda.empty_cache()
+
+    cols = ["backend", "B", "H", "N", "s_q", "us", "tflops", "gbps", "relerr",
+            "speedup_vs_bf16", "speedup_vs_fp8"]
+    print("\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |")
+    with open(out_dir / "decode.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=cols)
+        writer.writeheader()
+        writer.writerows({c: r.get(c) for c in cols} for r in rows)
+    print(f"wrote {out_dir / 'decode.csv'}", flush=True)
+    _plot(rows, out_dir / "decode.png")
+
+
+def _fmt(v):
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "-"
+        return f"{v:.1e}" if abs(v) < 0.1 else f"{v:.2f}" if abs(v) < 10 else f"{v:.0f}"
+    return str(v)
+
+
+if __name__ == "__main__":
+    main()

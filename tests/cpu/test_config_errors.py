@@ -1,0 +1,219 @@
+"""Every configuration fp8_snapmla cannot serve fails at start-up, saying what to do instead.
+
+The checks run while vLLM builds its VllmConfig (``EngineArgs.create_engine_config``, the same
+call ``LLM(...)`` and ``vllm serve`` make), before any worker starts.  The backend's selection
+and constructor repeat them for configurations built some other way.
+"""
+
+import json
+import tempfile
+
+import pytest
+
+from tests.cpu._vllm_cpu import RemoteError, shared_process
+
+KV = "fp8_snapmla"
+SPEC_NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4,
+              "prompt_lookup_min": 2}
+
+
+@pytest.fixture(scope="module")
+def vllm_cpu():
+    return shared_process()
+
+
+def _tiny_llama() -> str:
+    path = tempfile.mkdtemp(prefix="snapmla-llama-")
+    with open(f"{path}/config.json", "w") as f:
+        json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                   "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512,
+                   "num_hidden_layers": 1, "num_attention_heads": 4,
+                   "num_key_value_heads": 4, "max_position_embeddings": 1024,
+                   "torch_dtype": "bfloat16"}, f)
+    return path
+
+
+def _in_vllm_startup_error(model_overrides=None, llama=False, capability=(9, 0),
+                           **engine_kwargs):
+    """The start-up error for fp8_snapmla with these settings, or None if it starts."""
+    from tests.cpu._vllm_cpu import engine_config, tiny_model
+
+    model = _tiny_llama() if llama else tiny_model(**(model_overrides or {}))
+    try:
+        engine_config(model, capability=tuple(capability), kv_cache_dtype=KV, **engine_kwargs)
+    except ValueError as e:   # pydantic's ValidationError is a ValueError
+        return str(e)
+    return None
+
+
+def _startup_error(vllm_cpu, **settings) -> str:
+    message = vllm_cpu.call(_in_vllm_startup_error, **settings)
+    assert message is not None, f"fp8_snapmla started with {settings}"
+    assert f"--kv-cache-dtype {KV} cannot be used here" in message
+    return message
+
+
+@pytest.mark.parametrize("settings", [
+    {},
+    {"block_size": 64},
+    {"attention_backend": "CUSTOM"},
+    {"capability": (8, 9)},
+    {"capability": (10, 0)},
+    {"model_overrides": {"q_lora_rank": None}},
+], ids=str)
+def test_supported_configurations_start(vllm_cpu, settings):
+    assert vllm_cpu.call(_in_vllm_startup_error, **settings) is None
+
+
+def test_non_mla_model(vllm_cpu):
+    message = _startup_error(vllm_cpu, llama=True)
+    assert "does not use multi-head latent attention" in message
+    assert "Use --kv-cache-dtype fp8 or auto for this model" in message
+
+
+def test_sparse_mla_model(vllm_cpu):
+    message = _startup_error(vllm_cpu, model_overrides={
+        "index_topk": 2048, "index_n_heads": 64, "index_head_dim": 128})
+    assert "DeepSeek sparse attention" in message
+    assert "Use --kv-cache-dtype fp8_ds_mla or auto" in message
+
+
+@pytest.mark.parametrize("dims", [{"kv_lora_rank": 256}, {"qk_rope_head_dim": 32}], ids=str)
+def test_other_latent_dimensions(vllm_cpu, dims):
+    message = _startup_error(vllm_cpu, model_overrides=dims)
+    rank, rope = dims.get("kv_lora_rank", 512), dims.get("qk_rope_head_dim", 64)
+    assert f"has kv_lora_rank={rank} and qk_rope_head_dim={rope}" in message
+    assert "Use --kv-cache-dtype fp8 or auto for this model" in message
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (8, 6)], ids=str)
+def test_gpu_without_fp8(vllm_cpu, capability):
+    message = _startup_error(vllm_cpu, capability=capability)
+    assert "compute capability 8.9 or newer" in message
+    assert f"this GPU has compute capability {capability[0]}.{capability[1]}" in message
+    assert "Use --kv-cache-dtype auto on this GPU" in message
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 128])
+def test_block_size_other_than_64(vllm_cpu, block_size):
+    message = _startup_error(vllm_cpu, block_size=block_size)
+    assert f"--block-size {block_size} was given" in message
+    assert "Drop --block-size or pass --block-size 64" in message
+
+
+@pytest.mark.parametrize("settings, how, name", [
+    ({"attention_backend": "FLASHMLA"}, "--attention-backend", "FLASHMLA"),
+    ({"attention_backend": "TRITON_MLA"}, "--attention-backend", "TRITON_MLA"),
+    ({"attention_config": {"backend_per_kind": {"mla_attention": "FLASH_ATTN_MLA"}}},
+     "--attention-config backend_per_kind", "FLASH_ATTN_MLA"),
+], ids=["flashmla", "triton_mla", "per_kind"])
+def test_another_attention_backend(vllm_cpu, settings, how, name):
+    message = _startup_error(vllm_cpu, **settings)
+    assert f"{how} requested {name}" in message
+    assert "or pass --attention-backend CUSTOM" in message
+
+
+def test_speculative_decoding(vllm_cpu):
+    message = _startup_error(vllm_cpu, speculative_config=SPEC_NGRAM)
+    assert "does not support speculative decoding" in message
+    assert "Remove --speculative-config" in message
+
+
+def test_decode_context_parallel(vllm_cpu):
+    # "mp" named explicitly: vLLM otherwise refuses a world size above this machine's 0 GPUs.
+    message = _startup_error(vllm_cpu, tensor_parallel_size=2, decode_context_parallel_size=2,
+                             distributed_executor_backend="mp")
+    assert "does not support decode context parallelism" in message
+    assert "Remove --decode-context-parallel-size/-dcp" in message
+
+
+def test_prefill_context_parallel(vllm_cpu):
+    message = _startup_error(vllm_cpu, prefill_context_parallel_size=2,
+                             distributed_executor_backend="mp")
+    assert "does not support prefill context parallelism" in message
+    assert "Remove --prefill-context-parallel-size/-pcp" in message
+
+
+def test_kv_cache_dtype_skip_layers(vllm_cpu):
+    message = _startup_error(vllm_cpu, kv_cache_dtype_skip_layers=["0"])
+    assert "does not support --kv-cache-dtype-skip-layers" in message
+    assert "Remove --kv-cache-dtype-skip-layers" in message
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_rope_kv_cache_fusion_pass(vllm_cpu, enforce_eager):
+    message = _startup_error(vllm_cpu, enforce_eager=enforce_eager, compilation_config={
+        "pass_config": {"fuse_rope_kvcache_cat_mla": True}})
+    assert "fusion pass (pass_config.fuse_rope_kvcache_cat_mla)" in message
+    assert '"fuse_rope_kvcache_cat_mla": false' in message
+
+
+def test_all_problems_reported_together(vllm_cpu):
+    message = _startup_error(vllm_cpu, model_overrides={"kv_lora_rank": 256}, block_size=16,
+                             speculative_config=SPEC_NGRAM, capability=(8, 0))
+    for part in ("kv_lora_rank=256", "--block-size 16", "speculative decoding",
+                 "compute capability 8.0"):
+        assert part in message
+
+
+# --- the same refusals where a layer picks its backend and where the impl is built -----------
+
+def _in_vllm_select_after_config(use_sparse=False, force_backend=None, kv_cache_dtype=KV,
+                                 capability=(9, 0)):
+    """Backend selection for a config that skipped the start-up check (e.g. edited later)."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention import selector
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from tests.cpu._vllm_cpu import device_capability, engine_config, tiny_model
+
+    config = engine_config(tiny_model(), kv_cache_dtype=KV)
+    if force_backend is not None:
+        config.attention_config.backend = AttentionBackendEnum[force_backend]
+    selector._cached_get_attn_backend.cache_clear()
+    with set_current_vllm_config(config), device_capability(*capability):
+        backend = selector.get_attn_backend(576, torch.bfloat16, kv_cache_dtype, use_mla=True,
+                                            use_sparse=use_sparse, num_heads=16)
+    return backend.get_name()
+
+
+@pytest.mark.parametrize("settings, expected", [
+    ({"force_backend": "FLASHMLA"}, "--attention-backend requested FLASHMLA"),
+    ({"use_sparse": True}, "sparse not supported"),
+    ({"capability": (8, 0)}, "compute capability not supported"),
+], ids=["other_backend", "sparse", "no_fp8"])
+def test_selection_refuses(vllm_cpu, settings, expected):
+    with pytest.raises(RemoteError) as err:
+        vllm_cpu.call(_in_vllm_select_after_config, **settings)
+    assert err.value.exc_type == "ValueError"
+    assert expected in err.value.message
+    assert "--kv-cache-dtype fp8_snapmla" in err.value.message
+
+
+def _in_vllm_build_impl(kv_cache_dtype=KV, kv_lora_rank=512, capability=(9, 0)):
+    from vllm.config import set_current_vllm_config
+
+    from tests.cpu._vllm_cpu import device_capability, engine_config, tiny_model
+    from vllm_snapmla.backend import SnapMLAImpl
+
+    config = engine_config(tiny_model(), kv_cache_dtype=KV)
+    with set_current_vllm_config(config), device_capability(*capability):
+        SnapMLAImpl(num_heads=16, head_size=kv_lora_rank + 64, scale=0.07, num_kv_heads=1,
+                    alibi_slopes=None, sliding_window=None, kv_cache_dtype=kv_cache_dtype,
+                    logits_soft_cap=None, attn_type="decoder",
+                    kv_sharing_target_layer_name=None, q_lora_rank=256,
+                    kv_lora_rank=kv_lora_rank, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                    qk_head_dim=192, v_head_dim=128, kv_b_proj=None)
+
+
+@pytest.mark.parametrize("settings, expected", [
+    ({"kv_cache_dtype": "auto"}, "Pass --kv-cache-dtype fp8_snapmla or drop --attention-backend"),
+    ({"kv_lora_rank": 256}, "this layer has 256 and 64"),
+    ({"capability": (8, 0)}, "this GPU has compute capability 8.0"),
+], ids=["other_dtype", "latent_rank", "no_fp8"])
+def test_impl_refuses(vllm_cpu, settings, expected):
+    with pytest.raises(RemoteError) as err:
+        vllm_cpu.call(_in_vllm_build_impl, **settings)
+    assert err.value.exc_type == "ValueError"
+    assert expected in err.value.message

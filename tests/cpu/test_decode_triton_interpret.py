@@ -1,0 +1,124 @@
+"""The Triton decode kernel run by Triton's CPU interpreter on tiny cases, and the split heuristic.
+
+The interpreter must be switched on before Triton decorates the kernel, so the kernel runs in a
+child process started with ``TRITON_INTERPRET=1``.  Triton 3.6's interpreter rounds float->fp8
+and float->bf16 casts toward zero (with a carry bug) and multiplies bf16 operands as raw
+integers; ``_exact_interpreter_casts`` replaces those two steps with PyTorch's exact casts so the
+comparison tests the kernel, not the interpreter (and makes its scalars usable as loop bounds
+under NumPy >= 2.5).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _exact_interpreter_casts():
+    import numpy as np
+    import torch
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    torch_types = {tl.float8e4nv: torch.float8_e4m3fn, tl.bfloat16: torch.bfloat16,
+                   tl.float16: torch.float16, tl.float32: torch.float32}
+    bits = {1: (torch.uint8, np.uint8), 2: (torch.int16, np.uint16), 4: (torch.int32, np.uint32)}
+    triton_cast = interp._convert_float
+
+    def convert(data, src, dst, rounding):
+        if src not in torch_types or dst not in torch_types:
+            return triton_cast(data, src, dst, rounding)
+        t = torch.from_numpy(np.ascontiguousarray(data))
+        if src in (tl.float8e4nv, tl.bfloat16):         # stored as raw unsigned integers
+            t = t.view(bits[torch_types[src].itemsize][0]).view(torch_types[src])
+        out = t.to(torch_types[dst])
+        raw_t, raw_np = bits[out.element_size()]
+        return out.view(raw_t).numpy().view(raw_np)
+
+    triton_dot = interp.InterpreterBuilder.create_dot
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype == tl.bfloat16:
+            widen = lambda x: interp.TensorHandle(  # noqa: E731
+                (x.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+            a, b = widen(a), widen(b)
+        return triton_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    # NumPy >= 2.5 refuses int() of a one-element 1-d array, which the interpreter's scalars are.
+    patch_tensor = interp._patch_lang_tensor
+
+    def patch_tensor_with_index(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interp._convert_float = convert
+    interp.InterpreterBuilder.create_dot = dot
+    interp._patch_lang_tensor = patch_tensor_with_index
+
+
+def _interpreted_cases():
+    """Child process: run tiny cases through the interpreted kernel, print errors as JSON."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    _exact_interpreter_casts()
+    import torch
+
+    from tests.cache_builder import build_cache
+    from vllm_snapmla import reference as ref
+    from vllm_snapmla.triton.decode import snapmla_decode
+
+    results = []
+    gen = torch.Generator().manual_seed(0)
+    for H, s_q, seq_lens, splits, causal in [(8, 2, [1, 70, 130, 0], 1, True),
+                                             (8, 2, [1, 70, 130, 0], 3, True),
+                                             (16, 2, [64, 65], 2, False)]:
+        cache, bt, _ = build_cache(seq_lens, gen=gen)
+        B = len(seq_lens)
+        q = torch.randn(B, s_q, H, 512, generator=gen).bfloat16()
+        qp = (torch.randn(B, s_q, H, 64, generator=gen) * 3).bfloat16()
+        q8, qs, qpe = ref.quantize_q(q, qp)
+        sl = torch.tensor(seq_lens, dtype=torch.int32)
+        out, lse = snapmla_decode(q8, qs, qpe, cache, bt, sl, 0.1, causal, num_splits=splits)
+        r_out, r_lse = ref.decode_quantized(q8, qs, qpe, cache, bt, sl, 0.1, causal)
+        seen = torch.isfinite(r_lse)
+        results.append({
+            "case": [H, s_q, seq_lens, splits, causal],
+            "rel": ((out.double() - r_out).norm() / r_out.norm()).item(),
+            "lse": (lse.double() - r_lse)[seen].abs().max().item(),
+            "same_empty_rows": torch.equal(torch.isneginf(lse), ~seen),
+            "empty_rows_zero": bool((out.permute(0, 2, 1, 3)[~seen] == 0).all()),
+            "finite": bool(torch.isfinite(out).all()),
+        })
+    print(json.dumps(results))
+
+
+def test_interpreted_kernel_matches_reference():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    child = subprocess.run(
+        [sys.executable, "-c",
+         "from tests.cpu.test_decode_triton_interpret import _interpreted_cases as f; f()"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-4000:]
+    for r in json.loads(child.stdout.strip().splitlines()[-1]):
+        # FP32 kernel vs float64 reference of the same algorithm, then a bf16 output cast.
+        assert r["rel"] < 4e-3 and r["lse"] < 1e-4, r
+        assert r["same_empty_rows"] and r["empty_rows_zero"] and r["finite"], r
+
+
+def test_split_heuristic():
+    pytest.importorskip("triton")
+    from vllm_snapmla.triton.decode import fixed_num_splits, num_splits_for
+
+    # Enough programs already: one split.
+    assert num_splits_for(batch=132, num_heads=16, s_q=1, max_pages=128, num_sms=132) == 1
+    # Few long requests: split to fill the machine, about one wave.
+    splits = num_splits_for(batch=4, num_heads=128, s_q=1, max_pages=2048, num_sms=132)
+    assert 8 <= splits and 4 * 2 * splits <= 2 * 132
+    # Never more splits than pages; a fixed max_model_len gives a fixed count.
+    assert num_splits_for(batch=1, num_heads=16, s_q=1, max_pages=3, num_sms=132) <= 3
+    assert fixed_num_splits(8, 128, 65536, num_sms=132) == num_splits_for(8, 128, 1, 1024, 132)

@@ -1,0 +1,124 @@
+"""fp8_snapmla through ``LLM.generate`` on a tiny DeepSeek-V3, on both vLLM model runners.
+
+Each runner runs the same batch twice (kv_cache_dtype "auto" = BF16, then fp8_snapmla), each
+engine in its own process: a long prompt (300 tokens, > max_num_batched_tokens, so chunked
+prefill reads its earlier chunks back from the cache) next to short ones, then the long
+prompt again (a prefix-cache hit).  The model has random weights of trained-model scale (see
+``write_tiny_deepseek_v3``): with vLLM's dummy weights attention hardly reaches the logits.
+
+Random models put many tokens within hundredths of a nat of each other, so greedy outputs
+of two correct KV formats part ways at such near-ties and never meet again.  The comparison
+therefore checks, per prompt: the chosen token's log-probability while both runs have seen
+the same tokens, and that the first divergence is a near-tie under BF16.  (A CPU simulation
+of FP8 latents gave a mean |d logprob| of 0.025 and flips at BF16 gaps up to 0.6 nats; a
+cache read from the wrong positions gave 1.3 and gaps around 1.5.)
+"""
+
+import pytest
+import torch
+
+from vllm_snapmla.demo import generate_in_subprocess, write_tiny_deepseek_v3
+
+pytestmark = pytest.mark.e2e
+
+KV = "fp8_snapmla"
+MAX_TOKENS = 12
+LONG_PROMPT = 300
+ENGINE = {"load_format": "auto", "enable_prefix_caching": True, "max_num_batched_tokens": 128,
+          "max_num_seqs": 16, "max_model_len": 1024, "gpu_memory_utilization": 0.3}
+RUNNERS = {"v1": "0", "mrv2": "1"}     # VLLM_USE_V2_MODEL_RUNNER
+
+NEAR_TIE_NATS = 1.0          # BF16 log-prob gap allowed where the outputs part
+MEAN_LOGPROB_DIFF = 0.15     # mean |d logprob| of the chosen token over the shared steps
+MAX_LOGPROB_DIFF = 1.0
+MIN_MATCH_FRACTION = 0.3     # generated tokens equal, position by position
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(write_tiny_deepseek_v3(tmp_path_factory.mktemp("tiny-deepseek-v3"),
+                                      random_weights=True))
+
+
+def _prompts():
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(3, 60, (11,), generator=gen).tolist()
+    short = [torch.randint(2, 4096, (n,), generator=gen).tolist() for n in lengths]
+    long = torch.randint(2, 4096, (LONG_PROMPT,), generator=gen).tolist()
+    return short, long
+
+
+@pytest.fixture(scope="module", params=list(RUNNERS))
+def runs(request, model_dir):
+    short, long = _prompts()
+    spec = {"model": model_dir, "rounds": [short + [long], [long]], "max_tokens": MAX_TOKENS,
+            "logprobs": 5, "llm_kwargs": ENGINE}
+    env = {"VLLM_USE_V2_MODEL_RUNNER": RUNNERS[request.param]}
+    results = {dtype: generate_in_subprocess({**spec, "kv_cache_dtype": dtype}, env=env)
+               for dtype in ("auto", KV)}
+    return request.param, results
+
+
+def test_engine_uses_snapmla_on_the_requested_runner(runs):
+    runner, results = runs
+    for dtype, result in results.items():
+        assert ("Using V2 Model Runner" in result["log"]) == (runner == "mrv2"), dtype
+    snap = results[KV]
+    assert "Using SNAPMLA attention backend" in snap["log"]
+    assert snap["block_size"] == 64
+    # Same memory budget: 2 * 576 bytes per token and layer for BF16, 656 for fp8_snapmla.
+    ratio = snap["kv_cache_tokens"] / results["auto"]["kv_cache_tokens"]
+    print(f"[{runner}] KV-cache tokens: auto {results['auto']['kv_cache_tokens']:,}, "
+          f"{KV} {snap['kv_cache_tokens']:,} ({ratio:.3f}x)")
+    assert 1.6 < ratio < 1.9
+
+
+def test_prefix_cache_hit_and_chunked_prefill(runs):
+    runner, results = runs
+    for dtype, result in results.items():
+        first, repeat = result["rounds"][0][-1], result["rounds"][1][0]
+        # The repeat reuses every full 64-token block of the long prompt.
+        assert first["num_cached_tokens"] == 0, dtype
+        assert repeat["num_cached_tokens"] >= LONG_PROMPT // 64 * 64, dtype
+        assert len(repeat["token_ids"]) == MAX_TOKENS
+
+
+def _compare(base: list[dict], test: list[dict]) -> dict:
+    """Greedy agreement of ``test`` with ``base`` (lists of per-prompt outputs)."""
+    equal = total = 0
+    shared_diffs, problems = [], []
+    for k, (b, t) in enumerate(zip(base, test)):
+        total += len(b["token_ids"])
+        equal += sum(x == y for x, y in zip(b["token_ids"], t["token_ids"]))
+        for step, (x, y) in enumerate(zip(b["token_ids"], t["token_ids"])):
+            base_lp, test_lp = b["logprobs"][step], t["logprobs"][step]
+            if x == y:
+                shared_diffs.append(abs(base_lp[str(x)] - test_lp[str(x)]))
+                continue
+            if str(y) not in base_lp:
+                problems.append(f"prompt {k} step {step}: {KV} chose {y}, not in BF16's top 5 "
+                                f"{base_lp}")
+            elif base_lp[str(x)] - base_lp[str(y)] > NEAR_TIE_NATS:
+                problems.append(f"prompt {k} step {step}: {KV} chose {y}, "
+                                f"{base_lp[str(x)] - base_lp[str(y)]:.3f} nats below BF16's {x}")
+            break
+    diffs = torch.tensor(shared_diffs or [0.0])
+    return {"match": equal / total, "shared steps": len(shared_diffs),
+            "mean |d logprob|": float(diffs.mean()), "max |d logprob|": float(diffs.max()),
+            "problems": problems}
+
+
+def test_greedy_outputs_agree_with_bf16(runs):
+    runner, results = runs
+    base = [o for r in results["auto"]["rounds"] for o in r]
+    snap = [o for r in results[KV]["rounds"] for o in r]
+    stats = _compare(base, snap)
+    print(f"[{runner}] {KV} vs BF16: {stats['match']:.1%} of generated tokens equal, "
+          f"{stats['shared steps']} steps on the same context, mean |d logprob| "
+          f"{stats['mean |d logprob|']:.4f}, max {stats['max |d logprob|']:.4f}")
+    for b, s in zip(base, snap):
+        print(f"  bf16 {b['token_ids']}\n  snap {s['token_ids']}")
+    assert not stats["problems"], "\n".join(stats["problems"])
+    assert stats["mean |d logprob|"] <= MEAN_LOGPROB_DIFF
+    assert stats["max |d logprob|"] <= MAX_LOGPROB_DIFF
+    assert stats["match"] >= MIN_MATCH_FRACTION

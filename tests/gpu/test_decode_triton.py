@@ -1,0 +1,170 @@
+"""The Triton split-KV decode kernel against the reference, on the GPU.
+
+Two yardsticks: ``reference.decode_quantized`` (the same SnapMLA algorithm from the same quantized
+query; the kernel must match it to FP32/bf16 rounding) and ``reference.decode(exact=True)``
+(float64 attention; the kernel may not be noticeably worse than the reference algorithm itself).
+"""
+
+import pytest
+import torch
+
+from vllm_snapmla import format as fmt
+from vllm_snapmla import ops, reference as ref
+
+from tests.cache_builder import build_cache
+
+pytestmark = pytest.mark.gpu
+
+SCALE = 0.1147   # DeepSeek-V3's 1/sqrt(192) times its YaRN mscale, roughly
+
+
+def _decode():
+    from vllm_snapmla.triton.decode import snapmla_decode
+    return snapmla_decode
+
+
+def _poison_unused(cache, block_table, seq_lens, gen):
+    """Overwrite every slot no request uses with NaN/Inf patterns of each field's type."""
+    nb = cache.shape[0]
+    used = torch.zeros(nb * fmt.PAGE_SIZE, dtype=torch.bool)
+    for b, n in enumerate(seq_lens):
+        pages = block_table[b, :(n + fmt.PAGE_SIZE - 1) // fmt.PAGE_SIZE].long().cpu()
+        slots = (pages[:, None] * fmt.PAGE_SIZE + torch.arange(fmt.PAGE_SIZE)).flatten()[:n]
+        used[slots] = True
+    poison = torch.randint(0, 256, cache.shape, dtype=torch.uint8, generator=gen)
+    rows = poison.view(-1, fmt.BYTES_PER_TOKEN)
+    kind = torch.arange(rows.shape[0]) % 3
+    rows[kind == 0, :fmt.KV_LORA_RANK] = 0x7F                                   # e4m3 NaN
+    inf32 = torch.tensor([float("inf")]).view(torch.uint8)
+    nan32 = torch.tensor([float("nan")]).view(torch.uint8)
+    rows[kind == 1, fmt.SCALE_OFFSET:fmt.PAD_OFFSET] = inf32
+    rows[kind != 1, fmt.SCALE_OFFSET:fmt.PAD_OFFSET] = nan32
+    rope = rows[:, fmt.ROPE_OFFSET:].view(-1, fmt.ROPE_DIM, 2)
+    rope[kind == 0] = torch.tensor([0x80, 0x7F], dtype=torch.uint8)            # bf16 +Inf
+    rope[kind == 2] = torch.tensor([0xC0, 0x7F], dtype=torch.uint8)            # bf16 NaN
+    keep = used.view(nb, fmt.PAGE_SIZE, 1).to(cache.device)
+    return torch.where(keep, cache, poison.to(cache.device))
+
+
+def _case(seq_lens, H, s_q, seed, q_std=1.0):
+    """Poisoned paged cache on the GPU plus a random bf16 query and its quantized form."""
+    gen = torch.Generator().manual_seed(seed)
+    cache, bt, _ = build_cache(seq_lens, gen=gen)
+    cache = _poison_unused(cache, bt, seq_lens, gen).cuda()
+    B = len(seq_lens)
+    q = (torch.randn(B, s_q, H, fmt.KV_LORA_RANK, generator=gen) * q_std).bfloat16().cuda()
+    qp = (torch.randn(B, s_q, H, fmt.ROPE_DIM, generator=gen) * q_std).bfloat16().cuda()
+    sl = torch.tensor(seq_lens, dtype=torch.int32).cuda()
+    return q, qp, cache, bt.cuda(), sl
+
+
+def _rel(a, b):
+    return ((a.double() - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def _check(out, lse, q, qp, cache, bt, sl, causal=True, check_exact=True):
+    """Compare a kernel result with both references (see the module docstring)."""
+    B, s_q, H, _ = q.shape
+    assert out.shape == (B, s_q, H, fmt.KV_LORA_RANK) and out.dtype == torch.bfloat16
+    assert lse.shape == (B, H, s_q) and lse.dtype == torch.float32
+    q8, qs, qpe = ref.quantize_q(q, qp)
+    r_out, r_lse = ref.decode_quantized(q8, qs, qpe, cache, bt, sl, SCALE, causal)
+    empty = torch.isneginf(r_lse)                                            # [B, H, s_q]
+    assert torch.equal(torch.isneginf(lse), empty), "rows that see no token must have lse -inf"
+    assert torch.isfinite(out).all() and torch.isfinite(lse[~empty]).all()
+    assert (out.permute(0, 2, 1, 3)[empty] == 0).all(), "rows that see no token must be 0"
+    if empty.all():
+        return
+    assert (lse.double() - r_lse)[~empty].abs().max().item() <= 1e-2
+    for b in range(B):                       # per request, so one wrong short request shows up
+        if not empty[b].all():
+            assert _rel(out[b], r_out[b]) <= 1e-2, f"request {b} (seq_len {int(sl[b])})"
+    if not check_exact:
+        return
+    e_out, e_lse = ref.decode(q, qp, cache, bt, sl, SCALE, causal, exact=True)
+    ref_err = _rel(r_out, e_out)
+    assert _rel(out, e_out) <= 1.1 * ref_err + 1e-4, (_rel(out, e_out), ref_err)
+    ref_lse_err = (r_lse - e_lse)[~empty].abs().max().item()
+    assert (lse.double() - e_lse)[~empty].abs().max().item() <= 1.1 * ref_lse_err + 1e-3
+
+
+RAGGED = [1, 63, 64, 65, 0, 700, 2113]
+
+
+@pytest.mark.parametrize("H", [16, 32, 64, 128])
+@pytest.mark.parametrize("s_q", [1, 2])
+@pytest.mark.parametrize("num_splits", [None, 1, 5])
+def test_ragged_batch_matches_references(H, s_q, num_splits):
+    q, qp, cache, bt, sl = _case(RAGGED, H, s_q, seed=H * 10 + s_q)
+    q8, qs, qpe = ref.quantize_q(q, qp)
+    out, lse = _decode()(q8, qs, qpe, cache, bt, sl, SCALE, True, num_splits=num_splits)
+    _check(out, lse, q, qp, cache, bt, sl)
+
+
+@pytest.mark.parametrize("H, s_q", [(128, 1), (16, 2)])
+def test_large_batch(H, s_q):
+    gen = torch.Generator().manual_seed(7)
+    seq_lens = torch.randint(1, 3000, (64,), generator=gen).tolist()
+    seq_lens[:4] = [1, 64, 65, 4096]
+    q, qp, cache, bt, sl = _case(seq_lens, H, s_q, seed=8)
+    q8, qs, qpe = ref.quantize_q(q, qp)
+    out, lse = _decode()(q8, qs, qpe, cache, bt, sl, SCALE)
+    _check(out, lse, q, qp, cache, bt, sl, check_exact=False)
+
+
+def test_long_context_131072():
+    q, qp, cache, bt, sl = _case([131072, 5000], 128, 1, seed=9)
+    q8, qs, qpe = ref.quantize_q(q, qp)
+    out, lse = _decode()(q8, qs, qpe, cache, bt, sl, SCALE)
+    _check(out, lse, q, qp, cache, bt, sl)
+
+
+def test_non_causal_two_token_query():
+    q, qp, cache, bt, sl = _case([1, 65, 300], 32, 2, seed=10)
+    q8, qs, qpe = ref.quantize_q(q, qp)
+    out, lse = _decode()(q8, qs, qpe, cache, bt, sl, SCALE, False, num_splits=3)
+    _check(out, lse, q, qp, cache, bt, sl, causal=False)
+
+
+def test_peaked_attention():
+    """Large logits (sharp softmax): P blocks span many orders of magnitude across pages."""
+    q, qp, cache, bt, sl = _case([3000, 200], 64, 1, seed=11, q_std=8.0)
+    q8, qs, qpe = ref.quantize_q(q, qp)
+    out, lse = _decode()(q8, qs, qpe, cache, bt, sl, SCALE, num_splits=3)
+    _check(out, lse, q, qp, cache, bt, sl)
+
+
+def test_all_requests_empty():
+    q, qp, cache, bt, sl = _case([0, 0], 16, 2, seed=12)
+    q8, qs, qpe = ref.quantize_q(q, qp)
+    for splits in (None, 1, 4):
+        out, lse = _decode()(q8, qs, qpe, cache, bt, sl, SCALE, num_splits=splits)
+        assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+def test_ops_decode_from_bf16_query():
+    if ops.native() is None:
+        pytest.skip("native extension (quantize_q) not built")
+    q, qp, cache, bt, sl = _case(RAGGED, 128, 2, seed=13)
+    out, lse = ops.decode(q, qp, cache, bt, sl, SCALE)
+    _check(out, lse, q, qp, cache, bt, sl)
+
+
+def test_cuda_graph_replay_with_new_lengths():
+    """A fixed split count makes the launch shape independent of the lengths: capture once, replay."""
+    from vllm_snapmla.triton.decode import fixed_num_splits
+    lengths_a, lengths_b = [900, 64, 1, 2000], [2047, 1, 640, 65]
+    q, qp, cache, bt, sl = _case([2048] * 4, 64, 2, seed=14)
+    q8, qs, qpe = ref.quantize_q(q, qp)
+    splits = fixed_num_splits(4, 64, max_model_len=2048, s_q=2)
+    sl.copy_(torch.tensor(lengths_a, dtype=torch.int32))
+    decode = _decode()
+    decode(q8, qs, qpe, cache, bt, sl, SCALE, num_splits=splits)          # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, num_splits=splits)
+    for lengths in (lengths_a, lengths_b):
+        sl.copy_(torch.tensor(lengths, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(out, lse, q, qp, cache, bt, sl, check_exact=False)

@@ -1,0 +1,170 @@
+"""SnapMLA attention backend for vLLM 0.26.0 (dense MLA with the ``fp8_snapmla`` KV cache).
+
+Built on vLLM's common MLA code: prefill of new tokens runs vLLM's MLA prefill backend on the
+fresh BF16 latents; the cache write, the decode attention and the context read-back of
+chunked prefill / prefix-cache hits go through ``vllm_snapmla.ops`` (the only code that
+touches the cache bytes).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from vllm.config import VllmConfig, get_current_vllm_config, get_current_vllm_config_or_none
+from vllm.config.cache import CacheDType
+from vllm.model_executor.layers.attention.mla_attention import (
+    MLACommonBackend,
+    MLACommonImpl,
+    MLACommonMetadata,
+    MLACommonMetadataBuilder,
+    QueryLenSupport,
+)
+from vllm.platforms import current_platform
+from vllm.platforms.interface import DeviceCapability
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionLayer, AttentionType
+
+from vllm_snapmla import _vllm_patches
+from vllm_snapmla import format as fmt
+from vllm_snapmla import ops as snapmla_ops
+
+KV_CACHE_DTYPE = fmt.KV_CACHE_DTYPE
+
+
+class SnapMLABackend(MLACommonBackend):
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float16]
+    supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = [KV_CACHE_DTYPE]
+
+    @staticmethod
+    def get_name() -> str:
+        return "SNAPMLA"
+
+    @staticmethod
+    def get_impl_cls() -> type[SnapMLAImpl]:
+        return SnapMLAImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[SnapMLAMetadataBuilder]:
+        return SnapMLAMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes() -> list[int]:
+        return [fmt.PAGE_SIZE]
+
+    @classmethod
+    def supports_block_size(cls, block_size: int | None) -> bool:
+        # One cache block is one probability-quantization block of the decode kernel.
+        return block_size is None or block_size == fmt.PAGE_SIZE
+
+    @classmethod
+    def get_preferred_block_size(cls, default_block_size: int) -> int:
+        return fmt.PAGE_SIZE
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                           head_size: int, cache_dtype_str: str = "auto") -> tuple[int, ...]:
+        width = fmt.BYTES_PER_TOKEN if cache_dtype_str == KV_CACHE_DTYPE else head_size
+        return (num_blocks, block_size, width)
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return [fmt.HEAD_SIZE]
+
+    @classmethod
+    def supports_compute_capability(cls, capability: DeviceCapability) -> bool:
+        return tuple(capability) >= _vllm_patches.MIN_CAPABILITY
+
+    @classmethod
+    def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla,
+                             has_sink, use_sparse, use_mm_prefix,
+                             device_capability) -> str | None:
+        vllm_config = get_current_vllm_config_or_none()
+        if vllm_config is None or vllm_config.model_config is None:
+            return None
+        hf = vllm_config.model_config.hf_text_config
+        rank = getattr(hf, "kv_lora_rank", None)
+        rope = getattr(hf, "qk_rope_head_dim", None)
+        if rank != fmt.KV_LORA_RANK or rope != fmt.ROPE_DIM:
+            return (f"needs kv_lora_rank={fmt.KV_LORA_RANK} and qk_rope_head_dim={fmt.ROPE_DIM}, "
+                    f"model has {rank} and {rope}")
+        if vllm_config.parallel_config.decode_context_parallel_size > 1:
+            return "decode context parallelism not supported"
+        return None
+
+
+class SnapMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
+    # The decode path is not CUDA-graph safe yet; vLLM then runs attention eagerly between
+    # piecewise graphs.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.SINGLE_ONLY
+
+    @staticmethod
+    def determine_prefill_query_data_type(vllm_config: VllmConfig,
+                                          model_dtype: torch.dtype) -> torch.dtype:
+        # H10: vLLM's FP8 prefill would copy raw 656-byte rows into the workspace
+        # (cp_gather_cache); keep prefill in the model dtype so the context goes
+        # through our dequantizing gather.
+        return model_dtype
+
+
+class SnapMLAImpl(MLACommonImpl[MLACommonMetadata]):
+    can_return_lse_for_decode: bool = True   # natural log, as lse_base_on_e says
+    supports_pcp: bool = False
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 alibi_slopes: list[float] | None, sliding_window: int | None,
+                 kv_cache_dtype: str, logits_soft_cap: float | None, attn_type: str,
+                 kv_sharing_target_layer_name: str | None, **mla_args) -> None:
+        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes,
+                         sliding_window, kv_cache_dtype, logits_soft_cap, attn_type,
+                         kv_sharing_target_layer_name, **mla_args)
+        if alibi_slopes is not None or sliding_window is not None or logits_soft_cap:
+            raise NotImplementedError(
+                "SnapMLA does not support alibi slopes, sliding windows or logit soft-capping")
+        if attn_type != AttentionType.DECODER:
+            raise NotImplementedError(f"SnapMLA supports decoder attention only, not {attn_type}")
+        if kv_cache_dtype != KV_CACHE_DTYPE:
+            raise ValueError(
+                f"the SnapMLA backend reads only the {KV_CACHE_DTYPE} cache, but this layer's "
+                f"KV-cache dtype is {kv_cache_dtype}. Pass --kv-cache-dtype {KV_CACHE_DTYPE} "
+                "or drop --attention-backend CUSTOM.")
+        if self.kv_lora_rank != fmt.KV_LORA_RANK or self.qk_rope_head_dim != fmt.ROPE_DIM:
+            raise ValueError(
+                f"{KV_CACHE_DTYPE} needs kv_lora_rank={fmt.KV_LORA_RANK} and "
+                f"qk_rope_head_dim={fmt.ROPE_DIM}, this layer has {self.kv_lora_rank} and "
+                f"{self.qk_rope_head_dim}. Use --kv-cache-dtype fp8 or auto for this model.")
+        capability = (current_platform.get_device_capability()
+                      if current_platform.is_cuda() else None)
+        _vllm_patches.check_snapmla_config(get_current_vllm_config(), capability)
+
+        # H11: decode takes BF16 queries and quantizes them per (token, head) itself.
+        self.supports_quant_query_input = False
+        _vllm_patches.install_prefill_gather()   # H9
+
+    def do_kv_cache_update(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor,
+                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor | None,
+                           kv_cache_dtype: str, k_scale: torch.Tensor) -> None:
+        # H7: vLLM's C++ concat_and_cache_mla rejects this dtype.  The cache is empty during
+        # the memory-profiling run.
+        if kv_cache.numel() == 0 or slot_mapping is None:
+            return
+        snapmla_ops.append_kv(kv_c_normed, k_pe, kv_cache.view(torch.uint8), slot_mapping)
+
+    def forward_mqa(self, q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+                    kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: MLACommonMetadata,
+                    layer: AttentionLayer) -> tuple[torch.Tensor, torch.Tensor | None]:
+        decode = attn_metadata.decode
+        assert decode is not None
+        if isinstance(q, tuple):
+            q_nope, q_pe = q
+        else:
+            q_nope, q_pe = q.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        # q_nope comes out of a transposed bmm; one query token per request (SINGLE_ONLY).
+        out, lse = snapmla_ops.decode(
+            q_nope.contiguous().unsqueeze(1), q_pe.contiguous().unsqueeze(1),
+            kv_c_and_k_pe_cache.view(torch.uint8), decode.block_table, decode.seq_lens,
+            self.scale)
+        out = out.squeeze(1).to(q_nope.dtype)                 # [tokens, heads, 512]
+        if not self.need_to_return_lse_for_decode:
+            return out, None
+        return out, lse.squeeze(-1)                           # [tokens, heads], natural log

@@ -1,0 +1,209 @@
+"""Exact PyTorch reference of every SnapMLA operation (device-agnostic: CPU or CUDA tensors).
+
+This is the specification the kernels are tested against.  Quantization steps are done exactly
+as a kernel must do them (FP32 division, round-to-nearest-even casts to e4m3 and bf16); every
+other step runs in float64, so the reference isolates the error of the quantization itself.
+``decode(..., exact=True)`` is plain float64 attention over the dequantized cache with the
+unquantized query: the yardstick for "how much does FP8 cost".
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_snapmla import format as fmt
+
+_E4M3 = torch.float8_e4m3fn
+
+
+def _to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    # Clamp first: values a hair above 448 after FP32 division must saturate, not become NaN.
+    return x.float().clamp(-fmt.FP8_MAX, fmt.FP8_MAX).to(_E4M3)
+
+
+def _quantize_rows(content: torch.Tensor, rope: torch.Tensor):
+    """Shared row quantizer for K (per token) and Q (per token and head)."""
+    c = content.float()
+    r = rope.float()
+    s = fmt.scale_from_amax(c.abs().amax(-1), r.abs().amax(-1))
+    return _to_e4m3(c / s[..., None]), s, (r / s[..., None]).to(torch.bfloat16)
+
+
+def quantize_kv(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    """``kv_c[T,512]``, ``k_pe[T,64]`` (or ``[T,1,64]``) -> ``uint8[T,656]`` rows."""
+    T = kv_c.shape[0]
+    c8, s, r16 = _quantize_rows(kv_c, k_pe.reshape(T, fmt.ROPE_DIM))
+    rows = torch.zeros(T, fmt.BYTES_PER_TOKEN, dtype=torch.uint8, device=kv_c.device)
+    rows[:, fmt.CONTENT_OFFSET:fmt.SCALE_OFFSET] = c8.view(torch.uint8)
+    rows[:, fmt.SCALE_OFFSET:fmt.PAD_OFFSET] = s.contiguous().view(torch.uint8).view(T, 4)
+    rows[:, fmt.ROPE_OFFSET:] = r16.contiguous().view(torch.uint8).view(T, 2 * fmt.ROPE_DIM)
+    return rows
+
+
+def split_rows(rows: torch.Tensor):
+    """View ``uint8[...,656]`` rows as ``(e4m3[...,512], scale f32[...], rope bf16[...,64])``."""
+    c8 = rows[..., fmt.CONTENT_OFFSET:fmt.SCALE_OFFSET].contiguous().view(_E4M3)
+    s = rows[..., fmt.SCALE_OFFSET:fmt.PAD_OFFSET].contiguous().view(torch.float32)[..., 0]
+    r16 = rows[..., fmt.ROPE_OFFSET:].contiguous().view(torch.bfloat16)
+    return c8, s, r16
+
+
+def dequantize_kv(rows: torch.Tensor, dtype: torch.dtype = torch.float32):
+    """``uint8[...,656] -> (kv_c = e4m3 * s, k_pe = bf16 * s)``, products in FP32, cast to ``dtype``."""
+    c8, s, r16 = split_rows(rows)
+    s = s[..., None]
+    return (c8.float() * s).to(dtype), (r16.float() * s).to(dtype)
+
+
+def append_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+    """Write token ``t`` to slot ``slot_mapping[t]`` (``t < slot_mapping.numel()``), skipping slots < 0."""
+    slots = slot_mapping.flatten().long()
+    n = slots.numel()
+    keep = slots >= 0
+    slots = slots[keep]
+    rows = quantize_kv(kv_c[:n][keep], k_pe[:n].reshape(n, fmt.ROPE_DIM)[keep])
+    kv_cache[slots // fmt.PAGE_SIZE, slots % fmt.PAGE_SIZE] = rows
+
+
+def gather_kv(kv_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,
+              cu_seq_lens: torch.Tensor, token_to_seq: torch.Tensor, num_tokens: int,
+              seq_starts: torch.Tensor | None = None) -> torch.Tensor:
+    """Dequantizing gather; semantics of vLLM's ``gather_and_maybe_dequant_cache``."""
+    n = int(num_tokens)
+    dev = kv_cache.device
+    t = torch.arange(n, device=dev)
+    b = token_to_seq[:n].to(dev).long()
+    pos = t - cu_seq_lens.to(dev).long()[b]
+    if seq_starts is not None:
+        pos = pos + seq_starts.to(dev).long()[b]
+    blk = block_table.to(dev).long()[b, pos // fmt.PAGE_SIZE]
+    c, r = dequantize_kv(kv_cache[blk, pos % fmt.PAGE_SIZE])
+    dst[:n, :fmt.KV_LORA_RANK] = c.to(dst.dtype)
+    dst[:n, fmt.KV_LORA_RANK:fmt.HEAD_SIZE] = r.to(dst.dtype)
+    return dst
+
+
+def quantize_q(q_nope: torch.Tensor, q_pe: torch.Tensor):
+    """Per (token, head): ``(q8 e4m3[...,512], q_scale f32[...], q_pe / q_scale bf16[...,64])``."""
+    return _quantize_rows(q_nope, q_pe)
+
+
+def visible_lengths(seq_lens: torch.Tensor, batch: int, s_q: int, causal: bool) -> torch.Tensor:
+    """``[B, s_q]`` number of cache positions each query row may attend to."""
+    seq = seq_lens[:batch].long()[:, None]
+    if not causal:
+        return seq.expand(batch, s_q)
+    i = torch.arange(s_q, device=seq.device)[None, :]
+    return (seq - s_q + 1 + i).clamp_min(0)
+
+
+def _page(kv_cache, block_table, seq, k):
+    """Rows of page ``k`` of every request, with positions past ``seq_len`` zeroed.
+
+    Unused cache bytes are arbitrary (NaN, Inf); zeroing them before any arithmetic keeps them from
+    leaking through ``0 * NaN``.  Masking the logits is done separately, per query row.
+    """
+    B = seq.shape[0]
+    pos = k * fmt.PAGE_SIZE + torch.arange(fmt.PAGE_SIZE, device=seq.device)
+    live = pos[None, :] < seq[:, None]                                   # [B, 64]
+    page_live = (k * fmt.PAGE_SIZE) < seq                               # [B]
+    blk = torch.where(page_live, block_table[:B, min(k, block_table.shape[1] - 1)].long(), 0)
+    c8, s, r16 = split_rows(kv_cache[blk])                              # [B,64,...]
+    c = torch.where(live[..., None], c8.double(), 0.0)
+    s = torch.where(live, s.double(), 0.0)
+    r = torch.where(live[..., None], r16.double(), 0.0)
+    return pos, c, s, r
+
+
+def decode_quantized(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: torch.Tensor,
+                     kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                     softmax_scale: float, causal: bool = True):
+    """The SnapMLA decode algorithm from an already-quantized query.
+
+    Per query row, per 64-token page ``k`` in increasing order (paper Appendix D, eqs. 12-13):
+    ``logit = (q8.k8 + qpe'.kpe') * sq * sk * softmax_scale``; ``m' = max(m, rowmax)``;
+    ``e = exp(logit - m')``; ``P' = e * sk`` (scale fusion); ``sigma = max(amax(P'), floor) / 448``;
+    ``P8 = e4m3(P' / sigma)``; ``g = exp(m - m') * sigma_prev / sigma``;
+    ``O = g O + P8 V8``; ``L = g L + sum(e) / sigma``.  Output ``O / L``, ``lse = m + ln(sigma L)``.
+    Returns float64 ``out[B,s_q,H,512]`` and ``lse[B,H,s_q]``.
+    """
+    B, s_q, H, _ = q8.shape
+    dev = q8.device
+    qc = q8.double()
+    qr = q_pe_scaled.double()
+    qs = q_scale.double() * softmax_scale
+    seq = seq_lens[:B].to(dev).long()
+    vis = visible_lengths(seq, B, s_q, causal)                           # [B, s_q]
+    shape = (B, s_q, H)
+    m = torch.full(shape, -torch.inf, dtype=torch.float64, device=dev)
+    peak = torch.zeros(shape, dtype=torch.float64, device=dev)
+    sigma = torch.ones(shape, dtype=torch.float64, device=dev)
+    L = torch.zeros(shape, dtype=torch.float64, device=dev)
+    O = torch.zeros(*shape, fmt.KV_LORA_RANK, dtype=torch.float64, device=dev)
+    num_pages = (int(seq.max()) + fmt.PAGE_SIZE - 1) // fmt.PAGE_SIZE if B else 0
+    for k in range(num_pages):
+        pos, c, ks, r = _page(kv_cache, block_table.to(dev), seq, k)
+        dots = torch.einsum("bshd,btd->bsht", qc, c) + torch.einsum("bshd,btd->bsht", qr, r)
+        logit = dots * qs[..., None] * ks[:, None, None, :]
+        seen = pos[None, None, :] < vis[:, :, None]                      # [B, s_q, 64]
+        logit = torch.where(seen[:, :, None, :], logit, -torch.inf)
+        m_new = torch.maximum(m, logit.amax(-1))
+        m_ref = torch.where(torch.isinf(m_new), 0.0, m_new)             # rows with nothing seen yet
+        e = torch.exp(logit - m_ref[..., None])
+        p = e * ks[:, None, None, :]
+        amax = p.amax(-1)
+        peak = torch.maximum(peak * torch.exp(m - m_ref), amax)
+        sigma_new = torch.clamp_min(torch.maximum(amax, peak * fmt.P_SCALE_RANGE),
+                                    fmt.P_SCALE_FLOOR) / fmt.FP8_MAX
+        p8 = _to_e4m3((p / sigma_new[..., None]).float()).double()
+        g = torch.exp(m - m_ref) * sigma / sigma_new
+        O = g[..., None] * O + torch.einsum("bsht,btd->bshd", p8, c)
+        L = g * L + e.sum(-1) / sigma_new
+        m, sigma = m_new, sigma_new
+    out = torch.where(L[..., None] > 0, O / L.clamp_min(1e-300)[..., None], 0.0)
+    lse = torch.where(L > 0, m + torch.log(sigma * L), -torch.inf)
+    return out, lse.permute(0, 2, 1).contiguous()
+
+
+def decode_exact(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                 block_table: torch.Tensor, seq_lens: torch.Tensor, softmax_scale: float,
+                 causal: bool = True):
+    """Float64 attention of the unquantized query over the dequantized cache."""
+    B, s_q, H, _ = q_nope.shape
+    dev = q_nope.device
+    seq = seq_lens[:B].to(dev).long()
+    vis = visible_lengths(seq, B, s_q, causal)
+    qn = q_nope.double()
+    qr = q_pe.double()
+    out = torch.zeros(B, s_q, H, fmt.KV_LORA_RANK, dtype=torch.float64, device=dev)
+    lse = torch.full((B, H, s_q), -torch.inf, dtype=torch.float64, device=dev)
+    for b in range(B):
+        n = int(seq[b])
+        if n == 0:
+            continue
+        pages = block_table[b, :(n + fmt.PAGE_SIZE - 1) // fmt.PAGE_SIZE].to(dev).long()
+        c, r = dequantize_kv(kv_cache[pages].reshape(-1, fmt.BYTES_PER_TOKEN)[:n])
+        c, r = c.double(), r.double()
+        logit = (qn[b] @ c.T + qr[b] @ r.T) * softmax_scale               # [s_q, H, n]
+        seen = torch.arange(n, device=dev)[None, :] < vis[b][:, None]     # [s_q, n]
+        logit = torch.where(seen[:, None, :], logit, -torch.inf)
+        row_lse = torch.logsumexp(logit, -1)                            # [s_q, H]
+        p = torch.exp(logit - torch.where(torch.isinf(row_lse), 0.0, row_lse)[..., None])
+        out[b] = p @ c
+        lse[b] = row_lse.T
+    return out, lse
+
+
+def decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+           block_table: torch.Tensor, seq_lens: torch.Tensor, softmax_scale: float,
+           causal: bool = True, exact: bool = False):
+    """Reference decode: the SnapMLA algorithm (default) or exact float64 attention (``exact``).
+
+    Shapes as in ``vllm_snapmla.ops.decode``; returns float64 ``(out, lse)``.
+    """
+    if exact:
+        return decode_exact(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, causal)
+    q8, q_scale, q_pe_scaled = quantize_q(q_nope, q_pe)
+    return decode_quantized(q8, q_scale, q_pe_scaled, kv_cache, block_table, seq_lens,
+                            softmax_scale, causal)
