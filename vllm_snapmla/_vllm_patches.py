@@ -2,9 +2,11 @@
 
 vLLM 0.26.0 has no registry for new KV-cache dtypes (the dtype set is a closed ``Literal``
 matched on strings in several modules), so we patch the few private names involved.  Each
-patch names its hook (H1..H13, see docs / the integration note), is idempotent (a wrapper
-carries the function it wraps in ``__snapmla_wrapped__``), and ``self_check`` verifies the
-result right after patching, so a vLLM that moved these names fails loudly at start-up.
+patch is labelled with its hook number (H1..H13 of our vLLM 0.26 integration notes), is
+idempotent (a wrapper carries the function it wraps in ``__snapmla_wrapped__``), and
+``self_check`` verifies the result right after patching, so a vLLM that moved these names
+fails loudly at start-up.  H6-H8, H10 and H11 need no patch: they are ``backend.py``
+overrides.
 
 ``check_snapmla_config`` holds the start-up checks: the patched platform hook runs them while
 vLLM builds its ``VllmConfig`` (before any worker starts) and ``SnapMLAImpl`` runs them again.

@@ -159,9 +159,10 @@ class SnapMLAImpl(MLACommonImpl[MLACommonMetadata]):
             q_nope, q_pe = q
         else:
             q_nope, q_pe = q.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        # q_nope comes out of a transposed bmm; one query token per request (SINGLE_ONLY).
+        # One query token per request (SINGLE_ONLY).  q_nope is a transposed bmm output; the
+        # fused Q quantization reads such strided rows in place.
         out, lse = snapmla_ops.decode(
-            q_nope.contiguous().unsqueeze(1), q_pe.contiguous().unsqueeze(1),
+            q_nope.unsqueeze(1), q_pe.unsqueeze(1),
             kv_c_and_k_pe_cache.view(torch.uint8), decode.block_table, decode.seq_lens,
             self.scale)
         out = out.squeeze(1).to(q_nope.dtype)                 # [tokens, heads, 512]

@@ -59,5 +59,8 @@ def scale_from_amax(amax_content, amax_rope):
     """Per-row scale from the row's content and RoPE absolute maxima (tensors, float32)."""
     import torch
 
-    s = torch.maximum(amax_content.float() / FP8_MAX, amax_rope.float() / ROPE_PRESCALED_MAX)
+    # Divide by tensors, not Python scalars: on CUDA, PyTorch turns ``x / scalar`` into
+    # ``x * (1 / scalar)``, which rounds differently from the kernels' IEEE division.
+    c, r = amax_content.float(), amax_rope.float()
+    s = torch.maximum(c / torch.full_like(c, FP8_MAX), r / torch.full_like(r, ROPE_PRESCALED_MAX))
     return torch.clamp_min(s, SCALE_FLOOR)

@@ -114,8 +114,10 @@ def test_split_heuristic():
     pytest.importorskip("triton")
     from vllm_snapmla.triton.decode import fixed_num_splits, num_splits_for
 
-    # Enough programs already: one split.
-    assert num_splits_for(batch=132, num_heads=16, s_q=1, max_pages=128, num_sms=132) == 1
+    # Enough programs already (64-row tiles, one per SM): one split.
+    assert num_splits_for(batch=66, num_heads=128, s_q=1, max_pages=128, num_sms=132) == 1
+    # Small-head tiles run two programs an SM: twice the programs fill the machine.
+    assert num_splits_for(batch=132, num_heads=16, s_q=1, max_pages=128, num_sms=132) == 2
     # Few long requests: split to fill the machine, about one wave.
     splits = num_splits_for(batch=4, num_heads=128, s_q=1, max_pages=2048, num_sms=132)
     assert 8 <= splits and 4 * 2 * splits <= 2 * 132
