@@ -1,0 +1,340 @@
+"""End-to-end vLLM decode throughput: KV cache ``auto`` (BF16) vs ``fp8_snapmla`` vs ``fp8``.
+
+    python benchmarks/bench_e2e.py --out out/bench_e2e [--quick]
+        [--heads 128 16] [--contexts 16384 32768 65536 131072] [--kv auto fp8_snapmla fp8]
+
+The model has DeepSeek-V3.1's attention shapes (hidden 7168, q_lora 1536, kv_lora 512, RoPE 64,
+nope 128, v 128), 4 dense layers (intermediate 2048), DeepSeek's vocabulary and vLLM's dummy
+weights.  128 heads is the whole model on one GPU; 16 heads stands in for one rank of TP8.
+
+Each (heads, context, kv) setting runs in its own process (it owns the GPU): it builds an
+``LLM`` with a fixed KV-cache budget (``--kv-cache-gib``, the same bytes for every setting, so
+a smaller format holds more tokens), reads the capacity vLLM allocated, and sizes the batch to
+fill it: B = blocks // blocks per request (context + generated tokens), at most ``--max-batch``.
+Method of /work/shared/anchors/h200-baselines.md: random-token prompts of ``context`` tokens,
+prefix caching off, ``ignore_eos``, default compilation (CUDA graphs, torch.compile); one
+``generate`` for 1 token and one for T tokens, and
+
+    decode tok/s = B x (T - 1) / (time for T tokens - time for 1 token)
+    time per output token = (time for T tokens - time for 1 token) / (T - 1).
+
+Results go to ``--out``: ``results.csv`` (merged with earlier runs into the same folder, so a
+sweep can be split over several commands), ``results.md`` (table) and ``results.png`` (decode
+tok/s and speedup vs BF16 against context, per head count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vllm_snapmla.demo import subprocess_env, write_tiny_deepseek_v3  # noqa: E402
+
+KV_SETTINGS = ("auto", "fp8_snapmla", "fp8")
+BASELINE_KV = "auto"
+HEADS = (128, 16)
+CONTEXTS = (16384, 32768, 65536, 131072)
+QUICK = {"heads": (128,), "contexts": (16384, 65536), "gen_tokens": 64, "kv_cache_gib": 4.0}
+
+# DeepSeek-V3.1 attention; 4 dense layers keep the non-attention work small, as in the baseline.
+DEEPSEEK_V31_ATTENTION = {
+    "hidden_size": 7168, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128, "v_head_dim": 128, "num_hidden_layers": 4,
+    "intermediate_size": 2048, "first_k_dense_replace": 4, "vocab_size": 129280,
+    "max_position_embeddings": 163840,
+}
+
+RESULT_TAG = "BENCH_E2E_RESULT "
+_KV_TOKENS_LOG = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
+_BACKEND_LOG = re.compile(r"Using (\w+) attention backend")
+
+CSV_FIELDS = ["heads", "context", "kv", "backend", "batch", "gen_tokens", "kv_cache_tokens",
+              "log_kv_cache_tokens", "capacity_vs_bf16", "time_first_s", "time_total_s",
+              "decode_tok_s", "tpot_ms", "speedup_vs_bf16", "error"]
+
+
+# --- pure helpers (unit-tested on CPU) -----------------------------------------------------
+
+def model_config(heads: int) -> dict:
+    """Overrides of the tiny DeepSeek-V3 config that give DeepSeek-V3.1's attention shapes."""
+    return {**DEEPSEEK_V31_ATTENTION, "num_attention_heads": heads, "num_key_value_heads": heads}
+
+
+def batch_to_fill(num_blocks: int, block_size: int, context: int, gen_tokens: int,
+                  max_batch: int) -> int:
+    """Requests of ``context + gen_tokens`` tokens that fit in ``num_blocks`` pages at once."""
+    blocks_per_request = math.ceil((context + gen_tokens) / block_size)
+    return min(num_blocks // blocks_per_request, max_batch)
+
+
+def decode_rates(batch: int, gen_tokens: int, time_first: float,
+                 time_total: float) -> tuple[float, float]:
+    """(decode tok/s, time per output token in ms) from the 1-token and T-token runs."""
+    decode_time = time_total - time_first
+    if gen_tokens < 2 or decode_time <= 0:
+        raise ValueError(f"no decode time: T={gen_tokens}, {time_first=} s, {time_total=} s")
+    steps = gen_tokens - 1
+    return batch * steps / decode_time, 1000 * decode_time / steps
+
+
+def _key(row: dict) -> tuple[int, int, str]:
+    return int(row["heads"]), int(row["context"]), row["kv"]
+
+
+def _num(value) -> float | None:
+    return None if value in (None, "") else float(value)
+
+
+def add_relative_columns(rows: list[dict]) -> list[dict]:
+    """Fill ``speedup_vs_bf16`` and ``capacity_vs_bf16`` against the ``auto`` row of the same
+    (heads, context); empty where that row or the value is missing."""
+    base = {_key(r)[:2]: r for r in rows if r["kv"] == BASELINE_KV and not r.get("error")}
+    for row in rows:
+        ref = base.get(_key(row)[:2])
+        for column, field in (("speedup_vs_bf16", "decode_tok_s"),
+                              ("capacity_vs_bf16", "kv_cache_tokens")):
+            ours, theirs = _num(row.get(field)), _num(ref.get(field)) if ref else None
+            row[column] = round(ours / theirs, 3) if ours and theirs else ""
+    return rows
+
+
+def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
+    """``old`` with rows of the same (heads, context, kv) replaced by ``new``, sorted."""
+    merged = {_key(r): r for r in old}
+    merged.update({_key(r): r for r in new})
+    order = {kv: i for i, kv in enumerate(KV_SETTINGS)}
+    return [merged[k] for k in sorted(merged, key=lambda k: (-k[0], k[1], order.get(k[2], 99),
+                                                               k[2]))]
+
+
+def read_csv(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _fmt(value, digits: int = 0) -> str:
+    number = _num(value)
+    if number is None:
+        return "-"
+    return f"{number:,.{digits}f}"
+
+
+def format_table(rows: list[dict]) -> str:
+    """Markdown table of the rows (as in h200-baselines.md)."""
+    lines = ["| H | context | KV | backend | B | KV capacity (tokens) | capacity vs BF16 | "
+             "decode tok/s | TPOT ms | vs BF16 |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("error"):
+            lines.append(f"| {r['heads']} | {r['context']} | {r['kv']} | failed: "
+                         f"{str(r['error'])[:80]} | | | | | | |")
+            continue
+        lines.append(
+            f"| {r['heads']} | {r['context']} | {r['kv']} | {r.get('backend') or '-'} | "
+            f"{r['batch']} | {_fmt(r['kv_cache_tokens'])} | {_fmt(r['capacity_vs_bf16'], 3)} | "
+            f"{_fmt(r['decode_tok_s'])} | {_fmt(r['tpot_ms'], 2)} | "
+            f"{_fmt(r['speedup_vs_bf16'], 2)} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> bool:
+    """Decode tok/s (top) and speedup vs BF16 (bottom) against context, one column per head
+    count.  Returns False (and writes nothing) without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if not r.get("error") and _num(r.get("decode_tok_s"))]
+    heads = sorted({int(r["heads"]) for r in ok}, reverse=True) or [0]
+    fig, axes = plt.subplots(2, len(heads), figsize=(5.5 * len(heads), 7.5), squeeze=False,
+                             sharex="col")
+    for col, h in enumerate(heads):
+        top, bottom = axes[0][col], axes[1][col]
+        for kv in sorted({r["kv"] for r in ok}, key=lambda k: (k != BASELINE_KV, k)):
+            series = sorted((int(r["context"]), r) for r in ok
+                            if int(r["heads"]) == h and r["kv"] == kv)
+            if not series:
+                continue
+            x = [c for c, _ in series]
+            top.plot(x, [float(r["decode_tok_s"]) for _, r in series], "o-", label=kv)
+            speed = [(c, _num(r.get("speedup_vs_bf16"))) for c, r in series]
+            speed = [(c, s) for c, s in speed if s]
+            if speed:
+                bottom.plot(*zip(*speed), "o-", label=kv)
+        top.set_title(f"{h} heads" + (" (one TP8 rank)" if h == 16 else ""))
+        top.set_ylabel("decode tok/s")
+        bottom.set_ylabel("speedup vs BF16")
+        bottom.axhline(1.0, color="gray", lw=0.8)
+        bottom.set_xlabel("context (tokens)")
+        for ax in (top, bottom):
+            ax.set_xscale("log", base=2)
+            ax.grid(alpha=0.3)
+            ax.legend()
+    fig.suptitle("vLLM decode throughput, batch filling a fixed KV-cache budget")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_outputs(rows: list[dict], out: Path) -> list[dict]:
+    """Merge ``rows`` into ``out/results.csv`` and rewrite the table and plot; returns all rows."""
+    out.mkdir(parents=True, exist_ok=True)
+    rows = add_relative_columns(merge_rows(read_csv(out / "results.csv"), rows))
+    write_csv(rows, out / "results.csv")
+    (out / "results.md").write_text(format_table(rows))
+    plot(rows, out / "results.png")
+    return rows
+
+
+# --- one setting, in a child process ---------------------------------------------------------
+
+def run_setting(spec: dict) -> dict:
+    """Build the engine, fill its KV cache with a batch and time 1 vs T generated tokens."""
+    import torch
+    from vllm import LLM, SamplingParams
+
+    context, gen = spec["context"], spec["gen_tokens"]
+    memory = ({"kv_cache_memory_bytes": int(spec["kv_cache_gib"] * 2**30)}
+              if spec["kv_cache_gib"] else {"gpu_memory_utilization": 0.9})
+    llm = LLM(model=spec["model"], kv_cache_dtype=spec["kv"], load_format="dummy",
+              skip_tokenizer_init=True, dtype="bfloat16", max_model_len=context + gen,
+              enable_prefix_caching=False, max_num_seqs=spec["max_batch"], seed=0, **memory)
+    cache = llm.llm_engine.vllm_config.cache_config
+    batch = batch_to_fill(cache.num_gpu_blocks, cache.block_size, context, gen,
+                          spec["max_batch"])
+    result = {"batch": batch, "kv_cache_tokens": cache.num_gpu_blocks * cache.block_size}
+    if batch < 1:
+        return {**result, "error": "KV cache holds no request of this length"}
+
+    gen_ids = torch.Generator().manual_seed(0)
+    vocab = DEEPSEEK_V31_ATTENTION["vocab_size"]
+    prompts = [{"prompt_token_ids": ids} for ids in
+               torch.randint(2, vocab, (batch, context), generator=gen_ids).tolist()]
+
+    def timed(max_tokens: int, requests) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        outputs = llm.generate(requests, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        lengths = {len(o.outputs[0].token_ids) for o in outputs}
+        if lengths != {max_tokens}:
+            raise RuntimeError(f"expected {max_tokens} tokens per request, got {lengths}")
+        return elapsed
+
+    timed(4, [{"prompt_token_ids": p["prompt_token_ids"][:256]} for p in prompts[:4]])
+    time_first = timed(1, prompts)
+    time_total = timed(gen, prompts)
+    tok_s, tpot_ms = decode_rates(batch, gen, time_first, time_total)
+    return {**result, "time_first_s": round(time_first, 3), "time_total_s": round(time_total, 3),
+            "decode_tok_s": round(tok_s, 1), "tpot_ms": round(tpot_ms, 3)}
+
+
+def _child() -> None:
+    spec = json.loads(sys.stdin.read())
+    print(RESULT_TAG + json.dumps(run_setting(spec)), flush=True)
+
+
+def run_in_subprocess(spec: dict, timeout: float) -> dict:
+    row = {"heads": spec["heads"], "context": spec["context"], "kv": spec["kv"],
+           "gen_tokens": spec["gen_tokens"]}
+    try:
+        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child"],
+                              input=json.dumps(spec), capture_output=True, text=True,
+                              timeout=timeout, env=subprocess_env())
+    except subprocess.TimeoutExpired:
+        return {**row, "error": f"timed out after {timeout:.0f} s"}
+    log = proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
+    if proc.returncode != 0 or not lines:
+        print(log[-4000:], file=sys.stderr)
+        last = [ln for ln in log.strip().splitlines() if ln.strip()][-1:] or ["no output"]
+        return {**row, "error": f"exit {proc.returncode}: {last[0][-200:]}"}
+    row.update(json.loads(lines[-1][len(RESULT_TAG):]))
+    logged = _KV_TOKENS_LOG.findall(log)
+    row["log_kv_cache_tokens"] = int(logged[-1].replace(",", "")) if logged else ""
+    backends = _BACKEND_LOG.findall(log)
+    row["backend"] = backends[-1] if backends else ""
+    return row
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="out/bench_e2e", help="folder for results.csv/md/png")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"H=128 at 16k and 64k, T={QUICK['gen_tokens']}, "
+                             f"{QUICK['kv_cache_gib']} GiB KV: 6 settings")
+    parser.add_argument("--heads", type=int, nargs="+", help=f"default {HEADS}")
+    parser.add_argument("--contexts", type=int, nargs="+", help=f"default {CONTEXTS}")
+    parser.add_argument("--kv", nargs="+", default=list(KV_SETTINGS), choices=KV_SETTINGS)
+    parser.add_argument("--gen-tokens", type=int, help="T (default 513; --quick 64)")
+    parser.add_argument("--kv-cache-gib", type=float,
+                        help="KV-cache budget per setting (default 24; --quick 4); 0 lets "
+                             "vLLM fill 90%% of the GPU")
+    parser.add_argument("--max-batch", type=int, default=512,
+                        help="cap on the batch (vLLM captures CUDA graphs up to 512)")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per setting")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        _child()
+        return
+
+    quick = QUICK if args.quick else {}
+    heads = args.heads or quick.get("heads", HEADS)
+    contexts = args.contexts or quick.get("contexts", CONTEXTS)
+    gen = args.gen_tokens or quick.get("gen_tokens", 513)
+    kv_gib = args.kv_cache_gib if args.kv_cache_gib is not None else quick.get("kv_cache_gib",
+                                                                               24.0)
+    out = Path(args.out)
+    settings = [(h, c, kv) for h in heads for c in contexts for kv in args.kv]
+    print(f"{len(settings)} settings, T={gen}, KV budget "
+          f"{f'{kv_gib} GiB' if kv_gib else '90% of the GPU'}, results in {out}", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-e2e-") as tmp:
+        models = {h: str(write_tiny_deepseek_v3(Path(tmp) / f"deepseek-v31-attn-h{h}",
+                                                **model_config(h))) for h in heads}
+        for i, (h, context, kv) in enumerate(settings, 1):
+            print(f"[{i}/{len(settings)}] H={h} context={context} kv={kv} ...", flush=True)
+            start = time.monotonic()
+            row = run_in_subprocess({"model": models[h], "heads": h, "context": context,
+                                     "kv": kv, "gen_tokens": gen, "kv_cache_gib": kv_gib,
+                                     "max_batch": args.max_batch}, args.timeout)
+            rows.append(row)
+            if row.get("error"):
+                print(f"    failed: {row['error']}", flush=True)
+            else:
+                print(f"    {row['backend']}: B={row['batch']}, KV {row['kv_cache_tokens']:,} "
+                      f"tokens, {row['decode_tok_s']:,.0f} decode tok/s, "
+                      f"TPOT {row['tpot_ms']:.2f} ms ({time.monotonic() - start:.0f} s)",
+                      flush=True)
+            write_outputs(rows, out)   # after every setting: a cut-short sweep keeps its rows
+    print("\n" + format_table(write_outputs(rows, out)))
+    if not (out / "results.png").exists():
+        print("(no results.png: matplotlib is not installed; pip install matplotlib)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,386 @@
+"""Benchmark parity of KV-cache settings with lm-eval (the paper's Table 1 and Table 2).
+
+One command evaluates a model under each ``--kv`` setting (``auto`` = BF16 cache, ``fp8_snapmla``,
+optionally vLLM's ``fp8``) and writes ``parity.md`` / ``parity.csv``: the score of every task per
+setting, its delta against ``auto``, and the mean number of generated tokens per setting.
+
+Each setting runs in its own subprocess (a fresh vLLM engine and GPU memory) through lm-eval's
+``vllm`` model with ``kv_cache_dtype`` passed as an engine argument; our plugin is loaded by vLLM
+through its entry point, in the engine's workers too.  Generated lengths are counted from the
+token ids vLLM returns (they include the reasoning trace); outputs that lack that record (e.g. a
+plain ``lm_eval`` run) fall back to re-tokenizing the responses in lm-eval's samples files.
+
+    python eval/parity.py --model deepseek-ai/DeepSeek-V3.1 --tp 8 --out runs/parity
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+
+def _load_task_table():
+    # eval/ is not a package; load eval/tasks under a name no other module uses.
+    import importlib.util
+    path = Path(__file__).resolve().parent / "tasks" / "__init__.py"
+    spec = importlib.util.spec_from_file_location("snapmla_parity_tasks", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+_tasks = _load_task_table()
+NOT_IN_LM_EVAL, TASKS, write_overlays = _tasks.NOT_IN_LM_EVAL, _tasks.TASKS, _tasks.write_overlays
+
+DEFAULT_KV_SETTINGS = ("auto", "fp8_snapmla")
+BASELINE = "auto"
+# The paper does not state its sampling setup; these are DeepSeek-V3.1's recommended settings
+# for reasoning, with room for long reasoning traces (paper Table 2 reaches tens of thousands).
+REASONING_GEN_KWARGS = {"do_sample": True, "temperature": 0.6, "top_p": 0.95,
+                        "max_gen_toks": 32768}
+DEFAULT_MAX_MODEL_LEN = 40960
+LENGTHS_FILE = "gen_lengths.json"
+RESULTS_FILE = "results.json"
+
+
+def parse_kv_pairs(text: str | None) -> dict:
+    """``"a=1,b=x"`` -> ``{"a": 1, "b": "x"}`` (ints, floats and booleans converted)."""
+    out = {}
+    for item in filter(None, (text or "").split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"expected key=value, got {item!r}")
+        out[key.strip()] = _convert(value.strip())
+    return out
+
+
+def _convert(value: str):
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    for cast in (int, float):
+        try:
+            return cast(value)
+        except ValueError:
+            pass
+    return value
+
+
+def model_args(model: str, kv_cache_dtype: str, tp: int = 1, dp: int = 1,
+               max_model_len: int = DEFAULT_MAX_MODEL_LEN, extra: dict | None = None,
+               chat_template_args: dict | None = None) -> dict:
+    """lm-eval ``vllm`` model arguments for one KV setting; ``extra`` overrides anything."""
+    args = {"pretrained": model, "kv_cache_dtype": kv_cache_dtype,
+            "tensor_parallel_size": tp, "data_parallel_size": dp,
+            "max_model_len": max_model_len, "dtype": "auto", "trust_remote_code": True}
+    if chat_template_args:
+        args["chat_template_args"] = dict(chat_template_args)
+    args.update(extra or {})
+    return args
+
+
+def format_model_args(args: dict) -> str:
+    """``key=value,...`` as lm-eval's ``--gen_kwargs`` (and this script's options) take it."""
+    for key, value in args.items():
+        if "," in str(value) or "=" in str(value):
+            raise ValueError(f"model arg {key}={value!r} cannot be written as key=value pairs")
+    return ",".join(f"{k}={v}" for k, v in args.items())
+
+
+def lm_eval_command(args: dict, task_names: list[str], out_dir: Path, include_path: Path,
+                    gen_kwargs: dict, limit: float | None) -> list[str]:
+    """The equivalent plain ``lm_eval`` command line (written next to each run for reference)."""
+    cmd = ["lm_eval", "--model", "vllm", "--model_args", json.dumps(args),
+           "--tasks", ",".join(TASKS[t].lm_eval_task for t in task_names),
+           "--include_path", str(include_path), "--apply_chat_template",
+           "--gen_kwargs", format_model_args(gen_kwargs), "--batch_size", "auto",
+           "--log_samples", "--output_path", str(out_dir)]
+    if limit is not None:
+        cmd += ["--limit", str(limit)]
+    return cmd
+
+
+def child_command(setting: str, opts: argparse.Namespace) -> list[str]:
+    """The subprocess that evaluates one KV setting."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--run-one", setting,
+           "--model", opts.model, "--tasks", ",".join(opts.tasks), "--tp", str(opts.tp),
+           "--dp", str(opts.dp), "--max-model-len", str(opts.max_model_len),
+           "--out", str(opts.out), "--gen-kwargs", format_model_args(opts.gen_kwargs)]
+    if opts.limit is not None:
+        cmd += ["--limit", str(opts.limit)]
+    if opts.model_args:
+        cmd += ["--model-args", opts.model_args]
+    if opts.chat_template_args:
+        cmd += ["--chat-template-args", json.dumps(opts.chat_template_args)]
+    return cmd
+
+
+# ----------------------------------------------------------------------------- one setting (GPU)
+
+def _length_recording_model(lm_args: dict):
+    """lm-eval's vLLM model, also recording how many tokens each generation produced."""
+    from lm_eval.models.vllm_causallms import VLLM
+
+    class LengthRecordingVLLM(VLLM):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.lengths_by_task: dict[str, list[int]] = defaultdict(list)
+            self._pending: list[int] = []
+
+        def _model_generate(self, requests, generate=False, sampling_params=None):
+            outputs = super()._model_generate(requests, generate, sampling_params)
+            if generate:
+                self._pending.extend(len(o.outputs[0].token_ids) for o in outputs)
+            return outputs
+
+        def generate_until(self, requests, disable_tqdm=False):
+            # lm-eval reports each output to the cache hook right after generating it, in the
+            # order vLLM returned it; pair the counts with contexts there, then with requests.
+            by_context: dict[str, list[int]] = defaultdict(list)
+            hook = self.cache_hook
+            original = hook.add_partial
+
+            def add_partial(kind, key, value):
+                if kind == "generate_until":
+                    by_context[key[0]].append(self._pending.pop(0))
+                return original(kind, key, value)
+
+            hook.add_partial = add_partial
+            try:
+                results = super().generate_until(requests, disable_tqdm)
+            finally:
+                hook.add_partial = original
+            for req in requests:
+                counts = by_context.get(req.args[0])
+                if counts:
+                    self.lengths_by_task[req.task_name].append(counts.pop())
+            return results
+
+    return LengthRecordingVLLM(**lm_args)
+
+
+def run_one(setting: str, opts: argparse.Namespace) -> None:
+    import lm_eval
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    out = Path(opts.out) / setting
+    out.mkdir(parents=True, exist_ok=True)
+    overlays = Path(opts.out) / "task_overlays"
+    write_overlays(overlays, Path(lm_eval.__file__).parent / "tasks")
+    args = model_args(opts.model, setting, opts.tp, opts.dp, opts.max_model_len,
+                      parse_kv_pairs(opts.model_args), opts.chat_template_args)
+    (out / "lm_eval_command.txt").write_text(" ".join(lm_eval_command(
+        args, opts.tasks, out, overlays, opts.gen_kwargs, opts.limit)) + "\n")
+    lm = _length_recording_model(args)
+    results = simple_evaluate(
+        model=lm, tasks=[TASKS[t].lm_eval_task for t in opts.tasks],
+        task_manager=TaskManager(include_path=str(overlays)), apply_chat_template=True,
+        gen_kwargs=dict(opts.gen_kwargs), limit=opts.limit, log_samples=True,
+        batch_size="auto")
+    if results is None:        # non-zero data-parallel rank
+        return
+    samples = results.pop("samples", {})
+    for task, entries in samples.items():
+        with open(out / f"samples_{task}.jsonl", "w") as f:
+            for entry in entries:
+                f.write(json.dumps(entry, default=str) + "\n")
+    (out / RESULTS_FILE).write_text(json.dumps(results, indent=2, default=str))
+    (out / LENGTHS_FILE).write_text(json.dumps(lm.lengths_by_task, indent=1))
+
+
+# ----------------------------------------------------------------------------- the table
+
+def _latest(paths):
+    paths = sorted(paths, key=lambda p: p.stat().st_mtime)
+    return paths[-1] if paths else None
+
+
+def read_results(setting_dir: Path) -> dict:
+    """``{lm-eval task: {"metric,filter": value}}`` from the newest results JSON under the dir."""
+    path = _latest(list(setting_dir.rglob("results*.json")))
+    if path is None:
+        return {}
+    data = json.loads(path.read_text())
+    merged = dict(data.get("groups", {}))
+    merged.update(data.get("results", {}))
+    return merged
+
+
+def _sample_lengths(setting_dir: Path, lm_eval_task: str, count_tokens) -> list[int]:
+    path = _latest(list(setting_dir.rglob(f"samples_{lm_eval_task}*.jsonl")))
+    if path is None:
+        return []
+    lengths, seen = [], set()
+    for line in path.read_text().splitlines():
+        entry = json.loads(line)
+        if entry["doc_id"] in seen:            # one entry per (doc, filter); count each doc once
+            continue
+        seen.add(entry["doc_id"])
+        for resp in entry["resps"]:
+            for text in (resp if isinstance(resp, list) else [resp]):
+                lengths.append(count_tokens(text))
+    return lengths
+
+
+def mean_lengths(setting_dir: Path, lm_eval_task: str, count_tokens) -> float | None:
+    """Mean generated tokens of one task: recorded token counts, else re-tokenized samples."""
+    recorded = setting_dir / LENGTHS_FILE
+    lengths = []
+    if recorded.exists():
+        lengths = json.loads(recorded.read_text()).get(lm_eval_task, [])
+    if not lengths and count_tokens is not None:
+        lengths = _sample_lengths(setting_dir, lm_eval_task, count_tokens)
+    return sum(lengths) / len(lengths) if lengths else None
+
+
+def build_table(out: Path, settings: list[str], task_names: list[str],
+                count_tokens=None) -> list[dict]:
+    """One row per task: score per setting (percent), delta vs ``auto``, mean length per setting.
+
+    Missing results are ``None`` (a setting that crashed, a task lm-eval could not load).
+    """
+    rows = []
+    results = {s: read_results(out / s) for s in settings}
+    for name in task_names:
+        task = TASKS[name]
+        row = {"task": task.paper_row, "lm_eval_task": task.lm_eval_task, "metric": task.metric}
+        for s in settings:
+            value = results[s].get(task.lm_eval_task, {}).get(task.metric)
+            row[f"score[{s}]"] = None if value is None else 100.0 * float(value)
+            row[f"len[{s}]"] = mean_lengths(out / s, task.lm_eval_task, count_tokens)
+        base = row.get(f"score[{BASELINE}]")
+        for s in settings:
+            if s != BASELINE:
+                score = row[f"score[{s}]"]
+                row[f"delta[{s}]"] = (None if base is None or score is None else score - base)
+        rows.append(row)
+    return rows
+
+
+def _columns(settings: list[str]) -> list[str]:
+    cols = ["task", "lm_eval_task", "metric"]
+    cols += [f"score[{s}]" for s in settings]
+    cols += [f"delta[{s}]" for s in settings if s != BASELINE]
+    cols += [f"len[{s}]" for s in settings]
+    return cols
+
+
+def _cell(value, signed=False) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:+.2f}" if signed else f"{value:.2f}"
+    return str(value)
+
+
+def write_table(rows: list[dict], settings: list[str], out: Path) -> tuple[Path, Path]:
+    """Write ``parity.csv`` and ``parity.md`` into ``out``."""
+    cols = _columns(settings)
+    csv_path, md_path = out / "parity.csv", out / "parity.md"
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=cols)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({c: "" if row.get(c) is None else row.get(c) for c in cols})
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for row in rows:
+        lines.append("| " + " | ".join(_cell(row.get(c), c.startswith("delta")) for c in cols)
+                     + " |")
+    lines += ["", "Scores in percent; len = mean generated tokens per sample (paper Table 2).",
+              "Not in lm-eval 0.4.13, not run: " + ", ".join(NOT_IN_LM_EVAL) + "."]
+    md_path.write_text("\n".join(lines) + "\n")
+    return csv_path, md_path
+
+
+def _tokenizer_counter(model: str):
+    try:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(model, trust_remote_code=True)
+    except Exception as exc:  # noqa: BLE001  (offline machine, gated model, ...)
+        print(f"[parity] no tokenizer for {model} ({exc}); lengths only from recorded counts")
+        return None
+    return lambda text: len(tok.encode(text, add_special_tokens=False))
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--tasks", default=",".join(TASKS),
+                   help=f"comma-separated subset of {', '.join(TASKS)}")
+    p.add_argument("--kv", default=",".join(DEFAULT_KV_SETTINGS),
+                   help="comma-separated kv_cache_dtype settings; 'auto' is the baseline")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    p.add_argument("--dp", type=int, default=1,
+                   help="data parallel size (lm-eval runs one engine per rank through Ray)")
+    p.add_argument("--limit", type=float, default=None,
+                   help="documents per task (int) or fraction (<1), for smoke runs")
+    p.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
+    p.add_argument("--gen-kwargs", default=format_model_args(REASONING_GEN_KWARGS),
+                   help="generation settings applied to every task (lm-eval --gen_kwargs)")
+    p.add_argument("--model-args", default="",
+                   help="extra lm-eval/vLLM model args, key=value,... (override the defaults)")
+    p.add_argument("--chat-template-args", type=json.loads, default=None,
+                   help='JSON passed to the chat template, e.g. \'{"thinking": true}\' '
+                        "(DeepSeek-V3.1's thinking mode)")
+    p.add_argument("--out", default="runs/parity")
+    p.add_argument("--write-overlays", action="store_true",
+                   help="only write the lm-eval task overlays into OUT/task_overlays (for a "
+                        "plain lm_eval run, e.g. against `vllm serve`)")
+    p.add_argument("--table-only", action="store_true",
+                   help="rebuild the table from existing outputs without running anything")
+    p.add_argument("--run-one", default=None, help=argparse.SUPPRESS)
+    opts = p.parse_args(argv)
+    opts.tasks = [t for t in opts.tasks.split(",") if t]
+    unknown = [t for t in opts.tasks if t not in TASKS]
+    if unknown:
+        p.error(f"unknown tasks {unknown}; available: {list(TASKS)} "
+                f"(not in lm-eval 0.4.13: {', '.join(NOT_IN_LM_EVAL)})")
+    opts.kv = [s for s in opts.kv.split(",") if s]
+    if BASELINE not in opts.kv:
+        p.error(f"--kv must include the baseline '{BASELINE}'")
+    opts.gen_kwargs = parse_kv_pairs(opts.gen_kwargs)
+    if opts.limit is not None and opts.limit >= 1:
+        opts.limit = int(opts.limit)
+    opts.out = Path(opts.out)
+    return opts
+
+
+def main(argv=None) -> int:
+    opts = parse_args(argv)
+    if opts.run_one:
+        run_one(opts.run_one, opts)
+        return 0
+    opts.out.mkdir(parents=True, exist_ok=True)
+    if opts.write_overlays:
+        import lm_eval
+        write_overlays(opts.out / "task_overlays", Path(lm_eval.__file__).parent / "tasks")
+        print(opts.out / "task_overlays")
+        return 0
+    failed = []
+    if not opts.table_only:
+        env = dict(os.environ)
+        for setting in opts.kv:
+            print(f"[parity] kv_cache_dtype={setting}", flush=True)
+            if subprocess.run(child_command(setting, opts), env=env).returncode != 0:
+                failed.append(setting)
+    rows = build_table(opts.out, opts.kv, opts.tasks, _tokenizer_counter(opts.model))
+    csv_path, md_path = write_table(rows, opts.kv, opts.out)
+    print(md_path.read_text())
+    print(f"[parity] wrote {md_path} and {csv_path}")
+    if failed:
+        print(f"[parity] settings that failed: {failed}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,326 @@
+"""KV-cache accuracy of the trained tiny MLA model in vLLM: BF16 vs fp8_snapmla vs fp8.
+
+Needs a CUDA GPU with FP8 (sm_89+) and vLLM 0.26.0.  Takes the checkpoint written by
+``eval/train_tiny_mla.py`` (with its ``heldout_tokens.npy``) and, for each KV-cache dtype, in its
+own process (so each gets the whole GPU):
+
+(a) scores ``--windows`` held-out windows of ``--window-len`` tokens with ``prompt_logprobs``:
+    perplexity and next-token accuracy.  vLLM's MLA prefill attends over the *fresh* BF16
+    latents of the tokens it is computing; only context from earlier steps is read back from
+    the KV cache.  Chunked prefill with a small ``--chunk`` (``max_num_batched_tokens``) makes
+    every token past the first chunk attend to earlier chunks through the (quantized) cache,
+    and the headline numbers are over those tokens (position >= ``--chunk``).  This reads the
+    cache through the context path (dequantize, then BF16 attention); the FP8 decode kernel
+    (FP8 queries and probabilities) is exercised by (b).
+(b) greedily continues ``--prompts`` held-out prompts for ``--gen-len`` tokens and compares
+    with BF16: fraction of identical continuations and mean common-prefix length.
+
+As a check that vLLM runs the trained model faithfully, transformers' own BF16 forward pass
+(no KV cache) scores the same windows.
+
+    python eval/parity_tiny.py --model /tmp/tiny-mla --out eval/results-tiny
+
+Writes ``parity_tiny.md`` (table), ``parity_tiny.csv`` and, per run, ``raw_<name>.json``
+to ``--out``.  Finished runs are reused (``--force`` reruns them), so an interrupted
+invocation resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import pathlib
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+RESULT_TAG = "PARITY_TINY_RESULT "
+DTYPES = ("auto", "fp8_snapmla", "fp8")
+HF_RUN = "transformers"
+TEXT_PROMPT = "def main():\n"
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# --- child processes ----------------------------------------------------------------------
+
+def _score_entries(prompt_logprobs, tokens: list[int]) -> tuple[list[float], list[int]]:
+    """Per position 1.. of a prompt: the actual token's logprob and whether it ranked first."""
+    logprobs, correct = [], []
+    for pos in range(1, len(tokens)):
+        entry = prompt_logprobs[pos][tokens[pos]]
+        logprobs.append(float(entry.logprob))
+        correct.append(int(entry.rank == 1))
+    return logprobs, correct
+
+
+def engine_kwargs(model: str, kv_cache_dtype: str, chunk: int, max_model_len: int) -> dict:
+    """``LLM`` arguments of a run: prefill in chunks of ``chunk`` tokens, no prefix caching."""
+    return dict(model=model, kv_cache_dtype=kv_cache_dtype, dtype="bfloat16",
+                enforce_eager=True, seed=0, max_model_len=max_model_len,
+                enable_chunked_prefill=True, max_num_batched_tokens=chunk,
+                max_num_seqs=min(64, chunk), enable_prefix_caching=False,
+                gpu_memory_utilization=0.5)
+
+
+def run_vllm(spec: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    started = time.monotonic()
+    llm = LLM(**engine_kwargs(spec["model"], spec["kv_cache_dtype"], spec["chunk"],
+                              spec["max_model_len"]))
+    load_s = time.monotonic() - started
+    windows = spec["windows"]
+    scoring = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1,
+                             detokenize=False)
+    started = time.monotonic()
+    outputs = llm.generate([{"prompt_token_ids": w} for w in windows], scoring, use_tqdm=False)
+    scored = [_score_entries(o.prompt_logprobs, w) for o, w in zip(outputs, windows)]
+    score_s = time.monotonic() - started
+    greedy = SamplingParams(max_tokens=spec["gen_len"], temperature=0.0, ignore_eos=True,
+                            detokenize=False)
+    started = time.monotonic()
+    continuations = [list(o.outputs[0].token_ids) for o in llm.generate(
+        [{"prompt_token_ids": p} for p in spec["prompts"]], greedy, use_tqdm=False)]
+    generate_s = time.monotonic() - started
+    # A text prompt goes through vLLM's own use of the checkpoint's tokenizer; a failure
+    # there is reported in the sample rather than discarding the measurements.
+    try:
+        text = TEXT_PROMPT + llm.generate([TEXT_PROMPT], SamplingParams(
+            max_tokens=48, temperature=0.0), use_tqdm=False)[0].outputs[0].text
+    except Exception as error:   # noqa: BLE001
+        text = f"text generation failed: {error!r}"
+    cache = llm.llm_engine.vllm_config.cache_config
+    return {"logprobs": [s[0] for s in scored], "correct": [s[1] for s in scored],
+            "continuations": continuations, "text_sample": text,
+            "kv_cache_tokens": cache.num_gpu_blocks * cache.block_size,
+            "seconds": {"load": load_s, "score": score_s, "generate": generate_s}}
+
+
+def run_transformers(spec: dict) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.bfloat16).to(device)
+    logprobs, correct = [], []
+    started = time.monotonic()
+    with torch.no_grad():
+        for window in spec["windows"]:
+            ids = torch.tensor([window], device=device)
+            logits = model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)
+            target = ids[0, 1:]
+            logprobs.append(logits.gather(-1, target[:, None])[:, 0].tolist())
+            correct.append((logits.argmax(-1) == target).int().tolist())
+    return {"logprobs": logprobs, "correct": correct,
+            "seconds": {"score": time.monotonic() - started}}
+
+
+def _child() -> None:
+    spec = json.loads(sys.stdin.read())
+    result = run_transformers(spec) if spec["run"] == HF_RUN else run_vllm(spec)
+    print(RESULT_TAG + json.dumps(result), flush=True)
+
+
+def run_in_subprocess(spec: dict, timeout: float) -> dict:
+    """One run in a fresh process that loads this plugin (vllm_snapmla.demo's environment)."""
+    from vllm_snapmla.demo import subprocess_env
+
+    proc = subprocess.Popen([sys.executable, __file__, "--child"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=subprocess_env())
+    proc.stdin.write(json.dumps(spec))
+    proc.stdin.close()
+    result_line, tail = None, []
+    killer = threading.Timer(timeout, proc.kill)
+    killer.start()
+    for line in proc.stdout:   # stream the child's progress; keep its result line
+        if line.startswith(RESULT_TAG):
+            result_line = line[len(RESULT_TAG):]
+            continue
+        tail = (tail + [line])[-80:]
+        if any(k in line for k in ("KV cache size", "Loading weights took", "Error", "error")):
+            log("    | " + line.rstrip()[:200])
+    proc.wait()
+    killer.cancel()
+    if proc.returncode != 0 or result_line is None:
+        raise RuntimeError(f"{spec['run']} failed (exit {proc.returncode}):\n" + "".join(tail))
+    return json.loads(result_line)
+
+
+# --- summary -------------------------------------------------------------------------------
+
+def summarize(name: str, raw: dict, base: dict | None, chunk: int) -> dict:
+    logprobs = [np.asarray(w) for w in raw["logprobs"]]
+    correct = [np.asarray(w) for w in raw["correct"]]
+    # Index j scores token j + 1 from the hidden state at position j.  A step computes at most
+    # `chunk` tokens, so from position `chunk` on, part of the context attended to was
+    # computed in an earlier step and is read back from the KV cache.
+    cached = [lp[chunk:] for lp in logprobs]
+    row = {"run": name,
+           "ppl_cache_context": math.exp(-np.concatenate(cached).mean()),
+           "ppl_all": math.exp(-np.concatenate(logprobs).mean()),
+           "accuracy_cache_context": float(np.concatenate([c[chunk:] for c in correct]).mean()),
+           "scored_tokens": int(sum(len(c) for c in cached)),
+           "kv_cache_tokens": raw.get("kv_cache_tokens", "")}
+    if base is not None:
+        base_cached = np.concatenate([np.asarray(w)[chunk:] for w in base["logprobs"]])
+        row["mean_abs_dlogprob_vs_bf16"] = float(np.abs(np.concatenate(cached)
+                                                        - base_cached).mean())
+        if "continuations" in raw and "continuations" in base:
+            prefixes = []
+            for ours, theirs in zip(raw["continuations"], base["continuations"]):
+                same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
+                            min(len(ours), len(theirs)))
+                prefixes.append(same)
+            n = len(raw["continuations"])
+            row["greedy_identical"] = sum(a == b for a, b in zip(
+                raw["continuations"], base["continuations"])) / n
+            row["greedy_mean_common_prefix"] = float(np.mean(prefixes))
+    return row
+
+
+COLUMNS = [("run", "run", "{}"),
+           ("ppl_cache_context", "ppl (position ≥ chunk)", "{:.4f}"),
+           ("ppl_delta_pct", "Δppl vs BF16", "{:+.3f}%"),
+           ("ppl_all", "ppl (all tokens)", "{:.4f}"),
+           ("accuracy_cache_context", "next-token acc.", "{:.4f}"),
+           ("mean_abs_dlogprob_vs_bf16", "mean abs Δlogprob vs BF16", "{:.2e}"),
+           ("greedy_identical", "greedy identical to BF16", "{:.3f}"),
+           ("greedy_mean_common_prefix", "mean common prefix (tokens)", "{:.1f}"),
+           ("kv_cache_tokens", "KV-cache tokens", "{:,}")]
+
+
+def write_report(out: pathlib.Path, rows: list[dict], args, train_log: dict | None,
+                 samples: dict[str, str]) -> str:
+    base = next((r for r in rows if r["run"] == "auto"), None)
+    for r in rows:
+        if base is not None and r["run"] != "auto":
+            r["ppl_delta_pct"] = 100 * (r["ppl_cache_context"] / base["ppl_cache_context"] - 1)
+    with open(out / "parity_tiny.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[k for k, _, _ in COLUMNS] + ["scored_tokens"],
+                                extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+    def cell(row, key, fmt):
+        value = row.get(key)
+        return fmt.format(value) if value not in (None, "") else "–"
+
+    lines = ["| " + " | ".join(h for _, h, _ in COLUMNS) + " |",
+             "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(cell(r, k, f) for k, _, f in COLUMNS) + " |" for r in rows]
+    by_run = {r["run"]: r for r in rows}
+    verdicts = []
+    if {"auto", "fp8_snapmla"} <= by_run.keys():
+        d = by_run["fp8_snapmla"]["ppl_delta_pct"]
+        verdicts.append(f"- fp8_snapmla perplexity within 0.5% of BF16: "
+                        f"{'PASS' if abs(d) <= 0.5 else 'FAIL'} ({d:+.3f}%)")
+    if {"fp8", "fp8_snapmla"} <= by_run.keys():
+        s, f8 = (by_run[k]["ppl_cache_context"] for k in ("fp8_snapmla", "fp8"))
+        verdicts.append(f"- fp8_snapmla perplexity no worse than fp8: "
+                        f"{'PASS' if s <= f8 else 'FAIL'} ({s:.4f} vs {f8:.4f})")
+    model_line = f"model `{args.model}`"
+    if train_log:
+        model_line += (f": {train_log['parameters'] / 1e6:.1f}M parameters, "
+                       f"{train_log['steps']} steps, held-out loss "
+                       f"{train_log['heldout_loss']:.4f} (commit {train_log['git_commit']})")
+    text = "\n".join([
+        "# Tiny MLA model: KV-cache parity in vLLM", "",
+        model_line + ".",
+        f"{args.windows} held-out windows of {args.window_len} tokens, chunked prefill with "
+        f"max_num_batched_tokens={args.chunk} (tokens past the first chunk attend to earlier "
+        f"chunks through the KV cache; perplexity and accuracy are over those tokens); "
+        f"{args.prompts} greedy continuations of {args.gen_len} tokens after "
+        f"{args.prompt_len}-token prompts.  `{HF_RUN}` is the checkpoint's BF16 forward "
+        "pass in transformers, without a KV cache.", "",
+        *lines, "", *verdicts, "", "Sample (text prompt through vLLM's tokenizer):", ""]
+        + [f"- {name}: `{json.dumps(s)[:300]}`" for name, s in samples.items()]) + "\n"
+    (out / "parity_tiny.md").write_text(text)
+    return text
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv == ["--child"]:   # a run, its spec on stdin (see run_in_subprocess)
+        _child()
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, type=pathlib.Path,
+                        help="checkpoint directory from eval/train_tiny_mla.py")
+    parser.add_argument("--out", required=True, type=pathlib.Path)
+    parser.add_argument("--dtypes", default=",".join(DTYPES),
+                        help=f"comma-separated KV-cache dtypes (default {','.join(DTYPES)})")
+    parser.add_argument("--windows", type=int, default=64)
+    parser.add_argument("--window-len", type=int, default=2048)
+    parser.add_argument("--chunk", type=int, default=256,
+                        help="max_num_batched_tokens, i.e. the prefill chunk (default 256)")
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--gen-len", type=int, default=256)
+    parser.add_argument("--no-transformers", action="store_true",
+                        help="skip the transformers reference run")
+    parser.add_argument("--force", action="store_true", help="rerun runs already saved in --out")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    tokens = np.load(args.model / "heldout_tokens.npy").astype(np.int64)
+    n_windows = min(args.windows, len(tokens) // args.window_len)
+    if n_windows < args.windows:
+        log(f"held-out split has room for {n_windows} windows only")
+    args.windows = n_windows
+    windows = [tokens[i * args.window_len:(i + 1) * args.window_len].tolist()
+               for i in range(n_windows)]
+    stride = (len(tokens) - args.prompt_len) // max(1, args.prompts)
+    prompts = [tokens[i * stride:i * stride + args.prompt_len].tolist()
+               for i in range(args.prompts)]
+    train_log_path = args.model / "train_log.json"
+    train_log = json.loads(train_log_path.read_text()) if train_log_path.exists() else None
+    max_model_len = max(args.window_len + 1, args.prompt_len + args.gen_len) + 64
+
+    runs = [d for d in args.dtypes.split(",") if d]
+    if not args.no_transformers:
+        runs.append(HF_RUN)
+    raws: dict[str, dict] = {}
+    for run in runs:
+        raw_path = args.out / f"raw_{run}.json"
+        if raw_path.exists() and not args.force:
+            log(f"[{run}] reusing {raw_path}")
+            raws[run] = json.loads(raw_path.read_text())
+            continue
+        log(f"[{run}] starting ({n_windows} windows x {args.window_len} tokens, "
+            f"{args.prompts} prompts x {args.gen_len} generated) ...")
+        started = time.monotonic()
+        spec = {"run": run, "model": str(args.model), "kv_cache_dtype": run,
+                "windows": windows, "prompts": prompts, "gen_len": args.gen_len,
+                "chunk": args.chunk, "max_model_len": max_model_len}
+        try:
+            raws[run] = run_in_subprocess(spec, args.timeout)
+        except RuntimeError as error:
+            log(f"[{run}] FAILED; continuing without it:\n{error}")
+            continue
+        raw_path.write_text(json.dumps(raws[run]))
+        log(f"[{run}] done in {time.monotonic() - started:.0f}s "
+            f"({json.dumps({k: round(v, 1) for k, v in raws[run]['seconds'].items()})})")
+
+    base = raws.get("auto")
+    rows = [summarize(run, raws[run], base if run != "auto" else None, args.chunk)
+            for run in runs if run in raws]
+    samples = {run: raws[run]["text_sample"] for run in runs
+               if run in raws and "text_sample" in raws[run]}
+    log("\n" + write_report(args.out, rows, args, train_log, samples))
+    log(f"wrote {args.out / 'parity_tiny.md'} and {args.out / 'parity_tiny.csv'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""The pure-Python parts of benchmarks/bench_e2e.py: model shapes, batch sizing, decode rates,
+result merging and the table/CSV/plot outputs (the vLLM runs themselves need a GPU)."""
+
+import importlib.util
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from vllm_snapmla import format as fmt
+from vllm_snapmla.demo import write_tiny_deepseek_v3
+
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_e2e.py"
+_spec = importlib.util.spec_from_file_location("bench_e2e", _PATH)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+@pytest.mark.parametrize("heads", [128, 16])
+def test_model_config_has_deepseek_v31_attention_and_dense_layers(tmp_path, heads):
+    path = write_tiny_deepseek_v3(tmp_path / "m", **bench.model_config(heads))
+    config = json.loads((path / "config.json").read_text())
+    assert config["hidden_size"] == 7168
+    assert config["num_attention_heads"] == config["num_key_value_heads"] == heads
+    assert (config["q_lora_rank"], config["kv_lora_rank"]) == (1536, fmt.KV_LORA_RANK)
+    assert config["qk_rope_head_dim"] == fmt.ROPE_DIM
+    assert (config["qk_nope_head_dim"], config["v_head_dim"]) == (128, 128)
+    assert config["num_hidden_layers"] == 4
+    # vLLM makes layer i an MoE layer only from first_k_dense_replace on: all dense here.
+    assert config["first_k_dense_replace"] >= config["num_hidden_layers"]
+    assert config["max_position_embeddings"] >= max(bench.CONTEXTS) + 513
+
+
+def test_batch_to_fill_counts_whole_pages_per_request():
+    rng = random.Random(1)
+    for _ in range(200):
+        block = rng.choice([16, 64])
+        context, gen = rng.randint(1, 200_000), rng.randint(2, 1000)
+        blocks = rng.randint(0, 200_000)
+        batch = bench.batch_to_fill(blocks, block, context, gen, max_batch=10**9)
+        per_request = math.ceil((context + gen) / block)
+        assert batch * per_request <= blocks < (batch + 1) * per_request
+    assert bench.batch_to_fill(10_000, 64, 16384, 513, max_batch=7) == 7
+    # The same bytes hold 1152/656 = 1.76x more fp8_snapmla tokens: the batch grows with them.
+    budget = 24 * 2**30
+    bf16 = bench.batch_to_fill(budget // (4 * 1152 * 64), 64, 16384, 513, 10**9)
+    snap = bench.batch_to_fill(budget // (4 * fmt.BYTES_PER_TOKEN * 64), 64, 16384, 513, 10**9)
+    assert 1.7 < snap / bf16 < 1.8
+
+
+def test_decode_rates_follow_the_baseline_formula():
+    rng = random.Random(2)
+    batch, gen = rng.randint(1, 512), rng.randint(2, 600)
+    first = rng.uniform(1, 50)
+    total = first + rng.uniform(0.5, 30)
+    tok_s, tpot_ms = bench.decode_rates(batch, gen, first, total)
+    assert tok_s == pytest.approx(batch * (gen - 1) / (total - first))
+    assert tpot_ms == pytest.approx(1000 * (total - first) / (gen - 1))
+    assert tok_s * tpot_ms / 1000 == pytest.approx(batch)
+    with pytest.raises(ValueError):
+        bench.decode_rates(batch, 1, first, total)
+    with pytest.raises(ValueError):
+        bench.decode_rates(batch, gen, total, first)
+
+
+def _row(heads, context, kv, tok_s, capacity, **extra):
+    return {"heads": heads, "context": context, "kv": kv, "backend": kv.upper(), "batch": 8,
+            "gen_tokens": 513, "kv_cache_tokens": capacity, "decode_tok_s": tok_s,
+            "tpot_ms": 1.0, **extra}
+
+
+def _sweep(rng):
+    rows = []
+    for heads in (128, 16):
+        for context in (16384, 65536):
+            base_speed, base_capacity = rng.uniform(1e3, 2e4), rng.randint(10**5, 10**7)
+            rows.append(_row(heads, context, "auto", base_speed, base_capacity))
+            rows.append(_row(heads, context, "fp8_snapmla", base_speed * 1.5,
+                             round(base_capacity * 1.756)))
+            rows.append(_row(heads, context, "fp8", base_speed * 0.9, base_capacity * 2))
+    return rows
+
+
+def test_relative_columns_compare_with_bf16_of_the_same_shape():
+    rows = bench.add_relative_columns(_sweep(random.Random(3)))
+    for row in rows:
+        expected = {"auto": 1.0, "fp8_snapmla": 1.5, "fp8": 0.9}[row["kv"]]
+        assert row["speedup_vs_bf16"] == pytest.approx(expected, abs=1e-3)
+    snap = [r for r in rows if r["kv"] == "fp8_snapmla"]
+    assert all(r["capacity_vs_bf16"] == pytest.approx(1.756, abs=2e-3) for r in snap)
+    # No usable BF16 row: no ratio rather than a wrong one.
+    lone = bench.add_relative_columns([
+        _row(16, 8192, "auto", 0, 0, error="timed out"), _row(16, 8192, "fp8", 5.0, 7)])
+    assert lone[1]["speedup_vs_bf16"] == "" and lone[1]["capacity_vs_bf16"] == ""
+
+
+def test_outputs_merge_across_runs_and_survive_failures(tmp_path):
+    rng = random.Random(4)
+    first = _sweep(rng)
+    bench.write_outputs(first[:6], tmp_path)          # H=128 in one command
+    rows = bench.write_outputs(first[6:], tmp_path)   # H=16 in the next
+    assert len(rows) == 12
+    assert [bench._key(r) for r in rows] == sorted(
+        (bench._key(r) for r in rows),
+        key=lambda k: (-k[0], k[1], bench.KV_SETTINGS.index(k[2])))
+    # Re-running one setting replaces its row; a failure is recorded, not dropped.
+    failed = {"heads": 16, "context": 65536, "kv": "fp8", "gen_tokens": 513,
+              "error": "exit 1: CUDA out of memory"}
+    rows = bench.write_outputs([failed], tmp_path)
+    assert len(rows) == 12
+    on_disk = bench.read_csv(tmp_path / "results.csv")
+    assert [bench._key(r) for r in on_disk] == [bench._key(r) for r in rows]
+    by_key = {bench._key(r): r for r in on_disk}
+    assert by_key[(16, 65536, "fp8")]["error"].startswith("exit 1")
+    assert float(by_key[(128, 16384, "fp8_snapmla")]["speedup_vs_bf16"]) == pytest.approx(1.5)
+    table = (tmp_path / "results.md").read_text().splitlines()
+    assert len(table) == 2 + 12
+    assert any("failed: exit 1: CUDA out of memory" in line for line in table)
+    snap_line = next(line for line in table if "| 128 | 16384 | fp8_snapmla |" in line)
+    assert "1.50" in snap_line and "1.756" in snap_line
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = bench.add_relative_columns(_sweep(random.Random(5)))
+    assert bench.plot(rows, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
