@@ -1,0 +1,59 @@
+// Tile constants of the sm_90a SnapMLA decode kernel (snapmla_decode_sm90.cuh).
+#pragma once
+
+#include "snapmla_format.h"
+
+namespace snapmla::sm90 {
+
+constexpr int kBlockRows = 64;           // query rows (s_q x head pairs) per CTA: one WGMMA M tile
+constexpr int kConsumerWarpgroups = 2;   // WG1, WG2: each owns half of the 512 output columns
+constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);   // WG0 is the TMA producer
+constexpr int kStages = 2;               // pages in flight in the shared-memory ring
+constexpr int kOutColsPerWarpgroup = kKvLoraRank / kConsumerWarpgroups;   // 256
+constexpr int kPvN = 128;                // N of one PV WGMMA (two per warpgroup; 64 accum regs)
+
+// Register budgets after setmaxnreg (multiples of 8; 24*128 + 2*240*128 <= 64K registers).
+constexpr int kProducerRegs = 24;
+constexpr int kConsumerRegs = 240;
+
+// Hopper's FP8 WGMMA accumulates in reduced precision (about 14 mantissa bits, truncating).  The
+// content QK (K = 512) therefore runs as chunks of this many columns, each into a fresh
+// accumulator that is then added into the FP32 logit tile: the FP32 promotion point.  The Triton
+// kernel measured LSE errors of 2.8e-2 without promotion and 1e-3 promoting every 64 terms.
+constexpr int kQkPromoteCols = 128;
+constexpr int kWgmmaK8 = 32;             // K of one e4m3 WGMMA (32 bytes of a 128-byte row)
+constexpr int kWgmmaK16 = 16;            // K of one bf16 WGMMA (also 32 bytes)
+
+// Shared memory: every WGMMA operand tile is [rows][128 bytes] with the 128-byte swizzle (the
+// layout TMA writes with CU_TENSOR_MAP_SWIZZLE_128B), 1024-byte aligned.
+constexpr int kSwizzleRowBytes = 128;
+constexpr int kContentTileBytes = kPageSize * kSwizzleRowBytes;                 // 8 KB
+constexpr int kContentTiles = kKvLoraRank / kSwizzleRowBytes;                   // 4
+constexpr int kRopeTileBytes = kPageSize * 2 * kRopeDim;                        // 8 KB
+constexpr int kScaleBoxFloats = 4;       // TMA boxes need 16-byte rows: the scale + 12 pad bytes
+constexpr int kScaleTileBytes = kPageSize * kScaleBoxFloats * 4;                // 1 KB
+
+constexpr int kStageContent = 0;
+constexpr int kStageRope = kStageContent + kContentTiles * kContentTileBytes;
+constexpr int kStageScale = kStageRope + kRopeTileBytes;
+constexpr int kStageBytes = kStageScale + kScaleTileBytes;                      // 41 KB
+constexpr int kStageTxBytes = kStageBytes;     // bytes the TMA delivers per page
+
+constexpr int kSmemStages = 0;
+constexpr int kSmemQ8 = kSmemStages + kStages * kStageBytes;
+constexpr int kSmemQpe = kSmemQ8 + kContentTiles * kBlockRows * kSwizzleRowBytes;
+// V^T of one warpgroup: 256 rows (output columns) x 64 tokens, padded to 128-byte swizzled rows.
+constexpr int kVtBytes = kOutColsPerWarpgroup * kSwizzleRowBytes;               // 32 KB
+constexpr int kSmemVt = kSmemQpe + kBlockRows * kSwizzleRowBytes;
+constexpr int kSmemBarriers = kSmemVt + kConsumerWarpgroups * kVtBytes;
+constexpr int kSmemBytes = kSmemBarriers + 2 * kStages * 8;
+constexpr int kSmemAlloc = kSmemBytes + 1024;  // slack to align the dynamic base to 1024 bytes
+
+static_assert(kStageBytes % 1024 == 0 && kSmemQ8 % 1024 == 0 && kSmemQpe % 1024 == 0 &&
+                  kSmemVt % 1024 == 0, "swizzled tiles must be 1024-byte aligned");
+static_assert(kSmemAlloc <= 227 * 1024, "exceeds Hopper's per-block shared memory");
+static_assert(2 * kRopeDim == kSwizzleRowBytes, "a bf16 RoPE row is one 128-byte swizzle row");
+static_assert(kKvLoraRank % kQkPromoteCols == 0 && kQkPromoteCols % kSwizzleRowBytes == 0 ||
+                  kSwizzleRowBytes % kQkPromoteCols == 0, "promotion chunks tile the content");
+
+}  // namespace snapmla::sm90
