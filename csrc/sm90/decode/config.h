@@ -18,11 +18,17 @@ constexpr int kConsumerRegs = 240;
 
 // Hopper's FP8 WGMMA accumulates in reduced precision (about 14 mantissa bits, truncating).  The
 // content QK (K = 512) therefore runs as chunks of this many columns, each into a fresh
-// accumulator that is then added into the FP32 logit tile: the FP32 promotion point.  The Triton
-// kernel measured LSE errors of 2.8e-2 without promotion and 1e-3 promoting every 64 terms.
+// accumulator that is then added into the FP32 logit tile: the FP32 promotion point.  128 terms
+// (4 WGMMAs) is DeepSeek-V3's interval; the Triton kernel measured LSE errors of 2.8e-2 without
+// promotion and 1e-3 promoting every 64 terms (64 here costs 4 more WGMMA waits per page).
 constexpr int kQkPromoteCols = 128;
 constexpr int kWgmmaK8 = 32;             // K of one e4m3 WGMMA (32 bytes of a 128-byte row)
 constexpr int kWgmmaK16 = 16;            // K of one bf16 WGMMA (also 32 bytes)
+
+// The P pipeline's constants (vllm_snapmla/format.py P_SCALE_FLOOR, P_SCALE_RANGE).
+constexpr float kPScaleFloor = 0x1p-126f;   // floor on a page's amax(P') before dividing by 448
+constexpr float kPScaleRange = 0x1p-32f;    // sigma_P never drops below this fraction of the peak
+constexpr float kLn2 = 0.6931471805599453f;
 
 // Shared memory: every WGMMA operand tile is [rows][128 bytes] with the 128-byte swizzle (the
 // layout TMA writes with CU_TENSOR_MAP_SWIZZLE_128B), 1024-byte aligned.
@@ -53,7 +59,8 @@ static_assert(kStageBytes % 1024 == 0 && kSmemQ8 % 1024 == 0 && kSmemQpe % 1024 
                   kSmemVt % 1024 == 0, "swizzled tiles must be 1024-byte aligned");
 static_assert(kSmemAlloc <= 227 * 1024, "exceeds Hopper's per-block shared memory");
 static_assert(2 * kRopeDim == kSwizzleRowBytes, "a bf16 RoPE row is one 128-byte swizzle row");
-static_assert(kKvLoraRank % kQkPromoteCols == 0 && kQkPromoteCols % kSwizzleRowBytes == 0 ||
-                  kSwizzleRowBytes % kQkPromoteCols == 0, "promotion chunks tile the content");
+static_assert((kQkPromoteCols % kWgmmaK8 == 0 && kSwizzleRowBytes % kQkPromoteCols == 0) ||
+                  (kQkPromoteCols % kSwizzleRowBytes == 0 && kKvLoraRank % kQkPromoteCols == 0),
+              "promotion chunks must tile the four 128-column content tiles");
 
 }  // namespace snapmla::sm90

@@ -1,0 +1,560 @@
+// The sm_90a SnapMLA split-KV decode kernel: TMA page ring, FP8/BF16 WGMMA, SnapMLA P pipeline.
+//
+// One CTA per (request, 64-row block of the request's (s_q, head) rows, KV split), 384 threads:
+//   WG0      producer: one thread streams the split's 64-token pages with TMA into a 2-stage
+//            ring (content as four 64x128 e4m3 tiles, RoPE as one 64x64 bf16 tile, both with the
+//            128-byte swizzle WGMMA reads; the fp32 scales as a 64x16-byte box).
+//   WG1, WG2 consumers: each computes the whole logit tile S[64 rows, 64 tokens] and the same
+//            (deterministic, hence identical) softmax / P quantization, then P8 . V8 for its own
+//            256 of the 512 output columns.  Computing S twice wastes half of the QK math but
+//            needs no exchange of P between warpgroups (the paper's Algorithm 1 is the follow-up).
+// Per page and row the math is exactly the Triton kernel's (vllm_snapmla/triton/decode.py) and
+// reference.decode_quantized's: see docs/format.md "Decode".
+//
+// Device code exists only for sm_90a (WGMMA, TMA and setmaxnreg); other targets compile an empty
+// kernel and the host launcher refuses them.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "sm90/decode/config.h"
+#include "sm90/decode/snapmla_decode_sm90.h"
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define SNAPMLA_SM90_DEVICE 1
+#endif
+
+namespace snapmla::sm90 {
+
+
+#ifdef SNAPMLA_SM90_DEVICE
+namespace device {
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+// Waits for the completion of the barrier phase with the given parity.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+// A TMA box copy global -> shared at (x, token 0, block) of a [blocks][64][row] tensor map; it
+// signals `bar` with its byte count.
+__device__ __forceinline__ void tma_load_page(uint32_t dst, const CUtensorMap* map, uint32_t bar,
+                                              int32_t x, int32_t block) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(x), "r"(0), "r"(block)
+      : "memory");
+}
+
+__device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+// Generic-proxy shared-memory writes become visible to the async proxy (WGMMA operand reads).
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+__device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ void wgmma_wait_all() {
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+}
+
+// Keeps the compiler from moving reads of WGMMA accumulators above the wait that completes them.
+template <int N>
+__device__ __forceinline__ void fence_accumulators(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// WGMMA shared-memory descriptor of a K-major tile of 128-byte rows with the 128-byte swizzle:
+// 8-row groups 1024 bytes apart (stride byte offset); the leading byte offset is unused for
+// swizzled K-major tiles.  Stepping K by 32 bytes inside the row adds to the start address (the
+// hardware applies the swizzle to the final address, hence the 1024-byte tile alignment).
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(1) << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
+}
+
+// Byte offset of (row, byte) in a [rows][128 bytes] tile with the 128-byte swizzle: the 16-byte
+// chunk index is XORed with the row index mod 8 (what TMA SWIZZLE_128B writes).
+__device__ __forceinline__ uint32_t sw128_offset(uint32_t row, uint32_t byte) {
+  return row * kSwizzleRowBytes + ((((byte >> 4) ^ row) & 7) << 4) + (byte & 15);
+}
+
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Four floats to four e4m3 bytes (round to nearest even, saturating), x0 in the lowest byte.
+__device__ __forceinline__ uint32_t pack_e4m3x4(float x0, float x1, float x2, float x3) {
+  uint16_t lo, hi;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(x1), "f"(x0));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(x3), "f"(x2));
+  return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+}
+
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffff, x, 1);
+  return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+
+// D[64x64 fp32] (+)= A[64x32 e4m3] . B[64x32 e4m3]^T, both K-major in shared memory.
+__device__ __forceinline__ void wgmma_m64n64k32_e4m3(float (&d)[32], uint64_t desc_a,
+                                                     uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+        "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+        "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+        "+f"(d[30]), "+f"(d[31])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+// D[64x64 fp32] (+)= A[64x16 bf16] . B[64x16 bf16]^T, both K-major in shared memory.
+__device__ __forceinline__ void wgmma_m64n64k16_bf16(float (&d)[32], uint64_t desc_a,
+                                                     uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+        "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+        "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+        "+f"(d[30]), "+f"(d[31])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+// D[64x128 fp32] (+)= A[64x32 e4m3, registers] . B[128x32 e4m3, K-major shared memory]^T.
+__device__ __forceinline__ void wgmma_m64n128k32_e4m3_rs(float (&d)[64], const uint32_t (&a)[4],
+                                                    uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+        "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+        "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+        "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+        "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
+        "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+        "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+}
+
+}  // namespace device
+#endif  // SNAPMLA_SM90_DEVICE
+
+// Fragment layouts used below (CuTe's CLayout_64xN and ALayout_64x32 for WGMMA m64):
+// * FP32 accumulator, value v of a thread: row 16*warp + lane/4 + 8*((v>>1)&1),
+//   column 8*(v>>2) + 2*(lane%4) + (v&1).  Each thread holds two rows ("h" = 0, 1 below).
+// * e4m3 A operand from registers, per K=32 step: register j byte i holds row
+//   16*warp + lane/4 + 8*(j&1), k = 4*(lane%4) + i + 16*(j>>1).
+// The P accumulator becomes the PV A operand without any data exchange by permuting K (tokens):
+// A position k of a 16-wide group carries token 8*((k>>1)&1) + 2*(k>>2) + (k&1) of that group,
+// which is exactly what each thread already holds; V^T is written with the same token order.
+__global__ void __launch_bounds__(kThreads, 1)
+    decode_kernel(const __grid_constant__ CUtensorMap content_map,
+                  const __grid_constant__ CUtensorMap rope_map,
+                  const __grid_constant__ CUtensorMap scale_map, const DecodeParams p) {
+#ifdef SNAPMLA_SM90_DEVICE
+  using namespace device;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  const uint32_t smem_base = smem_addr(smem);
+  const uint32_t full_bar = smem_base + kSmemBarriers;           // + 8 * stage: page landed
+  const uint32_t empty_bar = full_bar + 8 * kStages;             // + 8 * stage: slot free
+
+  const int b = blockIdx.x;
+  const int row_block = blockIdx.y;
+  const int split = blockIdx.z;
+  const int warpgroup = threadIdx.x / 128;
+
+  // This split's pages: the request's pages cut into num_splits equal page-aligned runs.
+  const int seq_len = p.seq_lens[b];
+  const int num_pages = (seq_len + kPageSize - 1) / kPageSize;
+  const int pages_per_split = (num_pages + p.num_splits - 1) / p.num_splits;
+  const int first_page = split * pages_per_split;
+  const int num_iters = max(min(first_page + pages_per_split, num_pages) - first_page, 0);
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full_bar + 8 * s, 1);
+      mbar_init(empty_bar + 8 * s, kConsumerWarpgroups * 128);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    // ---------------------------------------------------------------- producer
+    setmaxnreg_dec<kProducerRegs>();
+    if (threadIdx.x == 0 && num_iters > 0) {
+      prefetch_tensor_map(&content_map);
+      prefetch_tensor_map(&rope_map);
+      prefetch_tensor_map(&scale_map);
+      const int32_t* pages = p.block_table + b * p.block_table_stride + first_page;
+      for (int i = 0; i < num_iters; ++i) {
+        const int stage = i % kStages;
+        // A fresh barrier counts as having completed the phase before phase 0: the first pass
+        // over the ring does not wait.
+        mbar_wait(empty_bar + 8 * stage, ((i / kStages) & 1) ^ 1);
+        const int32_t block = pages[i];
+        const uint32_t dst = smem_base + kSmemStages + stage * kStageBytes;
+        const uint32_t bar = full_bar + 8 * stage;
+        mbar_arrive_expect_tx(bar, kStageTxBytes);
+#pragma unroll
+        for (int t = 0; t < kContentTiles; ++t) {
+          tma_load_page(dst + kStageContent + t * kContentTileBytes, &content_map, bar,
+                        t * kSwizzleRowBytes, block);
+        }
+        tma_load_page(dst + kStageRope, &rope_map, bar, 0, block);
+        tma_load_page(dst + kStageScale, &scale_map, bar, 0, block);
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------ consumers
+  setmaxnreg_inc<kConsumerRegs>();
+  const int consumer = warpgroup - 1;           // output columns [256 * consumer, +256)
+  const int consumer_tid = threadIdx.x - 128;   // 0..255 over both consumer warpgroups
+  const int wg_tid = threadIdx.x % 128;
+  const int warp = wg_tid / 32;
+  const int lane = threadIdx.x % 32;
+  const int quad = lane % 4;
+  const int row0 = row_block * kBlockRows;
+
+  // The block's query rows into the swizzled WGMMA A tiles (zeros past num_rows), once.
+  for (int idx = consumer_tid; idx < kBlockRows * (kKvLoraRank / 16); idx += 256) {
+    const int r = idx / (kKvLoraRank / 16);
+    const int chunk = idx % (kKvLoraRank / 16);
+    const int g = row0 + r;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (g < p.num_rows) {
+      const int qi = g / p.num_heads, qh = g % p.num_heads;
+      v = *reinterpret_cast<const uint4*>(p.q8 + b * p.q8_stride[0] + qi * p.q8_stride[1] +
+                                          qh * p.q8_stride[2] + chunk * 16);
+    }
+    const int tile = chunk / (kSwizzleRowBytes / 16);
+    *reinterpret_cast<uint4*>(smem + kSmemQ8 + tile * kContentTileBytes +
+                              sw128_offset(r, (chunk * 16) % kSwizzleRowBytes)) = v;
+  }
+  for (int idx = consumer_tid; idx < kBlockRows * (kSwizzleRowBytes / 16); idx += 256) {
+    const int r = idx / (kSwizzleRowBytes / 16);
+    const int chunk = idx % (kSwizzleRowBytes / 16);
+    const int g = row0 + r;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (g < p.num_rows) {
+      const int qi = g / p.num_heads, qh = g % p.num_heads;
+      v = *reinterpret_cast<const uint4*>(p.q_pe + b * p.q_pe_stride[0] + qi * p.q_pe_stride[1] +
+                                          qh * p.q_pe_stride[2] + chunk * 16);
+    }
+    *reinterpret_cast<uint4*>(smem + kSmemQpe + sw128_offset(r, chunk * 16)) = v;
+  }
+  fence_proxy_async();
+  named_barrier_sync(1, 256);
+
+  // Per-row state for this thread's two rows (h = 0: lane/4, h = 1: lane/4 + 8 of its warp).
+  bool row_ok[2];
+  int row_qi[2], row_qh[2], visible[2];
+  float row_scale[2], m[2], peak[2], amax_prev[2], l[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int g = row0 + 16 * warp + lane / 4 + 8 * h;
+    row_ok[h] = g < p.num_rows;
+    row_qi[h] = row_ok[h] ? g / p.num_heads : 0;
+    row_qh[h] = row_ok[h] ? g % p.num_heads : 0;
+    // Query i of s_q sees positions < seq_len - s_q + i + 1 when causal.
+    visible[h] = seq_len - p.causal * (p.s_q - 1 - row_qi[h]);
+    row_scale[h] = row_ok[h] ? p.q_scale[b * p.q_scale_stride[0] + row_qi[h] * p.q_scale_stride[1] +
+                                         row_qh[h] * p.q_scale_stride[2]] * p.qk_scale_log2
+                             : 0.f;
+    m[h] = -INFINITY;           // running max logit (log2 units)
+    peak[h] = 0.f;              // largest P' so far, at the current m
+    amax_prev[h] = kPScaleFloor;   // 448 * sigma_P of the last page
+    l[h] = 0.f;                 // sum of exp, unscaled (= sigma_P * L)
+  }
+  float o[2][kPvN / 2];         // O in the current sigma_P domain: two 64x128 column halves
+#pragma unroll
+  for (int half = 0; half < 2; ++half)
+#pragma unroll
+    for (int v = 0; v < kPvN / 2; ++v) o[half][v] = 0.f;
+
+  uint8_t* vt = smem + kSmemVt + consumer * kVtBytes;
+  const uint32_t vt_addr = smem_addr(vt);
+  const uint32_t q8_addr = smem_base + kSmemQ8;
+  const uint32_t qpe_addr = smem_base + kSmemQpe;
+  const uint32_t wg_barrier = 2 + consumer;
+
+  for (int i = 0; i < num_iters; ++i) {
+    const int stage = i % kStages;
+    const int page = first_page + i;
+    const int live = min(seq_len - page * kPageSize, kPageSize);   // slots holding real tokens
+    const uint8_t* stage_ptr = smem + kSmemStages + stage * kStageBytes;
+    const uint32_t stage_addr = smem_base + kSmemStages + stage * kStageBytes;
+    mbar_wait(full_bar + 8 * stage, (i / kStages) & 1);
+
+    // V^T: this warpgroup's 256 content columns as K-major rows (tokens contiguous, in the
+    // permuted order above).  Slots past seq_len become zeros: their bytes are arbitrary (NaN),
+    // and a zero P times a NaN V would still be NaN.  4 tokens x 4 columns per step.
+    named_barrier_sync(wg_barrier, 128);   // every warp's previous PV WGMMA has read vt
+    for (int unit = wg_tid; unit < (kOutColsPerWarpgroup / 4) * (kPageSize / 4); unit += 128) {
+      const int col4 = unit % (kOutColsPerWarpgroup / 4);
+      const int kgroup = unit / (kOutColsPerWarpgroup / 4);   // A positions 4*kgroup .. +3
+      const int token0 = (kgroup / 4) * 16 + 2 * (kgroup % 4);
+      const int col = consumer * kOutColsPerWarpgroup + col4 * 4;
+      const uint8_t* tile =
+          stage_ptr + kStageContent + (col / kSwizzleRowBytes) * kContentTileBytes;
+      const int byte = col % kSwizzleRowBytes;
+      const int tokens[4] = {token0, token0 + 1, token0 + 8, token0 + 9};
+      uint32_t w[4];
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        w[t] = tokens[t] < live
+                   ? *reinterpret_cast<const uint32_t*>(tile + sw128_offset(tokens[t], byte))
+                   : 0u;
+      }
+      // Byte c of each of the 4 token words -> one word per column c, token t in byte t.
+      const uint32_t lo01 = __byte_perm(w[0], w[1], 0x5140), lo23 = __byte_perm(w[2], w[3], 0x5140);
+      const uint32_t hi01 = __byte_perm(w[0], w[1], 0x7362), hi23 = __byte_perm(w[2], w[3], 0x7362);
+      const uint32_t cols[4] = {__byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),
+                                __byte_perm(hi01, hi23, 0x5410), __byte_perm(hi01, hi23, 0x7632)};
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        *reinterpret_cast<uint32_t*>(vt + sw128_offset(col4 * 4 + c, kgroup * 4)) = cols[c];
+      }
+    }
+    fence_proxy_async();
+    named_barrier_sync(wg_barrier, 128);
+
+    // S = qpe' . kpe'^T (BF16, exact FP32 accumulation) + q8 . k8^T (FP8, promoted per chunk).
+    float s[32], part[32];
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < kRopeDim / kWgmmaK16; ++k) {
+      wgmma_m64n64k16_bf16(s, sw128_desc(qpe_addr + k * 32),
+                           sw128_desc(stage_addr + kStageRope + k * 32), k);
+    }
+    wgmma_commit();
+#pragma unroll
+    for (int chunk = 0; chunk < kKvLoraRank / kQkPromoteCols; ++chunk) {
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < kQkPromoteCols / kWgmmaK8; ++k) {
+        const int col = chunk * kQkPromoteCols + k * kWgmmaK8;
+        const uint32_t offset =
+            (col / kSwizzleRowBytes) * kContentTileBytes + col % kSwizzleRowBytes;
+        wgmma_m64n64k32_e4m3(part, sw128_desc(q8_addr + offset),
+                             sw128_desc(stage_addr + kStageContent + offset), k);
+      }
+      wgmma_commit();
+      wgmma_wait_all();
+      fence_accumulators(s);
+      fence_accumulators(part);
+#pragma unroll
+      for (int v = 0; v < 32; ++v) s[v] += part[v];   // the FP32 promotion point
+    }
+
+    // Token scales of this thread's 16 columns (token 8*j + 2*quad + e at [2*j + e]).
+    const float* scale_tile = reinterpret_cast<const float*>(stage_ptr + kStageScale);
+    float k_scale[16];
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int t = 8 * j + 2 * quad + e;
+        k_scale[2 * j + e] = t < live ? scale_tile[t * kScaleBoxFloats] : 0.f;
+      }
+    // This thread is done with the stage (its QK WGMMAs completed, V^T built, scales read).
+    mbar_arrive(empty_bar + 8 * stage);
+
+    // The SnapMLA P pipeline, operation for operation as the Triton kernel.
+    float row_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int v = 0; v < 32; ++v) {
+      const int h = (v >> 1) & 1;
+      const int pos = page * kPageSize + 8 * (v >> 2) + 2 * quad + (v & 1);
+      const float logit = s[v] * (row_scale[h] * k_scale[2 * (v >> 2) + (v & 1)]);
+      s[v] = (pos < visible[h] && row_ok[h]) ? logit : -INFINITY;   // select: drops NaN garbage
+      row_max[h] = fmaxf(row_max[h], s[v]);
+    }
+    float m_ref[2], alpha[2], amax[2] = {0.f, 0.f}, e_sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float m_new = fmaxf(m[h], quad_max(row_max[h]));
+      m_ref[h] = m_new == -INFINITY ? 0.f : m_new;   // rows that have seen nothing yet
+      alpha[h] = exp2_approx(m[h] - m_ref[h]);
+      m[h] = m_new;
+    }
+#pragma unroll
+    for (int v = 0; v < 32; ++v) {
+      const int h = (v >> 1) & 1;
+      const float e = exp2_approx(s[v] - m_ref[h]);
+      e_sum[h] += e;
+      s[v] = e * k_scale[2 * (v >> 2) + (v & 1)];    // scale fusion: P' = P * sigma_V
+      amax[h] = fmaxf(amax[h], s[v]);
+    }
+    float gamma[2], inv_amax[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float page_amax = quad_max(amax[h]);
+      peak[h] = fmaxf(peak[h] * alpha[h], page_amax);
+      const float amax_new = fmaxf(fmaxf(page_amax, peak[h] * kPScaleRange), kPScaleFloor);
+      inv_amax[h] = 1.f / amax_new;                                  // <= 2**126: finite
+      gamma[h] = alpha[h] * (amax_prev[h] * inv_amax[h]);            // exp(m_old - m) s_old / s
+      l[h] = l[h] * alpha[h] + quad_sum(e_sum[h]);
+      amax_prev[h] = amax_new;
+    }
+    uint32_t p8[2][4];   // PV A operand per K=32 step (see the fragment note above the kernel)
+#pragma unroll
+    for (int k = 0; k < 2; ++k)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int v0 = 16 * k + 8 * (j >> 1) + 2 * (j & 1);
+        const float inv = inv_amax[j & 1];   // registers 0, 2: row h = 0; 1, 3: h = 1
+        p8[k][j] = pack_e4m3x4(fminf((s[v0] * inv) * kFp8Max, kFp8Max),
+                               fminf((s[v0 + 1] * inv) * kFp8Max, kFp8Max),
+                               fminf((s[v0 + 4] * inv) * kFp8Max, kFp8Max),
+                               fminf((s[v0 + 5] * inv) * kFp8Max, kFp8Max));
+      }
+
+    // O = gamma O + P8 . V8, one 64x128 half at a time; each page's sum is promoted into FP32 O.
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float pv[kPvN / 2];
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < kPageSize / kWgmmaK8; ++k) {
+        const uint32_t vt_k = vt_addr + half * kPvN * kSwizzleRowBytes + k * 32;
+        wgmma_m64n128k32_e4m3_rs(pv, p8[k], sw128_desc(vt_k), k);
+      }
+      wgmma_commit();
+      wgmma_wait_all();
+      fence_accumulators(pv);
+#pragma unroll
+      for (int v = 0; v < kPvN / 2; ++v) o[half][v] = o[half][v] * gamma[(v >> 1) & 1] + pv[v];
+    }
+  }
+
+  // Epilogue: out = sigma_P O / (sigma_P L); rows that saw nothing give 0 and LSE -inf.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (!row_ok[h]) continue;
+    const bool seen_any = l[h] > 0.f;
+    const float norm = seen_any ? amax_prev[h] / (kFp8Max * l[h]) : 0.f;
+    const float lse = seen_any ? (m[h] + log2f(l[h])) * kLn2 : -INFINITY;
+    const int g = row0 + 16 * warp + lane / 4 + 8 * h;
+    const bool writes_lse = consumer == 0 && quad == 0;
+    if (p.num_splits == 1) {
+      __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.out) +
+                           (static_cast<int64_t>(b) * p.num_rows + g) * kKvLoraRank +
+                           consumer * kOutColsPerWarpgroup;
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int j = 0; j < kPvN / 8; ++j) {
+          const int v = 4 * j + 2 * h;
+          *reinterpret_cast<__nv_bfloat162*>(dst + half * kPvN + 8 * j + 2 * quad) =
+              __floats2bfloat162_rn(o[half][v] * norm, o[half][v + 1] * norm);
+        }
+      if (writes_lse) {
+        p.lse[(static_cast<int64_t>(b) * p.num_heads + row_qh[h]) * p.s_q + row_qi[h]] = lse;
+      }
+    } else {
+      const int64_t part_row = (static_cast<int64_t>(b) * p.num_splits + split) * p.num_rows + g;
+      if (writes_lse) p.lse[part_row] = lse;
+      if (!seen_any) continue;   // the combine skips splits with LSE -inf: no O needed
+      float* dst = static_cast<float*>(p.out) + part_row * kKvLoraRank +
+                   consumer * kOutColsPerWarpgroup;
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int j = 0; j < kPvN / 8; ++j) {
+          const int v = 4 * j + 2 * h;
+          *reinterpret_cast<float2*>(dst + half * kPvN + 8 * j + 2 * quad) =
+              make_float2(o[half][v] * norm, o[half][v + 1] * norm);
+        }
+    }
+  }
+#elif defined(__CUDA_ARCH__)
+  // Not sm_90a (e.g. a plain sm_90 build): fail loudly rather than return garbage.  The launcher
+  // never starts this on the sm_89 build.
+  __trap();
+#endif  // SNAPMLA_SM90_DEVICE
+}
+
+}  // namespace snapmla::sm90

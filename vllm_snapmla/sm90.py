@@ -1,0 +1,78 @@
+"""SnapMLA split-KV decode with the sm_90a CUDA kernel (``csrc/sm90/decode/``).
+
+Same inputs, outputs and split contract as ``vllm_snapmla.triton.decode.snapmla_decode``: stage 1
+is the CUDA kernel (one CTA per request, 64-row block of ``(s_q, head)`` rows and KV split; TMA
+page ring, FP8/BF16 WGMMA); with several splits, stage 2 is the Triton combine kernel.  Not wired
+into ``vllm_snapmla.ops.decode`` yet: selected explicitly by tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from vllm_snapmla import format as fmt
+from vllm_snapmla import ops
+from vllm_snapmla.triton.decode import _combine_kernel, _device_limits, num_splits_for
+
+_BLOCK_ROWS = 64   # query rows per CTA (csrc/sm90/decode/config.h kBlockRows)
+# csrc/sm90/decode/config.h hard-codes these (kPScaleRange, kPScaleFloor).
+assert fmt.P_SCALE_RANGE == 2.0 ** -32 and fmt.P_SCALE_FLOOR == 2.0 ** -126
+
+
+def available(device: torch.device | int | None = None) -> bool:
+    """True when the extension has the op and ``device`` (default: current) is an sm_90 GPU."""
+    native = ops.native()
+    if native is None or not hasattr(native, "decode_sm90") or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def snapmla_decode_sm90(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: torch.Tensor,
+                        kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                        softmax_scale: float, causal: bool = True, num_splits: int | None = None):
+    """SnapMLA decode from a quantized query on an sm_90 GPU.
+
+    ``q8`` e4m3 ``[B,s_q,H,512]``, ``q_scale`` fp32 ``[B,s_q,H]``, ``q_pe_scaled`` bf16
+    ``[B,s_q,H,64]``; ``kv_cache`` uint8 ``[num_blocks,64,656]``; ``block_table`` int32
+    ``[B,max_blocks]``; ``seq_lens`` int32 ``[B]``.  Returns ``out`` bf16 ``[B,s_q,H,512]`` and
+    ``lse`` fp32 ``[B,H,s_q]`` (natural log; -inf and zero output for rows that see no token).
+    ``num_splits`` defaults to the Triton kernel's ``num_splits_for`` heuristic over
+    ``block_table.shape[1]`` pages, evaluated for this kernel's grid.
+    """
+    native = ops.native()
+    if native is None or not hasattr(native, "decode_sm90"):
+        raise RuntimeError("vllm_snapmla._C was built without decode_sm90 (csrc/sm90/); rebuild "
+                           "with SNAPMLA_ARCHS containing 90a")
+    B, s_q, H, _ = q8.shape
+    num_rows = s_q * H
+    device = q8.device
+    out = torch.empty(B, s_q, H, fmt.KV_LORA_RANK, dtype=torch.bfloat16, device=device)
+    lse = torch.empty(B, H, s_q, dtype=torch.float32, device=device)
+    if B == 0 or num_rows == 0:
+        return out, lse
+    if num_splits is None:
+        num_sms, shared_mem = _device_limits(device.index if device.index is not None
+                                             else torch.cuda.current_device())
+        # The Triton heuristic, for this kernel's grid: 64-row blocks, one CTA per SM (what
+        # the Triton kernel does for >= 64 rows; smaller requests are padded to 64 rows here).
+        rows_padded = triton.cdiv(num_rows, _BLOCK_ROWS) * _BLOCK_ROWS
+        num_splits = num_splits_for(B, rows_padded, 1, block_table.shape[1], num_sms, shared_mem)
+    num_splits = max(int(num_splits), 1)
+    block_table = block_table.to(torch.int32)
+    seq_lens = seq_lens.to(torch.int32).contiguous()
+    q_scale = q_scale.float()
+
+    if num_splits == 1:
+        native.decode_sm90(q8, q_scale, q_pe_scaled, kv_cache, block_table, seq_lens, out, lse,
+                           float(softmax_scale), bool(causal), 1)
+        return out, lse
+    part = torch.empty(B, num_splits, num_rows, fmt.KV_LORA_RANK, dtype=torch.float32,
+                       device=device)
+    part_lse = torch.empty(B, num_splits, num_rows, dtype=torch.float32, device=device)
+    native.decode_sm90(q8, q_scale, q_pe_scaled, kv_cache, block_table, seq_lens, part, part_lse,
+                       float(softmax_scale), bool(causal), num_splits)
+    _combine_kernel[(B, num_rows)](
+        part, part_lse, out, lse, H, s_q, num_rows, num_splits,
+        BLOCK_S=triton.next_power_of_2(num_splits), D=fmt.KV_LORA_RANK, num_warps=4)
+    return out, lse
