@@ -26,6 +26,10 @@ def gencode_flags(spec: str) -> list[str]:
         name = arch.removesuffix("+PTX")
         if not re.fullmatch(r"\d+a?", name):
             raise ValueError(f"SNAPMLA_ARCHS entry {arch!r} is not like 89, 90a or 89+PTX")
+        if name == "90":
+            # A plain sm_90 cubin would hold only the trapping stub of the Hopper decode kernel,
+            # which needs wgmma and setmaxnreg (sm_90a).
+            raise ValueError("SNAPMLA_ARCHS: build Hopper as 90a, not 90")
         flags.append(f"-gencode=arch=compute_{name},code=sm_{name}")
         if arch.endswith("+PTX"):
             flags.append(f"-gencode=arch=compute_{name},code=compute_{name}")

@@ -35,7 +35,7 @@ def snapmla_decode_sm90(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: to
 
     ``q8`` e4m3 ``[B,s_q,H,512]``, ``q_scale`` fp32 ``[B,s_q,H]``, ``q_pe_scaled`` bf16
     ``[B,s_q,H,64]``; ``kv_cache`` uint8 ``[num_blocks,64,656]``; ``block_table`` int32
-    ``[B,max_blocks]``; ``seq_lens`` int32 ``[B]``.  Returns ``out`` bf16 ``[B,s_q,H,512]`` and
+    ``[>=B,max_blocks]``; ``seq_lens`` int32 ``[>=B]``.  Returns ``out`` bf16 ``[B,s_q,H,512]`` and
     ``lse`` fp32 ``[B,H,s_q]`` (natural log; -inf and zero output for rows that see no token).
     ``num_splits`` defaults to the Triton kernel's ``num_splits_for`` heuristic over
     ``block_table.shape[1]`` pages, evaluated for this kernel's grid.
@@ -59,8 +59,10 @@ def snapmla_decode_sm90(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: to
         rows_padded = triton.cdiv(num_rows, _BLOCK_ROWS) * _BLOCK_ROWS
         num_splits = num_splits_for(B, rows_padded, 1, block_table.shape[1], num_sms, shared_mem)
     num_splits = max(int(num_splits), 1)
-    block_table = block_table.to(torch.int32)
-    seq_lens = seq_lens.to(torch.int32).contiguous()
+    # Like the Triton kernel (and vLLM's persistent buffers), accept tables with more rows than
+    # requests; the op wants exactly B rows.
+    block_table = block_table[:B].to(torch.int32)
+    seq_lens = seq_lens[:B].to(torch.int32).contiguous()
     q_scale = q_scale.float()
 
     if num_splits == 1:

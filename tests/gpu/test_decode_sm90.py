@@ -24,13 +24,44 @@ pytestmark = [
 decode = sm90.snapmla_decode_sm90
 
 
+def _where_wrong(out, lse, q8, qs, qpe, cache, bt, sl, causal=True):
+    """Which query rows (lse) and which output column blocks are off, for a layout bug's address:
+    wrong rows in steps of 8/16 point at the accumulator fragment, column blocks of 128/256 at
+    the PV halves / warpgroups, all-NaN at masking or the V^T zeroing."""
+    r_out, r_lse = ref.decode_quantized(q8, qs, qpe, cache, bt, sl, SCALE, causal)
+    seen = ~torch.isneginf(r_lse)
+    lse_err = torch.where(seen, (lse.double() - r_lse).abs(), 0.0)          # [B, H, s_q]
+    bad_rows = (lse_err > 1e-2).nonzero().tolist()
+    err = (out.double() - r_out).abs().permute(0, 2, 1, 3)                   # [B, H, s_q, 512]
+    scale = r_out.abs().permute(0, 2, 1, 3).mean().clamp_min(1e-30)
+    col_err = (err.amax((0, 1, 2)) / scale).view(-1, 32).amax(1)            # per 32 columns
+    return (f"nan out {int(torch.isnan(out).sum())}, nan lse {int(torch.isnan(lse).sum())}; "
+            f"{len(bad_rows)} rows [b, h, i] with lse error > 1e-2 (first: {bad_rows[:8]}); "
+            f"max |err| / mean |out| per 32 output columns: "
+            f"{[round(x, 3) for x in col_err.tolist()]}")
+
+
 @pytest.mark.parametrize("seq_len", [64, 37, 129])
 def test_few_pages_one_split(seq_len):
     """The smallest cases first: one request, 1-3 pages, one split (bf16 out written directly)."""
     q, qp, cache, bt, sl = _case([seq_len], 64, 1, seed=seq_len)
     q8, qs, qpe = ref.quantize_q(q, qp)
     out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, True, num_splits=1)
-    _check(out, lse, q, qp, cache, bt, sl)
+    torch.cuda.synchronize()
+    try:
+        _check(out, lse, q, qp, cache, bt, sl)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{_where_wrong(out, lse, q8, qs, qpe, cache, bt, sl)}") from e
+
+
+def test_block_table_with_spare_rows():
+    """As with the Triton kernel, block_table / seq_lens may have more rows than requests."""
+    q, qp, cache, bt, sl = _case([300, 65], 16, 1, seed=18)
+    q8, qs, qpe = ref.quantize_q(q, qp)
+    bt_spare = torch.cat([bt, bt.flip(0)])
+    sl_spare = torch.cat([sl, sl.flip(0) + 1000])
+    out, lse = decode(q8, qs, qpe, cache, bt_spare, sl_spare, SCALE, num_splits=2)
+    _check(out, lse, q, qp, cache, bt, sl, check_exact=False)
 
 
 @pytest.mark.parametrize("H", [16, 32, 64, 128])

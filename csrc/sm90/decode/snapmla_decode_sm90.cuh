@@ -111,11 +111,20 @@ __device__ __forceinline__ void wgmma_wait_all() {
   asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 }
 
-// Keeps the compiler from moving reads of WGMMA accumulators above the wait that completes them.
+// Pins every access to WGMMA operand registers (accumulators, register A fragments) to its side
+// of the neighbouring volatile asm: placed after wgmma_wait_all, reads of the results cannot move
+// above the wait; placed before wgmma_fence, earlier reads and writes cannot sink between the
+// fence and the WGMMA, which PTX makes undefined (CUTLASS's warpgroup_fence_operand).
 template <int N>
-__device__ __forceinline__ void fence_accumulators(float (&d)[N]) {
+__device__ __forceinline__ void fence_operands(float (&d)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+template <int N>
+__device__ __forceinline__ void fence_operands(uint32_t (&a)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(a[i])::"memory");
 }
 
 // WGMMA shared-memory descriptor of a K-major tile of 128-byte rows with the 128-byte swizzle:
@@ -412,6 +421,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma_commit();
 #pragma unroll
     for (int chunk = 0; chunk < kKvLoraRank / kQkPromoteCols; ++chunk) {
+      fence_operands(part);   // the previous chunk's `s += part` stays above the fence
       wgmma_fence();
 #pragma unroll
       for (int k = 0; k < kQkPromoteCols / kWgmmaK8; ++k) {
@@ -423,8 +433,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       wgmma_commit();
       wgmma_wait_all();
-      fence_accumulators(s);
-      fence_accumulators(part);
+      fence_operands(s);
+      fence_operands(part);
 #pragma unroll
       for (int v = 0; v < 32; ++v) s[v] += part[v];   // the FP32 promotion point
     }
@@ -496,6 +506,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       float pv[kPvN / 2];
+      fence_operands(p8[0]);   // the e4m3 packing of P stays above the fence
+      fence_operands(p8[1]);
       wgmma_fence();
 #pragma unroll
       for (int k = 0; k < kPageSize / kWgmmaK8; ++k) {
@@ -504,7 +516,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       wgmma_commit();
       wgmma_wait_all();
-      fence_accumulators(pv);
+      fence_operands(pv);
 #pragma unroll
       for (int v = 0; v < kPvN / 2; ++v) o[half][v] = o[half][v] * gamma[(v >> 1) & 1] + pv[v];
     }
