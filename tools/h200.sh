@@ -24,7 +24,7 @@ case "$stage" in
   sm90)
     CUDA_LAUNCH_BLOCKING=1 run timeout 150 python3 -m pytest tests/gpu/test_decode_sm90.py -x -q \
         -k "few_pages or rejects or spare"
-    run timeout 400 python3 -m pytest tests/gpu/test_decode_sm90.py -q ;;
+    run timeout 400 python3 -m pytest tests/gpu/test_decode_sm90.py tests/gpu/test_decode_kernels.py -q -k sm90 ;;
   e2e)    run timeout 500 python3 -m pytest tests/e2e/test_llm_generate.py -v -s ;;
   serve)  run timeout 500 python3 -m pytest tests/e2e/test_serve.py tests/e2e/test_serve_load.py -v -s ;;
   bench)

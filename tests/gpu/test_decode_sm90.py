@@ -1,9 +1,9 @@
-"""The sm_90a CUDA decode kernel (``vllm_snapmla.sm90``) against the references and Triton.
+"""What only the sm_90a CUDA decode kernel (``vllm_snapmla.sm90``) needs tested.
 
-Same checks as ``test_decode_triton.py`` (its ``_case``/``_check`` helpers: poisoned paged cache,
-comparison with ``reference.decode_quantized`` and the float64 attention), plus a direct comparison
-with the Triton kernel on the same inputs.  Run on an H100/H200 with the extension built for
-``90a``; skipped elsewhere.
+The checks it shares with the Triton kernel (ragged batches, 131k tokens, causal and non-causal,
+graph replay) run for both in ``test_decode_kernels.py``; here: the smallest cases first (with a
+report of where a wrong result is wrong), block-table and cache-stride contracts, input checks,
+and a direct comparison with the Triton kernel.  Needs an H100/H200 and a ``90a`` build.
 """
 
 import pytest
@@ -13,7 +13,7 @@ from vllm_snapmla import format as fmt
 from vllm_snapmla import reference as ref
 from vllm_snapmla import sm90
 
-from tests.gpu.test_decode_triton import RAGGED, SCALE, _case, _check, _rel
+from tests.gpu.test_decode_kernels import RAGGED, SCALE, _case, _check, _rel
 
 pytestmark = [
     pytest.mark.gpu,
@@ -64,58 +64,6 @@ def test_block_table_with_spare_rows():
     _check(out, lse, q, qp, cache, bt, sl, check_exact=False)
 
 
-@pytest.mark.parametrize("H", [16, 32, 64, 128])
-@pytest.mark.parametrize("s_q", [1, 2])
-@pytest.mark.parametrize("num_splits", [None, 1, 5])
-def test_ragged_batch_matches_references(H, s_q, num_splits):
-    q, qp, cache, bt, sl = _case(RAGGED, H, s_q, seed=H * 10 + s_q)
-    q8, qs, qpe = ref.quantize_q(q, qp)
-    out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, True, num_splits=num_splits)
-    _check(out, lse, q, qp, cache, bt, sl)
-
-
-@pytest.mark.parametrize("H, s_q", [(128, 1), (16, 2)])
-def test_large_batch(H, s_q):
-    gen = torch.Generator().manual_seed(7)
-    seq_lens = torch.randint(1, 3000, (64,), generator=gen).tolist()
-    seq_lens[:4] = [1, 64, 65, 4096]
-    q, qp, cache, bt, sl = _case(seq_lens, H, s_q, seed=8)
-    q8, qs, qpe = ref.quantize_q(q, qp)
-    out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE)
-    _check(out, lse, q, qp, cache, bt, sl, check_exact=False)
-
-
-@pytest.mark.parametrize("num_splits", [None, 1])
-def test_long_context_131072(num_splits):
-    q, qp, cache, bt, sl = _case([131072, 5000], 128, 1, seed=9)
-    q8, qs, qpe = ref.quantize_q(q, qp)
-    out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, num_splits=num_splits)
-    _check(out, lse, q, qp, cache, bt, sl)
-
-
-def test_non_causal_two_token_query():
-    q, qp, cache, bt, sl = _case([1, 65, 300], 32, 2, seed=10)
-    q8, qs, qpe = ref.quantize_q(q, qp)
-    out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, False, num_splits=3)
-    _check(out, lse, q, qp, cache, bt, sl, causal=False)
-
-
-def test_peaked_attention():
-    """Large logits (sharp softmax): P blocks span many orders of magnitude across pages."""
-    q, qp, cache, bt, sl = _case([3000, 200], 64, 1, seed=11, q_std=8.0)
-    q8, qs, qpe = ref.quantize_q(q, qp)
-    out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, num_splits=3)
-    _check(out, lse, q, qp, cache, bt, sl)
-
-
-def test_all_requests_empty():
-    q, qp, cache, bt, sl = _case([0, 0], 16, 2, seed=12)
-    q8, qs, qpe = ref.quantize_q(q, qp)
-    for splits in (None, 1, 4):
-        out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, num_splits=splits)
-        assert (out == 0).all() and torch.isneginf(lse).all()
-
-
 def test_strided_cache_blocks():
     """Cache blocks further apart than 64 rows (a view into a larger allocation) and a block
     table that is a column slice: both reach the kernel without copies."""
@@ -144,25 +92,6 @@ def test_matches_triton_kernel(H, s_q, num_splits):
     seen = ~torch.isneginf(t_lse)
     assert (lse - t_lse)[seen].abs().max().item() <= 5e-3
     assert _rel(out, t_out.double()) <= 1e-2
-
-
-def test_cuda_graph_replay_with_new_lengths():
-    """A fixed split count makes the launch shape independent of the lengths: capture, replay."""
-    from vllm_snapmla.triton.decode import fixed_num_splits
-    lengths_a, lengths_b = [900, 64, 1, 2000], [2047, 1, 640, 65]
-    q, qp, cache, bt, sl = _case([2048] * 4, 64, 2, seed=14)
-    q8, qs, qpe = ref.quantize_q(q, qp)
-    splits = fixed_num_splits(4, 64, max_model_len=2048, s_q=2)
-    sl.copy_(torch.tensor(lengths_a, dtype=torch.int32))
-    decode(q8, qs, qpe, cache, bt, sl, SCALE, num_splits=splits)   # compile the combine first
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, num_splits=splits)
-    for lengths in (lengths_a, lengths_b):
-        sl.copy_(torch.tensor(lengths, dtype=torch.int32))
-        graph.replay()
-        torch.cuda.synchronize()
-        _check(out, lse, q, qp, cache, bt, sl, check_exact=False)
 
 
 def test_rejects_bad_inputs():

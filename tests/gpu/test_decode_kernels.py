@@ -1,4 +1,4 @@
-"""The Triton split-KV decode kernel against the reference, on the GPU.
+"""The decode kernels (Triton split-KV; sm_90a CUDA where built) against the reference, on the GPU.
 
 Two yardsticks: ``reference.decode_quantized`` (the same SnapMLA algorithm from the same quantized
 query; the kernel must match it to FP32/bf16 rounding) and ``reference.decode(exact=True)``
@@ -18,7 +18,21 @@ pytestmark = pytest.mark.gpu
 SCALE = 0.1147   # DeepSeek-V3's 1/sqrt(192) times its YaRN mscale, roughly
 
 
-def _decode():
+def _sm90_available():
+    from vllm_snapmla import sm90
+    return sm90.available()
+
+
+@pytest.fixture(params=[
+    "triton",
+    pytest.param("sm90", marks=[pytest.mark.hopper, pytest.mark.skipif(
+        not _sm90_available(), reason="needs an sm_90 GPU and the decode_sm90 op")]),
+])
+def decode(request):
+    """Each decode kernel, with the signature of ``triton.decode.snapmla_decode``."""
+    if request.param == "sm90":
+        from vllm_snapmla.sm90 import snapmla_decode_sm90
+        return snapmla_decode_sm90
     from vllm_snapmla.triton.decode import snapmla_decode
     return snapmla_decode
 
@@ -94,51 +108,52 @@ RAGGED = [1, 63, 64, 65, 0, 700, 2113]
 @pytest.mark.parametrize("H", [16, 32, 64, 128])
 @pytest.mark.parametrize("s_q", [1, 2])
 @pytest.mark.parametrize("num_splits", [None, 1, 5])
-def test_ragged_batch_matches_references(H, s_q, num_splits):
+def test_ragged_batch_matches_references(H, s_q, num_splits, decode):
     q, qp, cache, bt, sl = _case(RAGGED, H, s_q, seed=H * 10 + s_q)
     q8, qs, qpe = ref.quantize_q(q, qp)
-    out, lse = _decode()(q8, qs, qpe, cache, bt, sl, SCALE, True, num_splits=num_splits)
+    out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, True, num_splits=num_splits)
     _check(out, lse, q, qp, cache, bt, sl)
 
 
 @pytest.mark.parametrize("H, s_q", [(128, 1), (16, 2)])
-def test_large_batch(H, s_q):
+def test_large_batch(H, s_q, decode):
     gen = torch.Generator().manual_seed(7)
     seq_lens = torch.randint(1, 3000, (64,), generator=gen).tolist()
     seq_lens[:4] = [1, 64, 65, 4096]
     q, qp, cache, bt, sl = _case(seq_lens, H, s_q, seed=8)
     q8, qs, qpe = ref.quantize_q(q, qp)
-    out, lse = _decode()(q8, qs, qpe, cache, bt, sl, SCALE)
+    out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE)
     _check(out, lse, q, qp, cache, bt, sl, check_exact=False)
 
 
-def test_long_context_131072():
+@pytest.mark.parametrize("num_splits", [None, 1])
+def test_long_context_131072(num_splits, decode):
     q, qp, cache, bt, sl = _case([131072, 5000], 128, 1, seed=9)
     q8, qs, qpe = ref.quantize_q(q, qp)
-    out, lse = _decode()(q8, qs, qpe, cache, bt, sl, SCALE)
+    out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, num_splits=num_splits)
     _check(out, lse, q, qp, cache, bt, sl)
 
 
-def test_non_causal_two_token_query():
+def test_non_causal_two_token_query(decode):
     q, qp, cache, bt, sl = _case([1, 65, 300], 32, 2, seed=10)
     q8, qs, qpe = ref.quantize_q(q, qp)
-    out, lse = _decode()(q8, qs, qpe, cache, bt, sl, SCALE, False, num_splits=3)
+    out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, False, num_splits=3)
     _check(out, lse, q, qp, cache, bt, sl, causal=False)
 
 
-def test_peaked_attention():
+def test_peaked_attention(decode):
     """Large logits (sharp softmax): P blocks span many orders of magnitude across pages."""
     q, qp, cache, bt, sl = _case([3000, 200], 64, 1, seed=11, q_std=8.0)
     q8, qs, qpe = ref.quantize_q(q, qp)
-    out, lse = _decode()(q8, qs, qpe, cache, bt, sl, SCALE, num_splits=3)
+    out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, num_splits=3)
     _check(out, lse, q, qp, cache, bt, sl)
 
 
-def test_all_requests_empty():
+def test_all_requests_empty(decode):
     q, qp, cache, bt, sl = _case([0, 0], 16, 2, seed=12)
     q8, qs, qpe = ref.quantize_q(q, qp)
     for splits in (None, 1, 4):
-        out, lse = _decode()(q8, qs, qpe, cache, bt, sl, SCALE, num_splits=splits)
+        out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, num_splits=splits)
         assert (out == 0).all() and torch.isneginf(lse).all()
 
 
@@ -150,7 +165,7 @@ def test_ops_decode_from_bf16_query():
     _check(out, lse, q, qp, cache, bt, sl)
 
 
-def test_cuda_graph_replay_with_new_lengths():
+def test_cuda_graph_replay_with_new_lengths(decode):
     """A fixed split count makes the launch shape independent of the lengths: capture once, replay."""
     from vllm_snapmla.triton.decode import fixed_num_splits
     lengths_a, lengths_b = [900, 64, 1, 2000], [2047, 1, 640, 65]
@@ -158,7 +173,6 @@ def test_cuda_graph_replay_with_new_lengths():
     q8, qs, qpe = ref.quantize_q(q, qp)
     splits = fixed_num_splits(4, 64, max_model_len=2048, s_q=2)
     sl.copy_(torch.tensor(lengths_a, dtype=torch.int32))
-    decode = _decode()
     decode(q8, qs, qpe, cache, bt, sl, SCALE, num_splits=splits)          # compile outside capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
