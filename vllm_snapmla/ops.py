@@ -2,13 +2,18 @@
 
 Every function takes CPU or CUDA tensors.  CPU tensors run the exact PyTorch reference
 (``vllm_snapmla.reference``); CUDA tensors run our kernels: the native extension
-(``vllm_snapmla._C``, ``csrc/``) for the data path and the Triton split-KV kernel for decode.
-Both give the same results within the tolerances the tests state.
+(``vllm_snapmla._C``, ``csrc/``) for the data path, and for decode the sm_90a kernel on Hopper
+(``vllm_snapmla.sm90``) or the portable Triton split-KV kernel elsewhere.  All give the same
+results within the tolerances the tests state.
+
+``SNAPMLA_DECODE_KERNEL`` picks the decode kernel: ``auto`` (default: sm90 where it is built and
+the GPU is sm_90, Triton otherwise), ``sm90`` (refuse to run without it) or ``triton``.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -134,6 +139,26 @@ def quantize_q(q_nope: torch.Tensor, q_pe: torch.Tensor):
     return reference.quantize_q(q_nope, q_pe)
 
 
+DECODE_KERNELS = ("auto", "sm90", "triton")
+
+
+@functools.cache
+def decode_kernel(device: torch.device):
+    """The CUDA decode kernel for ``device`` (see ``SNAPMLA_DECODE_KERNEL`` above)."""
+    from vllm_snapmla import sm90
+    choice = os.environ.get("SNAPMLA_DECODE_KERNEL", "auto")
+    if choice not in DECODE_KERNELS:
+        raise ValueError(f"SNAPMLA_DECODE_KERNEL={choice!r}; expected one of {DECODE_KERNELS}")
+    if choice == "sm90" and not sm90.available(device):
+        raise RuntimeError(
+            "SNAPMLA_DECODE_KERNEL=sm90 needs an sm_90 GPU and an extension built with "
+            "SNAPMLA_ARCHS containing 90a; unset it to fall back to the Triton kernel")
+    if choice == "sm90" or (choice == "auto" and sm90.available(device)):
+        return sm90.snapmla_decode_sm90
+    from vllm_snapmla.triton.decode import snapmla_decode
+    return snapmla_decode
+
+
 def decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
            block_table: torch.Tensor, seq_lens: torch.Tensor, softmax_scale: float,
            causal: bool = True):
@@ -155,10 +180,9 @@ def decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
         raise ValueError(f"block_table {list(block_table.shape)} / seq_lens "
                          f"{list(seq_lens.shape)} do not cover batch {B}")
     if q_nope.is_cuda:
-        from vllm_snapmla.triton.decode import snapmla_decode
+        kernel = decode_kernel(q_nope.device)
         q8, q_scale, qpe = quantize_q(q_nope, q_pe)
-        return snapmla_decode(q8, q_scale, qpe, kv_cache, block_table, seq_lens,
-                              softmax_scale, causal)
+        return kernel(q8, q_scale, qpe, kv_cache, block_table, seq_lens, softmax_scale, causal)
     out, lse = reference.decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale,
                                 causal)
     return out.to(torch.bfloat16), lse.float()

@@ -2,8 +2,8 @@
 
 Same inputs, outputs and split contract as ``vllm_snapmla.triton.decode.snapmla_decode``: stage 1
 is the CUDA kernel (one CTA per request, 64-row block of ``(s_q, head)`` rows and KV split; TMA
-page ring, FP8/BF16 WGMMA); with several splits, stage 2 is the Triton combine kernel.  Not wired
-into ``vllm_snapmla.ops.decode`` yet: selected explicitly by tests and benchmarks.
+page ring, FP8/BF16 WGMMA); with several splits, stage 2 is the Triton combine kernel.
+``vllm_snapmla.ops.decode`` uses it on sm_90 GPUs (``SNAPMLA_DECODE_KERNEL`` overrides that).
 """
 
 from __future__ import annotations

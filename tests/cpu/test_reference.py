@@ -223,3 +223,17 @@ def test_empty_request_gives_zero_output_and_minus_inf_lse():
 def test_bad_inputs_raise_clear_errors(call, match):
     with pytest.raises((ValueError, TypeError), match=match):
         call()
+
+
+def test_decode_kernel_choice_is_checked(monkeypatch):
+    """SNAPMLA_DECODE_KERNEL: a typo or an unavailable sm90 kernel is an error, not a fallback."""
+    cpu = torch.device("cpu")
+    for value, error in (("flashmla", ValueError), ("sm90", RuntimeError)):
+        monkeypatch.setenv("SNAPMLA_DECODE_KERNEL", value)
+        ops.decode_kernel.cache_clear()
+        with pytest.raises(error, match="SNAPMLA_DECODE_KERNEL"):
+            ops.decode_kernel(cpu)
+    monkeypatch.setenv("SNAPMLA_DECODE_KERNEL", "triton")
+    ops.decode_kernel.cache_clear()
+    assert ops.decode_kernel(cpu).__module__ == "vllm_snapmla.triton.decode"
+    ops.decode_kernel.cache_clear()
