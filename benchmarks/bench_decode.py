@@ -137,6 +137,8 @@ def _time(fn, rep, warmup, eager):
 
 
 def _plot(rows, path):
+    """Three panels, one colour per backend: H=128 TFLOP/s and speedup over BF16 FlashMLA
+    against context length (the paper's Figures 1 and 6), and the speedup at the other shapes."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -144,29 +146,48 @@ def _plot(rows, path):
     except ImportError:
         print("matplotlib not importable: no plot", flush=True)
         return
-    fig, (ax_tf, ax_sp) = plt.subplots(1, 2, figsize=(13, 5))
-    series = sorted({(r["backend"], r["H"], r["s_q"]) for r in rows})
-    for backend, H, s_q in series:
-        pts = sorted((r["N"], r["tflops"]) for r in rows
-                     if (r["backend"], r["H"], r["s_q"]) == (backend, H, s_q))
-        ax_tf.plot(*zip(*pts), marker="o", label=f"{backend} H={H} s_q={s_q}")
-        for key, style in (("speedup_vs_bf16", "-"), ("speedup_vs_fp8", "--")):
-            sp = sorted((r["N"], r[key]) for r in rows if (r["backend"], r["H"], r["s_q"])
-                        == (backend, H, s_q) and r.get(key))
-            if sp and backend.startswith("snapmla"):
-                ax_sp.plot(*zip(*sp), style, marker="o",
-                           label=f"{backend} H={H} s_q={s_q} vs {key.split('_')[-1]}")
-    for ax, title in ((ax_tf, "TFLOP/s"), (ax_sp, "speedup vs FlashMLA")):
+    backends = sorted({r["backend"] for r in rows})
+    colour = {b: f"C{i}" for i, b in enumerate(backends)}
+    fig, (ax_tf, ax_sp, ax_bar) = plt.subplots(1, 3, figsize=(17, 5))
+    sweep = [r for r in rows if r["H"] == 128 and r["s_q"] == 1]
+    for backend in backends:
+        pts = sorted((r["N"], r["tflops"], r.get("speedup_vs_bf16")) for r in sweep
+                     if r["backend"] == backend)
+        if not pts:
+            continue
+        ax_tf.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colour[backend],
+                   label=backend)
+        if all(p[2] for p in pts):
+            ax_sp.plot([p[0] for p in pts], [p[2] for p in pts], marker="o",
+                       color=colour[backend], label=backend)
+    for ax, title in ((ax_tf, "H=128, s_q=1: TFLOP/s"),
+                      (ax_sp, "H=128, s_q=1: speedup over BF16 FlashMLA")):
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("context length N")
+        ax.set_xlabel("context length N (tokens)")
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=6)
+            ax.legend(fontsize=8)
     ax_sp.axhline(1.0, color="gray", lw=0.8)
+    others = sorted({(r["H"], r["s_q"], r["B"], r["N"]) for r in rows
+                     if (r["H"], r["s_q"]) != (128, 1)})
+    width = 0.8 / max(len(backends), 1)
+    for i, backend in enumerate(backends):
+        values = [next((r.get("speedup_vs_bf16") or 0 for r in rows if r["backend"] == backend
+                        and (r["H"], r["s_q"], r["B"], r["N"]) == shape), 0) for shape in others]
+        ax_bar.bar([x + i * width for x in range(len(others))], values, width,
+                   color=colour[backend], label=backend)
+    ax_bar.set_xticks([x + 0.4 - width / 2 for x in range(len(others))])
+    ax_bar.set_xticklabels([f"H={h} s_q={q}\nB={b} N={n // 1024}k" for h, q, b, n in others],
+                           fontsize=7)
+    ax_bar.axhline(1.0, color="gray", lw=0.8)
+    ax_bar.set_title("other shapes: speedup over BF16 FlashMLA")
+    ax_bar.grid(True, axis="y", alpha=0.3)
+    ax_bar.legend(fontsize=8)
     if not any(r.get("speedup_vs_bf16") for r in rows):
-        ax_sp.text(0.5, 0.5, "FlashMLA not available in this run", ha="center",
-                   transform=ax_sp.transAxes)
+        for ax in (ax_sp, ax_bar):
+            ax.text(0.5, 0.5, "FlashMLA not available in this run", ha="center",
+                    transform=ax.transAxes)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}", flush=True)

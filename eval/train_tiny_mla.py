@@ -5,9 +5,14 @@ The result is a real model with trained weights for KV-cache accuracy comparison
 qk_rope_head_dim 64, qk_nope_head_dim 128, v_head_dim 128, q_lora_rank set, so vLLM takes its
 fused q_a/kv_a path), a dense MLP in every layer, ~50M parameters, 2048-token context.
 
-Data: every ``*.py`` under ``sysconfig.get_paths()["stdlib"]`` (site-/dist-packages excluded),
-split by file with a seeded shuffle; the held-out files' tokens are saved for evaluation.
-Tokenizer: byte-level BPE trained on the training files with the ``tokenizers`` package.
+Data: Python source available offline.  The held-out set is a seeded 5% of the standard library's
+``*.py`` files (``sysconfig.get_paths()["stdlib"]``); training uses the other stdlib files plus,
+with ``--data python`` (the default), the ``*.py`` files of this interpreter's site-packages
+(torch, transformers, numpy, ...: the stdlib alone is ~2.6M tokens, which a 50M model memorises
+within a minute on an H200), minus any file whose text equals a held-out file's, up to
+``--max-train-chars``.  Tokenizer: byte-level BPE trained on (a prefix of) the training text with
+the ``tokenizers`` package.  The held-out loss is measured every 250 steps and the checkpoint
+saved is the step with the lowest one (early stopping).
 
     python eval/train_tiny_mla.py --out /tmp/tiny-mla --minutes 8 --seed 0
     python eval/train_tiny_mla.py --out /tmp/tiny-mla-smoke --smoke      # CPU, seconds
@@ -66,6 +71,16 @@ def stdlib_files() -> list[pathlib.Path]:
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
     return sorted(p for p in root.rglob("*.py")
                   if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts))
+
+
+def site_package_files() -> list[pathlib.Path]:
+    """``*.py`` under this interpreter's site-packages (purelib/platlib), sorted, deduplicated."""
+    roots = {pathlib.Path(sysconfig.get_paths()[k]) for k in ("purelib", "platlib")}
+    found = set()
+    for root in sorted(roots):
+        if root.is_dir():
+            found.update(p for p in root.rglob("*.py") if p.is_file())
+    return sorted(found)
 
 
 def read_text(path: pathlib.Path) -> str:
@@ -170,6 +185,13 @@ def main(argv=None) -> None:
     parser.add_argument("--lr", type=float, default=None,
                         help="peak LR (default 1e-3; smoke 3e-3)")
     parser.add_argument("--heldout-fraction", type=float, default=0.05)
+    parser.add_argument("--data", choices=("python", "stdlib"), default="python",
+                        help="training text: stdlib + site-packages sources (default) or the "
+                             "stdlib alone (held-out files are stdlib files either way)")
+    parser.add_argument("--max-train-chars", type=float, default=100e6,
+                        help="cap on training characters (default 100e6)")
+    parser.add_argument("--tokenizer-chars", type=float, default=30e6,
+                        help="characters of training text the BPE tokenizer learns from")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--reserve-s", type=float, default=None,
                         help="seconds of the budget kept for held-out eval and saving "
@@ -200,12 +222,35 @@ def main(argv=None) -> None:
         files = files[:80]
     n_heldout = max(1, round(args.heldout_fraction * len(files))) if not smoke else 8
     heldout_files, train_files = files[:n_heldout], files[n_heldout:]
-    train_texts = [read_text(p) for p in train_files]
     heldout_texts = [read_text(p) for p in heldout_files]
-    log(f"data: {len(train_files)} training files, {len(heldout_files)} held-out files "
-        f"({sum(map(len, train_texts)) / 1e6:.1f}M / {sum(map(len, heldout_texts)) / 1e6:.2f}M "
-        f"characters) from {sysconfig.get_paths()['stdlib']}")
-    tokenizer = train_tokenizer(train_texts, config["vocab_size"])
+    if args.data == "python" and not smoke:
+        # Site-packages after the stdlib, in a seeded order; exact copies of held-out files
+        # (vendored stdlib modules) are dropped so the held-out text stays unseen.
+        extra = site_package_files()
+        random.Random(args.seed + 1).shuffle(extra)
+        train_files = train_files + extra
+    heldout_set = set(heldout_texts)
+    train_texts, chars, skipped = [], 0, 0
+    for path in train_files:
+        text = read_text(path)
+        if text in heldout_set or not text.strip():
+            skipped += 1
+            continue
+        if chars + len(text) > args.max_train_chars:
+            break
+        train_texts.append(text)
+        chars += len(text)
+    log(f"data: {len(train_texts)} training files ({skipped} empty or copies of held-out files "
+        f"skipped), {len(heldout_files)} held-out stdlib files "
+        f"({chars / 1e6:.1f}M / {sum(map(len, heldout_texts)) / 1e6:.2f}M characters); "
+        f"stdlib {sysconfig.get_paths()['stdlib']}")
+    tok_texts, tok_chars = [], 0
+    for text in train_texts:
+        if tok_chars >= args.tokenizer_chars:
+            break
+        tok_texts.append(text)
+        tok_chars += len(text)
+    tokenizer = train_tokenizer(tok_texts, config["vocab_size"])
     config["vocab_size"] = tokenizer.get_vocab_size()
     train_tokens = torch.from_numpy(encode_files(tokenizer, train_texts))
     heldout_np = encode_files(tokenizer, heldout_texts)
@@ -244,6 +289,7 @@ def main(argv=None) -> None:
 
     # --- training -----------------------------------------------------------------------------
     step, tokens_seen, history, heldout_history = 0, 0, [], []
+    best = None   # (held-out loss, step, weights on the GPU) of the best evaluated step
     t_train = time.monotonic()
     t_window, tokens_window = t_train, 0
     while True:
@@ -275,11 +321,14 @@ def main(argv=None) -> None:
             log(f"step {step:5d}  loss {loss_value:.4f}  lr {lr:.2e}  "
                 f"{tokens_window / (now - t_window):,.0f} tok/s  elapsed {now - t_start:.0f}s")
             t_window, tokens_window = now, 0
-        if step % eval_every == 0:   # a quick look for over-fitting (the data is ~8M tokens)
+        if step % eval_every == 0:   # over-fitting watch, and the early-stopping candidates
             held = heldout_loss(model, heldout_tokens, seq_len, max_windows=8, batch=batch,
                                 device=device, autocast=autocast)
             heldout_history.append([step, held])
-            log(f"step {step:5d}  held-out loss {held:.4f} (8 windows)")
+            if best is None or held < best[0]:
+                best = (held, step, {k: v.detach().clone() for k, v in model.state_dict().items()})
+            log(f"step {step:5d}  held-out loss {held:.4f} (8 windows)"
+                + ("  best so far" if best[1] == step else ""))
             t_window, tokens_window = time.monotonic(), 0
     if step == 0:
         raise SystemExit(f"no training step fitted in --minutes {args.minutes} "
@@ -290,13 +339,22 @@ def main(argv=None) -> None:
 
     # --- evaluation and saving -------------------------------------------------------------
     final_train_loss = float(np.mean([l for _, l in history[-4:]]))
+    last8 = heldout_loss(model, heldout_tokens, seq_len, max_windows=8, batch=batch,
+                         device=device, autocast=autocast)
+    selected_step = step
+    if best is not None and best[0] < last8:
+        model.load_state_dict(best[2])
+        selected_step = best[1]
+        log(f"early stopping: keeping step {best[1]} (held-out {best[0]:.4f} < {last8:.4f} "
+            f"at the last step {step})")
+    best = None
     held = heldout_loss(model, heldout_tokens, seq_len, max_windows=8 if smoke else 64,
                         batch=batch, device=device, autocast=autocast)
     log(f"held-out loss {held:.4f} (ppl {math.exp(held):.2f}); last train loss "
         f"{history[-1][1]:.4f}")
     save_checkpoint(args.out, model, config, tokenizer)
     train_log = {
-        "steps": step, "tokens_seen": tokens_seen, "train_seconds": round(train_s, 1),
+        "steps": step, "selected_step": selected_step, "tokens_seen": tokens_seen, "train_seconds": round(train_s, 1),
         "wall_seconds": round(time.monotonic() - t_start, 1),
         "tokens_per_second": round(tokens_seen / max(train_s, 1e-9)),
         "final_train_loss": final_train_loss, "heldout_loss": held,
@@ -307,7 +365,9 @@ def main(argv=None) -> None:
         "device": torch.cuda.get_device_name() if use_cuda else "cpu",
         "torch": torch.__version__, "transformers": __import__("transformers").__version__,
         "python": sys.version.split()[0], "git_commit": git_commit(),
-        "data": {"stdlib": sysconfig.get_paths()["stdlib"], "train_files": len(train_files),
+        "data": {"source": args.data, "stdlib": sysconfig.get_paths()["stdlib"],
+                 "train_files": len(train_texts), "train_characters": chars,
+                 "tokenizer_characters": tok_chars,
                  "heldout_files": sorted(str(p.relative_to(sysconfig.get_paths()["stdlib"]))
                                          for p in heldout_files),
                  "train_tokens": len(train_tokens), "heldout_tokens": len(heldout_tokens)},

@@ -87,5 +87,43 @@ PY
   lease3)
     run timeout $(left 400) python3 benchmarks/bench_decode.py --out /root/bench_decode
     pack /root/bench_decode "$log" ;;
+  lease4)   # after `stash 2`: training in the background, kernel tests, e2e on the sm90 kernel
+    mkdir -p /root/site && cat /root/stash/vllm-site.part* | xz -d -T0 | tar x -C /root/site
+    export PYTHONPATH=/root/site:$PWD
+    setsid nohup python3 eval/train_tiny_mla.py --out /root/tiny-mla --minutes ${TRAIN_MIN:-7} \
+        --seed 0 > /root/train.log 2>&1 < /dev/null &
+    run timeout 200 python3 -m pip install -q -v --no-build-isolation --no-deps -e . \
+        | grep -E "registers|spill|error"
+    setsid bash -c "timeout $(left 400) python3 -m pytest tests/gpu -q -rs -p no:cacheprovider \
+        > /root/gpu.log 2>&1; echo rc=\$? >> /root/gpu.log" < /dev/null &
+    SNAPMLA_DECODE_KERNEL=sm90 run timeout $(left 420) python3 -m pytest \
+        tests/e2e/test_llm_generate.py -q -rs -p no:cacheprovider -k "not mrv2"
+    while ! grep -q "^rc=" /root/gpu.log && [ $(left 560) -gt 0 ]; do sleep 2; done
+    tail -30 /root/gpu.log
+    for _ in $(seq 200); do pgrep -f train_tiny_mla >/dev/null || break; sleep 2; done
+    run tail -4 /root/train.log; pack /root/gpu.log /root/train.log "$log" ;;
+  lease5)   # benchmarks first (nothing else on the GPU), then the trained model's evidence
+    run timeout 120 python3 benchmarks/bench_decode.py --out /root/bench_decode
+    run timeout $(left 300) python3 eval/parity_tiny.py --model /root/tiny-mla \
+        --out /root/parity-tiny --timeout 150
+    if [ -d .whl ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+          --target /root/lmeval .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/root/lmeval
+      run timeout $(left 470) python3 eval/lm_eval_tiny.py --model /root/tiny-mla \
+          --out /root/lm-eval-tiny
+    fi
+    python3 - <<'PY'
+import numpy as np
+from transformers import AutoTokenizer
+tok = AutoTokenizer.from_pretrained("/root/tiny-mla")
+ids = np.load("/root/tiny-mla/heldout_tokens.npy")[:8000].tolist()
+open("/root/prompt.txt", "w").write(tok.decode(ids))
+PY
+    run timeout $(left 540) python3 eval/capture_vllm.py --model /root/tiny-mla \
+        --out /root/capture.pt --prompt-file /root/prompt.txt --prompt-len 3000 \
+        --gpu-memory-utilization 0.5
+    run timeout $(left 575) python3 eval/fidelity.py --input /root/capture.pt --out /root/fidelity
+    pack /root/tiny-mla/train_log.json /root/bench_decode /root/parity-tiny /root/lm-eval-tiny \
+        /root/fidelity "$log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac

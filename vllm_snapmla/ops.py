@@ -6,8 +6,9 @@ Every function takes CPU or CUDA tensors.  CPU tensors run the exact PyTorch ref
 (``vllm_snapmla.sm90``) or the portable Triton split-KV kernel elsewhere.  All give the same
 results within the tolerances the tests state.
 
-``SNAPMLA_DECODE_KERNEL`` picks the decode kernel: ``auto`` (default: sm90 where it is built and
-the GPU is sm_90, Triton otherwise), ``sm90`` (refuse to run without it) or ``triton``.
+``SNAPMLA_DECODE_KERNEL`` picks the decode kernel: ``auto`` (default: sm90 where it is built, the
+GPU is sm_90 and a request has at least 64 query rows (s_q x heads), Triton otherwise), ``sm90``
+(always; refuse to run without it) or ``triton``.
 """
 
 from __future__ import annotations
@@ -140,21 +141,34 @@ def quantize_q(q_nope: torch.Tensor, q_pe: torch.Tensor):
 
 
 DECODE_KERNELS = ("auto", "sm90", "triton")
+# The sm90 kernel computes 64 query rows (s_q x heads) per CTA and pads fewer; below 64 rows the
+# Triton kernel was faster on the H200 (H=32: 313 vs 355 us, H=16: 408 vs 680 us; at H=64,
+# 457 vs 358 us; benchmarks/RESULTS.md, 2026-12-01).
+SM90_MIN_ROWS = 64
 
 
 @functools.cache
-def decode_kernel(device: torch.device):
-    """The CUDA decode kernel for ``device`` (see ``SNAPMLA_DECODE_KERNEL`` above)."""
+def _sm90_available(device: torch.device) -> bool:
     from vllm_snapmla import sm90
+    return sm90.available(device)
+
+
+def decode_kernel(device: torch.device, num_rows: int = SM90_MIN_ROWS):
+    """The CUDA decode kernel for ``num_rows = s_q * heads`` query rows on ``device``.
+
+    ``SNAPMLA_DECODE_KERNEL`` (see the module docstring) is read on every call.
+    """
     choice = os.environ.get("SNAPMLA_DECODE_KERNEL", "auto")
     if choice not in DECODE_KERNELS:
         raise ValueError(f"SNAPMLA_DECODE_KERNEL={choice!r}; expected one of {DECODE_KERNELS}")
-    if choice == "sm90" and not sm90.available(device):
+    if choice == "sm90" and not _sm90_available(device):
         raise RuntimeError(
             "SNAPMLA_DECODE_KERNEL=sm90 needs an sm_90 GPU and an extension built with "
             "SNAPMLA_ARCHS containing 90a; unset it to fall back to the Triton kernel")
-    if choice == "sm90" or (choice == "auto" and sm90.available(device)):
-        return sm90.snapmla_decode_sm90
+    if choice == "sm90" or (choice == "auto" and num_rows >= SM90_MIN_ROWS
+                            and _sm90_available(device)):
+        from vllm_snapmla.sm90 import snapmla_decode_sm90
+        return snapmla_decode_sm90
     from vllm_snapmla.triton.decode import snapmla_decode
     return snapmla_decode
 
@@ -180,7 +194,7 @@ def decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
         raise ValueError(f"block_table {list(block_table.shape)} / seq_lens "
                          f"{list(seq_lens.shape)} do not cover batch {B}")
     if q_nope.is_cuda:
-        kernel = decode_kernel(q_nope.device)
+        kernel = decode_kernel(q_nope.device, q_nope.shape[1] * q_nope.shape[2])
         q8, q_scale, qpe = quantize_q(q_nope, q_pe)
         return kernel(q8, q_scale, qpe, kv_cache, block_table, seq_lens, softmax_scale, causal)
     out, lse = reference.decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale,

@@ -230,10 +230,8 @@ def test_decode_kernel_choice_is_checked(monkeypatch):
     cpu = torch.device("cpu")
     for value, error in (("flashmla", ValueError), ("sm90", RuntimeError)):
         monkeypatch.setenv("SNAPMLA_DECODE_KERNEL", value)
-        ops.decode_kernel.cache_clear()
         with pytest.raises(error, match="SNAPMLA_DECODE_KERNEL"):
-            ops.decode_kernel(cpu)
-    monkeypatch.setenv("SNAPMLA_DECODE_KERNEL", "triton")
-    ops.decode_kernel.cache_clear()
-    assert ops.decode_kernel(cpu).__module__ == "vllm_snapmla.triton.decode"
-    ops.decode_kernel.cache_clear()
+            ops.decode_kernel(cpu, 128)
+    for value in ("triton", "auto"):   # auto: no sm_90 GPU here
+        monkeypatch.setenv("SNAPMLA_DECODE_KERNEL", value)
+        assert ops.decode_kernel(cpu, 128).__module__ == "vllm_snapmla.triton.decode"

@@ -127,3 +127,24 @@ def test_vllm_accepts_the_checkpoint_with_parity_settings(smoke_run, kv_cache_dt
     assert config == {"use_mla": True, "head_size": 576, "chunked_prefill": True,
                       "max_num_batched_tokens": 256, "prefix_caching": False,
                       "cache_dtype": kv_cache_dtype}
+
+
+def test_parity_greedy_with_cache_matches_full_recompute(smoke_run):
+    """The transformers greedy baseline in eval/parity_tiny.py uses the KV cache correctly."""
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM
+
+    spec = importlib.util.spec_from_file_location("parity_tiny",
+                                                  REPO_ROOT / "eval" / "parity_tiny.py")
+    parity = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(parity)
+    out, _ = smoke_run
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    prompt = np.load(out / "heldout_tokens.npy")[:40].tolist()
+    cached = parity.greedy_with_cache(model, prompt, 12, "cpu")
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(12):
+            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    assert cached == ids[len(prompt):]

@@ -158,22 +158,20 @@ def test_all_requests_empty(decode):
 
 
 @pytest.mark.parametrize("kernel", ["auto", "triton", "sm90"])
-def test_ops_decode_from_bf16_query(kernel, monkeypatch):
+@pytest.mark.parametrize("H", [16, 128])
+def test_ops_decode_from_bf16_query(kernel, H, monkeypatch):
     if ops.native() is None:
         pytest.skip("native extension (quantize_q) not built")
     if kernel == "sm90" and not _sm90_available():
         pytest.skip("needs an sm_90 GPU and the decode_sm90 op")
     monkeypatch.setenv("SNAPMLA_DECODE_KERNEL", kernel)
-    ops.decode_kernel.cache_clear()
-    try:
-        q, qp, cache, bt, sl = _case(RAGGED, 128, 2, seed=13)
-        out, lse = ops.decode(q, qp, cache, bt, sl, SCALE)
-        _check(out, lse, q, qp, cache, bt, sl)
-        expect = "sm90" if kernel == "sm90" or (kernel == "auto" and _sm90_available()) else "triton"
-        assert expect in ops.decode_kernel(q.device).__module__
-    finally:
-        monkeypatch.undo()
-        ops.decode_kernel.cache_clear()
+    q, qp, cache, bt, sl = _case(RAGGED, H, 2, seed=13)
+    out, lse = ops.decode(q, qp, cache, bt, sl, SCALE)
+    _check(out, lse, q, qp, cache, bt, sl)
+    wide = 2 * H >= ops.SM90_MIN_ROWS
+    expect = "sm90" if kernel == "sm90" or (kernel == "auto" and wide and _sm90_available()) \
+        else "triton"
+    assert expect in ops.decode_kernel(q.device, 2 * H).__module__
 
 
 def test_cuda_graph_replay_with_new_lengths(decode):

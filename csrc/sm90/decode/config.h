@@ -18,10 +18,13 @@ constexpr int kConsumerRegs = 240;
 
 // Hopper's FP8 WGMMA accumulates in reduced precision (about 14 mantissa bits, truncating).  The
 // content QK (K = 512) therefore runs as chunks of this many columns, each into a fresh
-// accumulator that is then added into the FP32 logit tile: the FP32 promotion point.  128 terms
-// (4 WGMMAs) is DeepSeek-V3's interval; the Triton kernel measured LSE errors of 2.8e-2 without
-// promotion and 1e-3 promoting every 64 terms (64 here costs 4 more WGMMA waits per page).
-constexpr int kQkPromoteCols = 128;
+// accumulator that is then added into the FP32 logit tile: the FP32 promotion point.  The
+// Triton kernel measured LSE errors of 2.8e-2 without promotion and 1e-3 promoting every 64
+// terms; on the H200 this kernel promoting every 128 (DeepSeek-V3's interval) missed the 1e-2
+// LSE bound on sharp softmaxes (1.12e-2, tests/gpu test_peaked_attention).  Alternating two
+// chunk accumulators (to overlap a chunk's promotion with the next chunk's WGMMAs) spilled
+// 68 bytes at 168 registers, so chunks still wait in turn.
+constexpr int kQkPromoteCols = 64;
 constexpr int kWgmmaK8 = 32;             // K of one e4m3 WGMMA (32 bytes of a 128-byte row)
 constexpr int kWgmmaK16 = 16;            // K of one bf16 WGMMA (also 32 bytes)
 
