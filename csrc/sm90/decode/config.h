@@ -25,6 +25,10 @@ constexpr int kConsumerRegs = 240;
 // chunk accumulators (to overlap a chunk's promotion with the next chunk's WGMMAs) spilled
 // 68 bytes at 168 registers, so chunks still wait in turn.
 constexpr int kQkPromoteCols = 64;
+constexpr int kQkChunks = kKvLoraRank / kQkPromoteCols;                         // 8
+// V^T units (4 tokens x 4 columns) per consumer thread: 256 columns x 64 tokens / 16 / 128.
+constexpr int kVtUnits = (kKvLoraRank / kConsumerWarpgroups) * kPageSize / 16 / 128;  // 8
+static_assert(kVtUnits == 8, "the V^T unit mapping covers 4 warps x 8 units x 32 lanes");
 constexpr int kWgmmaK8 = 32;             // K of one e4m3 WGMMA (32 bytes of a 128-byte row)
 constexpr int kWgmmaK16 = 16;            // K of one bf16 WGMMA (also 32 bytes)
 

@@ -379,11 +379,17 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     // V^T: this warpgroup's 256 content columns as K-major rows (tokens contiguous, in the
     // permuted order above).  Slots past seq_len become zeros: their bytes are arbitrary (NaN),
-    // and a zero P times a NaN V would still be NaN.  4 tokens x 4 columns per step.
+    // and a zero P times a NaN V would still be NaN.  A unit is 4 tokens x 4 columns (four
+    // 32-bit loads, byte permutes, four 32-bit stores); a thread does kVtUnits of them.  Within
+    // a warp, units span 8 column quads x 4 token quads and each lane starts its stores at a
+    // different column, so that with the 128-byte swizzle the 32 lanes of every load and every
+    // store hit 32 different banks (the first version had 16-way store conflicts).  Moving
+    // this work between the QK WGMMA issue and wait spilled (S, the chunk and O are live there).
     named_barrier_sync(wg_barrier, 128);   // every warp's previous PV WGMMA has read vt
-    for (int unit = wg_tid; unit < (kOutColsPerWarpgroup / 4) * (kPageSize / 4); unit += 128) {
-      const int col4 = unit % (kOutColsPerWarpgroup / 4);
-      const int kgroup = unit / (kOutColsPerWarpgroup / 4);   // A positions 4*kgroup .. +3
+    auto build_vt_unit = [&](int j) {
+      const int idx = warp * kVtUnits + j;                       // 32 (warp, j) pairs
+      const int col4 = (idx % 8) * 8 + lane / 4;                 // column quad, 0..63
+      const int kgroup = (idx / 8) * 4 + lane % 4;               // A positions 4*kgroup .. +3
       const int token0 = (kgroup / 4) * 16 + 2 * (kgroup % 4);
       const int col = consumer * kOutColsPerWarpgroup + col4 * 4;
       const uint8_t* tile =
@@ -397,17 +403,23 @@ __global__ void __launch_bounds__(kThreads, 1)
                    ? *reinterpret_cast<const uint32_t*>(tile + sw128_offset(tokens[t], byte))
                    : 0u;
       }
-      // Byte c of each of the 4 token words -> one word per column c, token t in byte t.
+      // Byte c of each of the 4 token words -> one word per column c, token t in byte t:
+      // columns 0, 1 come from the low halves, 2, 3 from the high halves.
       const uint32_t lo01 = __byte_perm(w[0], w[1], 0x5140), lo23 = __byte_perm(w[2], w[3], 0x5140);
       const uint32_t hi01 = __byte_perm(w[0], w[1], 0x7362), hi23 = __byte_perm(w[2], w[3], 0x7362);
-      const uint32_t cols[4] = {__byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),
-                                __byte_perm(hi01, hi23, 0x5410), __byte_perm(hi01, hi23, 0x7632)};
+      const int rot = lane / 8;
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        *reinterpret_cast<uint32_t*>(vt + sw128_offset(col4 * 4 + c, kgroup * 4)) = cols[c];
+      for (int step = 0; step < 4; ++step) {
+        const int c = (step + rot) & 3;
+        const uint32_t value = c < 2 ? __byte_perm(lo01, lo23, c ? 0x7632 : 0x5410)
+                                     : __byte_perm(hi01, hi23, c & 1 ? 0x7632 : 0x5410);
+        *reinterpret_cast<uint32_t*>(vt + sw128_offset(col4 * 4 + c, kgroup * 4)) = value;
       }
-    }
-    fence_proxy_async();
+    };
+
+#pragma unroll 1   // unrolled, the loads of all units get hoisted and the kernel spills
+    for (int j = 0; j < kVtUnits; ++j) build_vt_unit(j);
+    fence_proxy_async();   // V^T becomes visible to the WGMMA (async) proxy
     named_barrier_sync(wg_barrier, 128);
 
     // S = qpe' . kpe'^T (BF16, exact FP32 accumulation) + q8 . k8^T (FP8, promoted per chunk).
@@ -420,7 +432,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     wgmma_commit();
 #pragma unroll
-    for (int chunk = 0; chunk < kKvLoraRank / kQkPromoteCols; ++chunk) {
+    for (int chunk = 0; chunk < kQkChunks; ++chunk) {
       fence_operands(part);   // the previous chunk's `s += part` stays above the fence
       wgmma_fence();
 #pragma unroll
