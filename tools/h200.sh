@@ -106,11 +106,13 @@ PY
     run timeout 120 python3 benchmarks/bench_decode.py --out /root/bench_decode
     run timeout $(left 300) python3 eval/parity_tiny.py --model /root/tiny-mla \
         --out /root/parity-tiny --timeout 150
-    if [ -d .whl ]; then
+    if [ -d .whl ]; then   # lm-eval and its missing dependencies (eval/README.md), carried
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-          --target /root/lmeval .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/root/lmeval
-      run timeout $(left 470) python3 eval/lm_eval_tiny.py --model /root/tiny-mla \
-          --out /root/lm-eval-tiny
+          --target /root/lmeval .whl/*.whl
+      for kv in auto,fp8_snapmla auto,fp8_snapmla,fp8; do   # finished settings are reused
+        PYTHONPATH=/root/lmeval:$PYTHONPATH run timeout $(left 450) python3 eval/lm_eval_tiny.py \
+            --model /root/tiny-mla --out /root/lm-eval-tiny --kv $kv --bootstrap-iters 100
+      done
     fi
     python3 - <<'PY'
 import numpy as np
