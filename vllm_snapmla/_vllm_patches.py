@@ -2,7 +2,7 @@
 
 vLLM 0.26.0 has no registry for new KV-cache dtypes (the dtype set is a closed ``Literal``
 matched on strings in several modules), so we patch the few private names involved.  Each
-patch is labelled with its hook number (H1..H13 of our vLLM 0.26 integration notes), is
+patch is labelled with its hook number (H1..H14 of our vLLM 0.26 integration notes), is
 idempotent (a wrapper carries the function it wraps in ``__snapmla_wrapped__``), and
 ``self_check`` verifies the result right after patching, so a vLLM that moved these names
 fails loudly at start-up.  H6-H8, H10 and H11 need no patch: they are ``backend.py``
@@ -58,6 +58,16 @@ def _accept_cache_dtype() -> None:
         cache_mod.CacheConfig.__dataclass_fields__["cache_dtype"].type = widened
         cache_mod.CacheConfig.__annotations__["cache_dtype"] = widened
         rebuild_dataclass(cache_mod.CacheConfig, force=True)
+    # H14: a draft model's own dtype (speculative_config.kv_cache_dtype) is validated against
+    # the Literal speculative.py imported; "auto"/"fp8" for the drafter need no patch.
+    import vllm.config.speculative as spec_mod
+
+    field = spec_mod.SpeculativeConfig.__dataclass_fields__["kv_cache_dtype"]
+    if KV_CACHE_DTYPE not in _literal_options(field.type):
+        spec_mod.CacheDType = cache_mod.CacheDType
+        field.type = cache_mod.CacheDType | None
+        spec_mod.SpeculativeConfig.__annotations__["kv_cache_dtype"] = field.type
+        rebuild_dataclass(spec_mod.SpeculativeConfig, force=True)
     # H3: the selector asserts membership in its own imported name; modules imported after
     # this point pick up the widened Literal by themselves.
     selector = sys.modules.get("vllm.v1.attention.selector")
@@ -67,6 +77,13 @@ def _accept_cache_dtype() -> None:
     arg_utils = sys.modules.get("vllm.engine.arg_utils")
     if arg_utils is not None:
         arg_utils._compute_kwargs.cache_clear()
+
+
+def _literal_options(tp) -> tuple:
+    """The strings of a ``Literal[...]``, also inside ``Optional``/``X | None``."""
+    if typing.get_origin(tp) is typing.Literal:
+        return typing.get_args(tp)
+    return tuple(o for arg in typing.get_args(tp) for o in _literal_options(arg))
 
 
 # --- H4: storage dtype ---------------------------------------------------------------------
@@ -178,6 +195,8 @@ def _patch_cuda_platform() -> None:
             cache_config = vllm_config.cache_config
             if cache_config is not None and cache_config.cache_dtype == KV_CACHE_DTYPE:
                 check_snapmla_config(vllm_config, _capability_or_none(cls))
+            elif cache_config is not None and draft_kv_cache_dtype(vllm_config) == KV_CACHE_DTYPE:
+                _raise_if(_speculative_problems(vllm_config))   # fp8_snapmla for the drafter only
 
         setattr(check_and_update_config, _WRAPPED, check_and_update)
         CudaPlatformBase.check_and_update_config = classmethod(check_and_update_config)
@@ -225,30 +244,85 @@ def _wrong_backend_message(name: str, how: str) -> str:
             f"automatically for {KV_CACHE_DTYPE}) or pass --attention-backend CUSTOM.")
 
 
-def _model_problems(model_config) -> list[str]:
+def _model_problems(model_config, fix: str | None = None) -> list[str]:
+    """Why fp8_snapmla cannot serve this model's attention; ``fix`` replaces the advice."""
     import vllm.envs as envs
 
     name = model_config.model
     hf = model_config.hf_text_config
-    if not model_config.use_mla:
-        why = " (VLLM_MLA_DISABLE=1 is set)" if envs.VLLM_MLA_DISABLE else ""
-        return [f"{name} does not use multi-head latent attention{why}; fp8_snapmla only "
-                "applies to MLA models (DeepSeek-V2/V3/R1, Kimi-K2, ...). Use "
-                "--kv-cache-dtype fp8 or auto for this model."]
-    if hasattr(hf, "index_topk"):
-        return [f"{name} uses DeepSeek sparse attention (DeepSeek-V3.2 style, `index_topk` in "
-                "its config), which fp8_snapmla does not support yet. Use --kv-cache-dtype "
-                "fp8_ds_mla or auto for this model."]
-    if hasattr(hf, "compress_ratios"):
-        return [f"{name} uses DeepSeek-V4 compressed attention, which fp8_snapmla does not "
-                "support. Use --kv-cache-dtype auto for this model."]
     rank = getattr(hf, "kv_lora_rank", None)
     rope = getattr(hf, "qk_rope_head_dim", None)
-    if rank != fmt.KV_LORA_RANK or rope != fmt.ROPE_DIM:
-        return [f"fp8_snapmla stores a {fmt.KV_LORA_RANK}-wide latent and a {fmt.ROPE_DIM}-wide "
-                f"RoPE key per token, but {name} has kv_lora_rank={rank} and "
-                f"qk_rope_head_dim={rope}. Use --kv-cache-dtype fp8 or auto for this model."]
-    return []
+    if not model_config.use_mla:
+        why = " (VLLM_MLA_DISABLE=1 is set)" if envs.VLLM_MLA_DISABLE else ""
+        reason = (f"{name} does not use multi-head latent attention{why}; fp8_snapmla only "
+                  "applies to MLA models (DeepSeek-V2/V3/R1, Kimi-K2, ...)")
+        default = "Use --kv-cache-dtype fp8 or auto for this model."
+    elif hasattr(hf, "index_topk"):
+        reason = (f"{name} uses DeepSeek sparse attention (DeepSeek-V3.2 style, `index_topk` in "
+                  "its config), which fp8_snapmla does not support yet")
+        default = "Use --kv-cache-dtype fp8_ds_mla or auto for this model."
+    elif hasattr(hf, "compress_ratios"):
+        reason = (f"{name} uses DeepSeek-V4 compressed attention, which fp8_snapmla does not "
+                  "support")
+        default = "Use --kv-cache-dtype auto for this model."
+    elif rank != fmt.KV_LORA_RANK or rope != fmt.ROPE_DIM:
+        reason = (f"fp8_snapmla stores a {fmt.KV_LORA_RANK}-wide latent and a {fmt.ROPE_DIM}-wide "
+                  f"RoPE key per token, but {name} has kv_lora_rank={rank} and "
+                  f"qk_rope_head_dim={rope}")
+        default = "Use --kv-cache-dtype fp8 or auto for this model."
+    else:
+        return []
+    return [f"{reason}. {fix or default}"]
+
+
+# Speculative methods whose drafter has no attention layers of its own: token statistics
+# (ngram, ngram_gpu, suffix) or heads on the target's hidden states (medusa, mlp_speculator,
+# extract_hidden_states).  Every other method's drafter (eagle, eagle3, the *_mtp family,
+# draft_model, ...) builds attention layers that get the drafter's KV-cache dtype.
+_NO_DRAFT_ATTENTION = ("ngram", "ngram_gpu", "suffix", "medusa", "mlp_speculator",
+                       "extract_hidden_states")
+# Drafters whose attention is non-causal (block drafting); SnapMLA decode is causal only.
+_NON_CAUSAL_DRAFTERS = ("dflash", "dspark")
+
+
+def draft_kv_cache_dtype(vllm_config) -> str | None:
+    """The KV-cache dtype the drafter's own attention layers get, or None without a drafter.
+
+    vLLM gives the draft model ``speculative_config.kv_cache_dtype`` when set, otherwise the
+    target's ``--kv-cache-dtype`` (``llm_base_proposer._create_draft_vllm_config``,
+    ``worker/gpu/spec_decode/eagle/utils.load_eagle_model``).
+    """
+    spec = vllm_config.speculative_config
+    if spec is None or spec.method in _NO_DRAFT_ATTENTION:
+        return None
+    return spec.kv_cache_dtype or vllm_config.cache_config.cache_dtype
+
+
+def _speculative_problems(vllm_config) -> list[str]:
+    """Speculative decoding works when the drafter can use (or does not use) fp8_snapmla.
+
+    The target's decode takes uniform multi-token queries (QueryLenSupport.UNIFORM): vLLM sends
+    requests whose query length differs from the batch's first decode down the prefill path
+    (``split_decodes_and_prefills(require_uniform=True)``), so every method's verification
+    batches are served; FULL CUDA graphs cover the uniform ones (1 + num_speculative_tokens).
+    What remains is the drafter's own attention when it inherits fp8_snapmla.
+    """
+    spec = vllm_config.speculative_config
+    if spec is None or draft_kv_cache_dtype(vllm_config) != KV_CACHE_DTYPE:
+        return []
+    where = ("speculative_config.kv_cache_dtype" if spec.kv_cache_dtype
+             else "inherited from --kv-cache-dtype")
+    fix = ("Give the drafter its own KV-cache dtype, e.g. --speculative-config "
+           f"'{{\"method\": \"{spec.method}\", ..., \"kv_cache_dtype\": \"auto\"}}'.")
+    if spec.method in _NON_CAUSAL_DRAFTERS:
+        return [(f"the {spec.method} drafter attends non-causally, which the SnapMLA decode "
+                 f"kernels do not do, and its attention would use {KV_CACHE_DTYPE} ({where}). "
+                 f"{fix}")]
+    draft = spec.draft_model_config
+    if draft is None or vllm_config.model_config is None:
+        return []
+    return [f"the {spec.method} drafter's attention layers would use {KV_CACHE_DTYPE} "
+            f"({where}): {why}" for why in _model_problems(draft, fix)]
 
 
 def check_snapmla_config(vllm_config, device_capability=None) -> None:
@@ -291,11 +365,7 @@ def check_snapmla_config(vllm_config, device_capability=None) -> None:
         problems.append(_wrong_backend_message(
             per_kind.name, "--attention-config backend_per_kind"))
 
-    if vllm_config.speculative_config is not None:
-        problems.append(
-            "fp8_snapmla does not support speculative decoding (MTP, EAGLE, n-gram, draft "
-            "models) yet: its decode path takes one query token per request. Remove "
-            "--speculative-config, or use --kv-cache-dtype fp8.")
+    problems += _speculative_problems(vllm_config)
     parallel_config = vllm_config.parallel_config
     if parallel_config.decode_context_parallel_size > 1:
         problems.append(
@@ -316,6 +386,10 @@ def check_snapmla_config(vllm_config, device_capability=None) -> None:
             "C++ writer, which cannot write fp8_snapmla. Turn the pass off: "
             "--compilation-config '{\"pass_config\": {\"fuse_rope_kvcache_cat_mla\": false}}'.")
 
+    _raise_if(problems)
+
+
+def _raise_if(problems: list[str]) -> None:
     if problems:
         raise ValueError(f"--kv-cache-dtype {KV_CACHE_DTYPE} cannot be used here:\n- "
                          + "\n- ".join(problems))
@@ -343,6 +417,10 @@ def self_check() -> None:
         with _quiet("vllm.config.cache"):   # its validator logs an fp8 accuracy warning
             config = CacheConfig(cache_dtype=KV_CACHE_DTYPE)
         assert config.cache_dtype == KV_CACHE_DTYPE
+        from vllm.config.speculative import SpeculativeConfig
+
+        assert KV_CACHE_DTYPE in _literal_options(
+            SpeculativeConfig.__dataclass_fields__["kv_cache_dtype"].type)
         spec = MLAAttentionSpec(block_size=fmt.PAGE_SIZE, num_kv_heads=1,
                                 head_size=fmt.HEAD_SIZE, dtype=torch.uint8,
                                 cache_dtype_str=KV_CACHE_DTYPE)

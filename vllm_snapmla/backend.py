@@ -93,10 +93,20 @@ class SnapMLABackend(MLACommonBackend):
 
 
 class SnapMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
-    # The decode path is not CUDA-graph safe yet; vLLM then runs attention eagerly between
-    # piecewise graphs.
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
-    query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.SINGLE_ONLY
+    # Decode runs inside FULL CUDA graphs for uniform batches (every request with the same
+    # query length, 1 + num_speculative_tokens), like FlashMLA's builder: the launch depends
+    # only on the padded batch size, the heads, s_q and the block-table width (fixed by vLLM's
+    # persistent buffers); padded rows (seq_len 0, null block) give zeros.  Mixed batches run
+    # attention eagerly between piecewise graphs.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+    # Uniform multi-token decode (speculative decoding): the builder's
+    # _init_reorder_batch_threshold raises reorder_batch_threshold to
+    # 1 + num_speculative_tokens, and split_decodes_and_prefills(require_uniform=True) sends
+    # requests of another query length down the prefill path.  The base threshold stays 1
+    # (FlashMLA uses 128 to run short prefills as decodes): new prefill tokens keep attending
+    # to their exact BF16 latents instead of the FP8 cache.
+    query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.UNIFORM
+    reorder_batch_threshold: int = 1
 
     @staticmethod
     def determine_prefill_query_data_type(vllm_config: VllmConfig,
@@ -159,13 +169,37 @@ class SnapMLAImpl(MLACommonImpl[MLACommonMetadata]):
             q_nope, q_pe = q
         else:
             q_nope, q_pe = q.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        # One query token per request (SINGLE_ONLY).  q_nope is a transposed bmm output; the
-        # fused Q quantization reads such strided rows in place.
-        out, lse = snapmla_ops.decode(
-            q_nope.unsqueeze(1), q_pe.unsqueeze(1),
-            kv_c_and_k_pe_cache.view(torch.uint8), decode.block_table, decode.seq_lens,
-            self.scale)
-        out = out.squeeze(1).to(q_nope.dtype)                 # [tokens, heads, 512]
-        if not self.need_to_return_lse_for_decode:
-            return out, None
-        return out, lse.squeeze(-1)                           # [tokens, heads], natural log
+        out, lse = decode_uniform(q_nope, q_pe, kv_c_and_k_pe_cache, decode.block_table,
+                                  decode.seq_lens, attn_metadata.num_decodes, self.scale,
+                                  return_lse=self.need_to_return_lse_for_decode)
+        return out.to(q_nope.dtype), lse
+
+
+def decode_uniform(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                   block_table: torch.Tensor, seq_lens: torch.Tensor, num_decodes: int,
+                   softmax_scale: float, return_lse: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Decode attention for vLLM's token-major decode batch (``forward_mqa``'s contract).
+
+    ``q_nope [T,H,512]`` and ``q_pe [T,H,64]`` hold ``num_decodes`` requests of ``s_q = T /
+    num_decodes`` consecutive query tokens each (QueryLenSupport.UNIFORM; under a FULL CUDA
+    graph ``num_decodes`` is the padded batch).  Returns ``out [T,H,512]`` (bfloat16) and,
+    with ``return_lse``, ``lse [T,H]`` (float32, natural log), token-major like ``out``.
+
+    Shapes only, no host sync and no data-dependent branch: safe under CUDA-graph capture.
+    """
+    T = q_nope.shape[0]
+    if num_decodes <= 0 or T % num_decodes:
+        raise ValueError(f"{T} decode tokens do not split into {num_decodes} requests of one "
+                         "query length (SnapMLA decode needs uniform query lengths)")
+    s_q = T // num_decodes
+    # Views, no copies: q_nope is vLLM's transposed bmm output; the fused Q quantization
+    # reads such strided rows in place.
+    q_nope = q_nope.unflatten(0, (num_decodes, s_q))
+    q_pe = q_pe.unflatten(0, (num_decodes, s_q))
+    out, lse = snapmla_ops.decode(q_nope, q_pe, kv_cache.view(torch.uint8), block_table,
+                                  seq_lens, softmax_scale)
+    out = out.flatten(0, 1)                                   # [T, H, 512]
+    if not return_lse:
+        return out, None
+    return out, lse.transpose(1, 2).flatten(0, 1)             # [B,H,s_q] -> [T, H]

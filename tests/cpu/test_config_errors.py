@@ -22,11 +22,11 @@ def vllm_cpu():
     return shared_process()
 
 
-def _tiny_llama() -> str:
+def _tiny_llama(vocab_size: int = 1024) -> str:
     path = tempfile.mkdtemp(prefix="snapmla-llama-")
     with open(f"{path}/config.json", "w") as f:
         json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                   "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512,
+                   "vocab_size": vocab_size, "hidden_size": 256, "intermediate_size": 512,
                    "num_hidden_layers": 1, "num_attention_heads": 4,
                    "num_key_value_heads": 4, "max_position_embeddings": 1024,
                    "torch_dtype": "bfloat16"}, f)
@@ -34,13 +34,22 @@ def _tiny_llama() -> str:
 
 
 def _in_vllm_startup_error(model_overrides=None, llama=False, capability=(9, 0),
-                           **engine_kwargs):
-    """The start-up error for fp8_snapmla with these settings, or None if it starts."""
+                           llama_drafter=False, **engine_kwargs):
+    """The start-up error for fp8_snapmla with these settings, or None if it starts.
+
+    ``llama_drafter``: ``speculative_config["model"]`` becomes a tiny Llama (non-MLA) drafter
+    with the tiny DeepSeek-V3's vocabulary.
+    """
     from tests.cpu._vllm_cpu import engine_config, tiny_model
 
-    model = _tiny_llama() if llama else tiny_model(**(model_overrides or {}))
+    model = _tiny_llama(vocab_size=4096) if llama else tiny_model(**(model_overrides or {}))
+    if llama_drafter:
+        engine_kwargs["speculative_config"] = {**engine_kwargs["speculative_config"],
+                                               "model": _tiny_llama(vocab_size=4096)}
+    kv_cache_dtype = engine_kwargs.pop("kv_cache_dtype", KV)
     try:
-        engine_config(model, capability=tuple(capability), kv_cache_dtype=KV, **engine_kwargs)
+        engine_config(model, capability=tuple(capability), kv_cache_dtype=kv_cache_dtype,
+                      **engine_kwargs)
     except ValueError as e:   # pydantic's ValidationError is a ValueError
         return str(e)
     return None
@@ -113,10 +122,45 @@ def test_another_attention_backend(vllm_cpu, settings, how, name):
     assert "or pass --attention-backend CUSTOM" in message
 
 
-def test_speculative_decoding(vllm_cpu):
-    message = _startup_error(vllm_cpu, speculative_config=SPEC_NGRAM)
-    assert "does not support speculative decoding" in message
-    assert "Remove --speculative-config" in message
+# Speculative decoding: the target's decode takes uniform multi-token queries; refused only
+# where the drafter's own attention would get fp8_snapmla and cannot use it.
+MTP = {"method": "mtp", "num_speculative_tokens": 2}
+WITH_MTP_LAYER = {"num_nextn_predict_layers": 1}
+
+
+@pytest.mark.parametrize("settings", [
+    {"speculative_config": SPEC_NGRAM},
+    {"speculative_config": {**SPEC_NGRAM, "num_speculative_tokens": 4}},
+    {"speculative_config": MTP, "model_overrides": WITH_MTP_LAYER},
+    # H14: the drafter's own dtype, explicitly ours or another one
+    {"speculative_config": {**MTP, "kv_cache_dtype": KV}, "model_overrides": WITH_MTP_LAYER},
+    {"speculative_config": {**MTP, "kv_cache_dtype": "auto"}, "model_overrides": WITH_MTP_LAYER},
+    {"speculative_config": {"method": "draft_model", "num_speculative_tokens": 2,
+                            "kv_cache_dtype": "auto"}, "llama_drafter": True},
+    {"speculative_config": SPEC_NGRAM, "enforce_eager": False},
+], ids=["ngram", "ngram_k4", "mtp", "mtp_draft_kv_ours", "mtp_draft_kv_auto",
+        "llama_drafter_auto", "ngram_compiled"])
+def test_speculative_decoding_starts(vllm_cpu, settings):
+    assert vllm_cpu.call(_in_vllm_startup_error, **settings) is None
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+def test_speculative_drafter_without_mla(vllm_cpu, method):
+    message = _startup_error(vllm_cpu, llama_drafter=True, speculative_config={
+        "method": method, "num_speculative_tokens": 2})
+    assert f"the {method} drafter's attention layers would use {KV}" in message
+    assert "(inherited from --kv-cache-dtype)" in message
+    assert "does not use multi-head latent attention" in message
+    assert f'"method": "{method}", ..., "kv_cache_dtype": "auto"' in message
+
+
+def test_fp8_snapmla_for_a_non_mla_drafter_only(vllm_cpu):
+    # The target keeps BF16; the drafter asks for fp8_snapmla explicitly (H14) but is a Llama.
+    message = _startup_error(vllm_cpu, llama=True, llama_drafter=True, kv_cache_dtype="auto",
+                             speculative_config={"method": "draft_model",
+                                                 "num_speculative_tokens": 2,
+                                                 "kv_cache_dtype": KV})
+    assert f"would use {KV} (speculative_config.kv_cache_dtype)" in message
 
 
 def test_decode_context_parallel(vllm_cpu):
@@ -150,8 +194,8 @@ def test_rope_kv_cache_fusion_pass(vllm_cpu, enforce_eager):
 
 def test_all_problems_reported_together(vllm_cpu):
     message = _startup_error(vllm_cpu, model_overrides={"kv_lora_rank": 256}, block_size=16,
-                             speculative_config=SPEC_NGRAM, capability=(8, 0))
-    for part in ("kv_lora_rank=256", "--block-size 16", "speculative decoding",
+                             kv_cache_dtype_skip_layers=["0"], capability=(8, 0))
+    for part in ("kv_lora_rank=256", "--block-size 16", "--kv-cache-dtype-skip-layers",
                  "compute capability 8.0"):
         assert part in message
 

@@ -260,8 +260,8 @@ def test_backend_kv_cache_layout(vllm_cpu):
     layout = vllm_cpu.call(_in_vllm_backend_layout)
     assert layout == {"name": "SNAPMLA", "shape": [1000, 64, 656], "block dim": 0,
                       "preferred block size": 64, "block sizes": [None, 64],
-                      "is_mla": True, "is_sparse": False, "cudagraph": "NEVER",
-                      "query len": "SINGLE_ONLY", "pcp": False}
+                      "is_mla": True, "is_sparse": False, "cudagraph": "UNIFORM_BATCH",
+                      "query len": "UNIFORM", "pcp": False}
     # The runner views page_size_bytes * num_blocks bytes as this shape: they must agree.
     assert layout["shape"][1] * layout["shape"][2] == 64 * 656
 
@@ -362,7 +362,7 @@ def _in_vllm_impl_write_then_decode():
     B, N = 3, 16
     ql_nope = torch.randn(N, B, 512, generator=gen).to(torch.bfloat16).transpose(0, 1)
     q_pe = (3 * torch.randn(B, N, 64, generator=gen)).to(torch.bfloat16)
-    metadata = types.SimpleNamespace(decode=MLACommonDecodeMetadata(
+    metadata = types.SimpleNamespace(num_decodes=B, decode=MLACommonDecodeMetadata(
         block_table=block_table, seq_lens=decode_lens, dcp_tot_seq_lens=None))
     out, lse = impl.forward_mqa((ql_nope, q_pe), cache.view(torch.float8_e4m3fn), metadata,
                                 layer=None)

@@ -1,0 +1,161 @@
+"""fp8_snapmla decode inside FULL CUDA graphs, and with speculative decoding (n-gram), on the GPU.
+
+Three engines on the tiny random-weight DeepSeek-V3 (V1 model runner), each in its own process,
+all fp8_snapmla and greedy:
+
+* ``eager``: ``enforce_eager=True`` (no compilation, no graphs), the reference;
+* ``compiled``: vLLM's default mode (torch.compile, FULL_AND_PIECEWISE graphs): with
+  ``SnapMLAMetadataBuilder._cudagraph_support = UNIFORM_BATCH`` decode batches replay FULL graphs
+  (attention included), padded to the next capture size (11 requests run in the 16 graph);
+* ``ngram``: ``compiled`` plus n-gram speculation with 2 draft tokens: uniform verification
+  batches decode 3 query tokens per request (s_q = 3) in FULL graphs; the others go down the
+  prefill path.
+
+Each runs the same prompts: a batch of 11, then an echo round (``p + out(p) + p``, which makes
+the n-gram proposer find matches), then the first echo prompt alone (batches of one request,
+where every drafted step is a uniform s_q = 3 decode).  Outputs are compared with the near-tie
+rule of ``test_llm_generate``: equal tokens until the first divergence, which must be a near-tie
+in the reference's log-probabilities.  Compilation and graphs change summation orders in other
+layers, so exact equality is not expected.
+
+About 2-3 minutes on an H200 (three engines, two of them compiled).  The tiny model has 16 heads,
+so decode runs the Triton kernel (s_q x H < 64 rows); ``SNAPMLA_DECODE_KERNEL=sm90`` in the
+environment puts the sm_90a kernel under the same graphs.
+"""
+
+import importlib.util
+
+import pytest
+import torch
+
+from tests.e2e.generate import generate
+from vllm_snapmla.demo import write_tiny_deepseek_v3
+
+pytestmark = pytest.mark.e2e
+
+KV = "fp8_snapmla"
+MAX_TOKENS = 24
+TOP_LOGPROBS = 20
+NEAR_TIE_NATS = 1.0
+NUM_SPEC = 2
+# vLLM's CPU n-gram proposer needs numba; without it, its GPU twin (same proposals).
+NGRAM = {"method": "ngram" if importlib.util.find_spec("numba") else "ngram_gpu",
+         "num_speculative_tokens": NUM_SPEC, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+ENGINE = {"max_num_seqs": 16, "max_num_batched_tokens": 512, "enable_prefix_caching": True}
+# The V1 runner logs every batch's cudagraph mode at DEBUG (tests/e2e/generate.py parses it).
+DEBUG = {"VLLM_LOGGING_LEVEL": "DEBUG", "VLLM_USE_V2_MODEL_RUNNER": "0"}
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    lengths = torch.randint(8, 60, (11,), generator=gen).tolist()
+    prompts = [torch.randint(2, 4096, (n,), generator=gen).tolist() for n in lengths]
+    # Some with repetition inside the prompt, for the n-gram proposer.
+    for k in range(0, 11, 3):
+        prompts[k] = (prompts[k][:7] * 5)[:max(len(prompts[k]), 21)]
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(write_tiny_deepseek_v3(tmp_path_factory.mktemp("tiny-deepseek-v3"),
+                                      random_weights=True))
+
+
+def _spec(model_dir, **llm_kwargs):
+    return {"model": model_dir, "kv_cache_dtype": KV, "prompts": _prompts(),
+            "max_tokens": MAX_TOKENS, "logprobs": TOP_LOGPROBS, "echo": 1, "solo": True,
+            "llm_kwargs": {**ENGINE, **llm_kwargs}}
+
+
+@pytest.fixture(scope="module")
+def eager(model_dir):
+    return generate(_spec(model_dir, enforce_eager=True), env={"VLLM_USE_V2_MODEL_RUNNER": "0"})
+
+
+@pytest.fixture(scope="module")
+def compiled(model_dir):
+    return generate(_spec(model_dir, enforce_eager=False), env=DEBUG)
+
+
+@pytest.fixture(scope="module")
+def ngram(model_dir):
+    return generate(_spec(model_dir, enforce_eager=False, speculative_config=NGRAM), env=DEBUG)
+
+
+def _compare(base: dict, test: dict, what: str) -> tuple[int, list[str]]:
+    """Tokens compared and problems: per round and prompt, where both runs had the same prompt."""
+    compared, problems = 0, []
+    for r, (base_round, test_round) in enumerate(zip(base["rounds"], test["rounds"])):
+        for k, (b, t) in enumerate(zip(base_round, test_round)):
+            if b["prompt"] != t["prompt"]:   # an echo of outputs that parted at a near-tie
+                continue
+            for step, (x, y) in enumerate(zip(b["token_ids"], t["token_ids"])):
+                compared += 1
+                if x == y:
+                    continue
+                lp = b["logprobs"][step]
+                if str(y) not in lp:
+                    problems.append(f"round {r} prompt {k} step {step}: {what} chose {y}, not in "
+                                    f"the reference's top {TOP_LOGPROBS} {lp}")
+                elif lp[str(x)] - lp[str(y)] > NEAR_TIE_NATS:
+                    problems.append(f"round {r} prompt {k} step {step}: {what} chose {y}, "
+                                    f"{lp[str(x)] - lp[str(y)]:.3f} nats below the reference's {x}")
+                break
+    return compared, problems
+
+
+def _print_outputs(base, test, names):
+    for r, (br, tr) in enumerate(zip(base["rounds"], test["rounds"])):
+        for b, t in zip(br, tr):
+            print(f"  round {r} {names[0]:>8} {b['token_ids']}\n  round {r} {names[1]:>8} "
+                  f"{t['token_ids']}")
+
+
+def _full_batches(result) -> list[tuple[int, int]]:
+    return [(n, reqs) for mode, n, reqs, uniform in result["batches"]
+            if mode == "FULL" and uniform]
+
+
+def test_decode_replays_full_cuda_graphs(compiled):
+    log = compiled["log"]
+    assert "Using SNAPMLA attention backend" in log
+    assert compiled["cudagraph_mode"] == "FULL_AND_PIECEWISE"
+    assert "Capturing CUDA graphs (decode, FULL)" in log
+    assert "setting cudagraph_mode=PIECEWISE" not in log   # no downgrade for our backend
+    full = _full_batches(compiled)
+    print(f"{len(compiled['batches'])} batches, {len(full)} in FULL decode graphs "
+          f"(num_tokens, num_reqs): {sorted(set(full))}")
+    assert full, "no decode batch ran in a FULL CUDA graph"
+    assert all(n == reqs for n, reqs in full)
+    # 11 requests decode together at first: padded to the 16 graph (5 padded rows, seq_len 0).
+    assert (16, 16) in full
+
+
+def test_full_graph_outputs_match_eager(eager, compiled):
+    compared, problems = _compare(eager, compiled, "compiled")
+    _print_outputs(eager, compiled, ("eager", "compiled"))
+    print(f"compared {compared} tokens")
+    assert compared >= 5 * MAX_TOKENS   # a sanity floor: most prompts agree for long
+    assert not problems, "\n".join(problems)
+
+
+def test_ngram_speculation_matches_plain_decoding(compiled, ngram):
+    m = ngram["metrics"]
+    drafts = m.get("vllm:spec_decode_num_draft_tokens") or 0
+    accepted = m.get("vllm:spec_decode_num_accepted_tokens") or 0
+    full = _full_batches(ngram)
+    multi = [(n, reqs) for n, reqs in full if n == (1 + NUM_SPEC) * reqs]
+    print(f"{NGRAM['method']}: {m.get('vllm:spec_decode_num_drafts')} drafts, {drafts} draft tokens, "
+          f"{accepted} accepted; FULL decode graphs with s_q = {1 + NUM_SPEC}: "
+          f"{len(multi)} batches {sorted(set(multi))}")
+    assert ngram["cudagraph_mode"] == "FULL_AND_PIECEWISE"
+    assert drafts > 0, "the n-gram proposer drafted nothing: no multi-token decode ran"
+    # Uniform verification batches (every request with 2 drafts) ran as s_q = 3 decodes in FULL
+    # graphs; the solo round makes every drafted step such a batch.
+    assert multi, "no s_q = 3 decode batch ran in a FULL CUDA graph"
+    compared, problems = _compare(compiled, ngram, "ngram")
+    _print_outputs(compiled, ngram, ("plain", "ngram"))
+    print(f"compared {compared} tokens")
+    assert compared >= 5 * MAX_TOKENS   # a sanity floor: most prompts agree for long
+    assert not problems, "\n".join(problems)
