@@ -87,21 +87,24 @@ PY
   lease3)
     run timeout $(left 400) python3 benchmarks/bench_decode.py --out /root/bench_decode
     pack /root/bench_decode "$log" ;;
-  lease4)   # after `stash 2`: training in the background, kernel tests, e2e on the sm90 kernel
+  lease4)   # after `stash 2`: training in the background, kernel tests, CUDA-graph and serve e2e
     mkdir -p /root/site && cat /root/stash/vllm-site.part* | xz -d -T0 | tar x -C /root/site
     export PYTHONPATH=/root/site:$PWD
-    setsid nohup python3 eval/train_tiny_mla.py --out /root/tiny-mla --minutes ${TRAIN_MIN:-7} \
+    setsid nohup python3 eval/train_tiny_mla.py --out /root/tiny-mla --minutes ${TRAIN_MIN:-6} \
         --seed 0 > /root/train.log 2>&1 < /dev/null &
     run timeout 200 python3 -m pip install -q -v --no-build-isolation --no-deps -e . \
         | grep -E "registers|spill|error"
     setsid bash -c "timeout $(left 400) python3 -m pytest tests/gpu -q -rs -p no:cacheprovider \
         > /root/gpu.log 2>&1; echo rc=\$? >> /root/gpu.log" < /dev/null &
-    SNAPMLA_DECODE_KERNEL=sm90 run timeout $(left 420) python3 -m pytest \
-        tests/e2e/test_llm_generate.py -q -rs -p no:cacheprovider -k "not mrv2"
+    timeout $(left 330) python3 -m pytest tests/e2e/test_cuda_graphs_spec_decode.py -v -s -rs \
+        -p no:cacheprovider > /root/cg.log 2>&1; echo "cuda-graph e2e rc=$?" | tee -a "$log"
+    grep -vE "DEBUG|Running batch" /root/cg.log | tail -60 | tee -a "$log"; xz -k -T0 /root/cg.log
+    run timeout $(left 500) python3 -m pytest tests/e2e/test_serve.py tests/e2e/test_serve_load.py \
+        -v -s -p no:cacheprovider
     while ! grep -q "^rc=" /root/gpu.log && [ $(left 560) -gt 0 ]; do sleep 2; done
     tail -30 /root/gpu.log
     for _ in $(seq 200); do pgrep -f train_tiny_mla >/dev/null || break; sleep 2; done
-    run tail -4 /root/train.log; pack /root/gpu.log /root/train.log "$log" ;;
+    run tail -4 /root/train.log; pack /root/gpu.log /root/train.log /root/cg.log.xz "$log" ;;
   lease5)   # benchmarks first (nothing else on the GPU), then the trained model's evidence
     run timeout 120 python3 benchmarks/bench_decode.py --out /root/bench_decode
     run timeout $(left 300) python3 eval/parity_tiny.py --model /root/tiny-mla \
@@ -109,7 +112,7 @@ PY
     if [ -d .whl ]; then   # lm-eval and its missing dependencies (eval/README.md), carried
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
           --target /root/lmeval .whl/*.whl
-      for kv in auto,fp8_snapmla auto,fp8_snapmla,fp8; do   # finished settings are reused
+      for kv in auto,fp8_snapmla; do
         PYTHONPATH=/root/lmeval:$PYTHONPATH run timeout $(left 450) python3 eval/lm_eval_tiny.py \
             --model /root/tiny-mla --out /root/lm-eval-tiny --kv $kv --bootstrap-iters 100
       done
