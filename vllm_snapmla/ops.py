@@ -7,7 +7,7 @@ Every function takes CPU or CUDA tensors.  CPU tensors run the exact PyTorch ref
 results within the tolerances the tests state.
 
 ``SNAPMLA_DECODE_KERNEL`` picks the decode kernel: ``auto`` (default: sm90 where it is built, the
-GPU is sm_90 and a request has at least 64 query rows (s_q x heads), Triton otherwise), ``sm90``
+GPU is sm_90 and a request has at least 32 query rows (s_q x heads), Triton otherwise), ``sm90``
 (always; refuse to run without it) or ``triton``.
 """
 
@@ -141,10 +141,10 @@ def quantize_q(q_nope: torch.Tensor, q_pe: torch.Tensor):
 
 
 DECODE_KERNELS = ("auto", "sm90", "triton")
-# The sm90 kernel computes 64 query rows (s_q x heads) per CTA and pads fewer; below 64 rows the
-# Triton kernel was faster on the H200 (H=32: 313 vs 355 us, H=16: 408 vs 680 us; at H=64,
-# 457 vs 358 us; benchmarks/RESULTS.md, 2026-12-01).
-SM90_MIN_ROWS = 64
+# The sm90 kernel computes 64 query rows (s_q x heads) per CTA and pads fewer.  On the H200
+# (benchmarks/RESULTS.md, 2026-12-01, second run) it beat the Triton kernel from 32 rows (H=32:
+# 286 vs 313 us) but not at 16 (H=16: 536 vs 408 us).
+SM90_MIN_ROWS = 32
 
 
 @functools.cache
