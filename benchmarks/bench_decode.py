@@ -38,9 +38,11 @@ from vllm_snapmla import ops, reference  # noqa: E402
 SNAPMLA_KERNELS = {
     "snapmla-triton": "vllm_snapmla.triton.decode:snapmla_decode",
     "snapmla-sm90": "vllm_snapmla.sm90:snapmla_decode_sm90",
+    "snapmla-sm90-exchange": "vllm_snapmla.sm90:snapmla_decode_sm90_exchange",
 }
 # Backends that run only where a predicate ("module:function", no arguments) says so.
-SNAPMLA_AVAILABLE = {"snapmla-sm90": "vllm_snapmla.sm90:available"}
+SNAPMLA_AVAILABLE = {"snapmla-sm90": "vllm_snapmla.sm90:available",
+                     "snapmla-sm90-exchange": "vllm_snapmla.sm90:available"}
 
 # (batch, heads, context, s_q)
 SHAPES = [

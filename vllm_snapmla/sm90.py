@@ -30,7 +30,8 @@ def available(device: torch.device | int | None = None) -> bool:
 
 def snapmla_decode_sm90(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: torch.Tensor,
                         kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                        softmax_scale: float, causal: bool = True, num_splits: int | None = None):
+                        softmax_scale: float, causal: bool = True, num_splits: int | None = None,
+                        exchange_p: bool = False):
     """SnapMLA decode from a quantized query on an sm_90 GPU.
 
     ``q8`` e4m3 ``[B,s_q,H,512]``, ``q_scale`` fp32 ``[B,s_q,H]``, ``q_pe_scaled`` bf16
@@ -38,7 +39,9 @@ def snapmla_decode_sm90(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: to
     ``[>=B,max_blocks]``; ``seq_lens`` int32 ``[>=B]``.  Returns ``out`` bf16 ``[B,s_q,H,512]`` and
     ``lse`` fp32 ``[B,H,s_q]`` (natural log; -inf and zero output for rows that see no token).
     ``num_splits`` defaults to the Triton kernel's ``num_splits_for`` heuristic over
-    ``block_table.shape[1]`` pages, evaluated for this kernel's grid.
+    ``block_table.shape[1]`` pages, evaluated for this kernel's grid.  ``exchange_p`` runs the
+    kernel variant in which each page's P is computed by one consumer warpgroup and handed to the
+    other through shared memory (paper Algorithm 1; not yet validated on a GPU, so not the default).
     """
     native = ops.native()
     if native is None or not hasattr(native, "decode_sm90"):
@@ -67,14 +70,19 @@ def snapmla_decode_sm90(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: to
 
     if num_splits == 1:
         native.decode_sm90(q8, q_scale, q_pe_scaled, kv_cache, block_table, seq_lens, out, lse,
-                           float(softmax_scale), bool(causal), 1)
+                           float(softmax_scale), bool(causal), 1, bool(exchange_p))
         return out, lse
     part = torch.empty(B, num_splits, num_rows, fmt.KV_LORA_RANK, dtype=torch.float32,
                        device=device)
     part_lse = torch.empty(B, num_splits, num_rows, dtype=torch.float32, device=device)
     native.decode_sm90(q8, q_scale, q_pe_scaled, kv_cache, block_table, seq_lens, part, part_lse,
-                       float(softmax_scale), bool(causal), num_splits)
+                       float(softmax_scale), bool(causal), num_splits, bool(exchange_p))
     _combine_kernel[(B, num_rows)](
         part, part_lse, out, lse, H, s_q, num_rows, num_splits,
         BLOCK_S=triton.next_power_of_2(num_splits), D=fmt.KV_LORA_RANK, num_warps=4)
     return out, lse
+
+
+def snapmla_decode_sm90_exchange(*args, **kwargs):
+    """``snapmla_decode_sm90`` with ``exchange_p=True`` (for tests and benchmarks)."""
+    return snapmla_decode_sm90(*args, exchange_p=True, **kwargs)

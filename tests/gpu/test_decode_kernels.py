@@ -23,16 +23,23 @@ def _sm90_available():
     return sm90.available()
 
 
+_NEEDS_SM90 = [pytest.mark.hopper, pytest.mark.skipif(
+    not _sm90_available(), reason="needs an sm_90 GPU and the decode_sm90 op")]
+
+
 @pytest.fixture(params=[
     "triton",
-    pytest.param("sm90", marks=[pytest.mark.hopper, pytest.mark.skipif(
-        not _sm90_available(), reason="needs an sm_90 GPU and the decode_sm90 op")]),
+    pytest.param("sm90", marks=_NEEDS_SM90),
+    pytest.param("sm90-exchange", marks=_NEEDS_SM90),
 ])
 def decode(request):
     """Each decode kernel, with the signature of ``triton.decode.snapmla_decode``."""
     if request.param == "sm90":
         from vllm_snapmla.sm90 import snapmla_decode_sm90
         return snapmla_decode_sm90
+    if request.param == "sm90-exchange":
+        from vllm_snapmla.sm90 import snapmla_decode_sm90_exchange
+        return snapmla_decode_sm90_exchange
     from vllm_snapmla.triton.decode import snapmla_decode
     return snapmla_decode
 

@@ -3,7 +3,7 @@
 The checks it shares with the Triton kernel (ragged batches, 131k tokens, causal and non-causal,
 graph replay) run for both in ``test_decode_kernels.py``; here: the smallest cases first (with a
 report of where a wrong result is wrong), block-table and cache-stride contracts, input checks,
-and a direct comparison with the Triton kernel.  Needs an H100/H200 and a ``90a`` build.
+a direct comparison with the Triton kernel, and the P-exchange variant against the plain one.  Needs an H100/H200 and a ``90a`` build.
 """
 
 import pytest
@@ -41,12 +41,14 @@ def _where_wrong(out, lse, q8, qs, qpe, cache, bt, sl, causal=True):
             f"{[round(x, 3) for x in col_err.tolist()]}")
 
 
+@pytest.mark.parametrize("exchange_p", [False, True], ids=["plain", "exchange"])
 @pytest.mark.parametrize("seq_len", [64, 37, 129])
-def test_few_pages_one_split(seq_len):
+def test_few_pages_one_split(seq_len, exchange_p):
     """The smallest cases first: one request, 1-3 pages, one split (bf16 out written directly)."""
     q, qp, cache, bt, sl = _case([seq_len], 64, 1, seed=seq_len)
     q8, qs, qpe = ref.quantize_q(q, qp)
-    out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, True, num_splits=1)
+    out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, True, num_splits=1,
+                      exchange_p=exchange_p)
     torch.cuda.synchronize()
     try:
         _check(out, lse, q, qp, cache, bt, sl)
@@ -80,9 +82,8 @@ def test_strided_cache_blocks():
 
 @pytest.mark.parametrize("H, s_q, num_splits", [(128, 1, 2), (16, 2, 1), (64, 2, 5)])
 def test_matches_triton_kernel(H, s_q, num_splits):
-    """Same algorithm, inputs and splits: the kernels differ only in FP32 rounding order, the QK
-    promotion interval (128 vs 64 terms) and exp2, so a layout or masking bug (errors of order 1)
-    stands out far above their differences."""
+    """Same algorithm, inputs and splits: the kernels differ only in FP32 rounding order and
+    exp2, so a layout or masking bug (errors of order 1) stands out far above their differences."""
     from vllm_snapmla.triton.decode import snapmla_decode
     q, qp, cache, bt, sl = _case(RAGGED + [5000], H, s_q, seed=16 + H)
     q8, qs, qpe = ref.quantize_q(q, qp)
@@ -92,6 +93,31 @@ def test_matches_triton_kernel(H, s_q, num_splits):
     seen = ~torch.isneginf(t_lse)
     assert (lse - t_lse)[seen].abs().max().item() <= 5e-3
     assert _rel(out, t_out.double()) <= 1e-2
+
+
+@pytest.mark.parametrize("seq_lens, H, s_q, num_splits, q_std", [
+    ([64], 64, 1, 1, 1.0),                      # one page: only consumer 0 computes P
+    ([128, 129, 191, 1], 128, 1, 1, 1.0),       # even and odd page counts
+    (RAGGED, 16, 2, 3, 1.0),                    # splits starting on odd pages, empty requests
+    ([3000, 200], 64, 1, 3, 8.0),               # sharp softmax: P scales jump between pages
+    ([131072], 128, 1, 4, 1.0),
+])
+def test_exchange_variant_is_bit_identical(seq_lens, H, s_q, num_splits, q_std):
+    """With P exchanged (Algorithm 1), each page's P8, gamma and row state are computed by one
+    warpgroup with the same instructions as before and copied to the other: the output and LSE
+    must equal the plain kernel's bit for bit (any race or stale buffer shows as a mismatch)."""
+    q, qp, cache, bt, sl = _case(seq_lens, H, s_q, seed=19 + H, q_std=q_std)
+    q8, qs, qpe = ref.quantize_q(q, qp)
+    out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, num_splits=num_splits)
+    for _ in range(3):   # timing-dependent bugs need more than one chance to show
+        x_out, x_lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, num_splits=num_splits,
+                              exchange_p=True)
+        if not (torch.equal(x_lse, lse) and torch.equal(x_out, out)):
+            seen = ~torch.isneginf(lse)
+            raise AssertionError(
+                f"max |d lse| {(x_lse - lse)[seen].abs().max().item():.3e}, rel-L2 of out "
+                f"{_rel(x_out, out.double()):.3e}; against the reference: "
+                + _where_wrong(x_out, x_lse, q8, qs, qpe, cache, bt, sl))
 
 
 def test_rejects_bad_inputs():

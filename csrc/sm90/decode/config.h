@@ -58,7 +58,13 @@ constexpr int kSmemQpe = kSmemQ8 + kContentTiles * kBlockRows * kSwizzleRowBytes
 // V^T of one warpgroup: 256 rows (output columns) x 64 tokens, padded to 128-byte swizzled rows.
 constexpr int kVtBytes = kOutColsPerWarpgroup * kSwizzleRowBytes;               // 32 KB
 constexpr int kSmemVt = kSmemQpe + kBlockRows * kSwizzleRowBytes;
-constexpr int kSmemBarriers = kSmemVt + kConsumerWarpgroups * kVtBytes;
+// P exchange (the kExchangeP kernel): per page, its owner publishes for each consumer thread the
+// e4m3 P fragment (8 words), gamma (2) and the row state m, peak, amax, l (2 each), stored
+// word-major ([word][thread]) so a warp's accesses hit 32 banks; two buffers, by page parity.
+constexpr int kExchangeWords = 8 + 2 + 8;
+constexpr int kExchangeBytes = kExchangeWords * 128 * 4;                          // 9 KB
+constexpr int kSmemExchange = kSmemVt + kConsumerWarpgroups * kVtBytes;
+constexpr int kSmemBarriers = kSmemExchange + 2 * kExchangeBytes;
 constexpr int kSmemBytes = kSmemBarriers + 2 * kStages * 8;
 constexpr int kSmemAlloc = kSmemBytes + 1024;  // slack to align the dynamic base to 1024 bytes
 

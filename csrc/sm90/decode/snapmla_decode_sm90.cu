@@ -51,10 +51,11 @@ const char* launch_decode_sm90(const DecodeParams& params, const uint8_t* kv_cac
   if (major != 9 || minor != 0) {
     return "decode_sm90 needs an sm_90 (Hopper) GPU; use vllm_snapmla.triton.decode elsewhere";
   }
+  const auto kernel = params.exchange_p ? decode_kernel<true> : decode_kernel<false>;
   // The kernel body exists only in sm_90a code; compute_89 PTX JIT-compiled for this GPU would
   // run an empty kernel.
   cudaFuncAttributes attr;
-  if (cudaFuncGetAttributes(&attr, decode_kernel) != cudaSuccess || attr.ptxVersion < 90 ||
+  if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess || attr.ptxVersion < 90 ||
       attr.binaryVersion != 90) {
     cudaGetLastError();
     return "decode_sm90: this build has no sm_90a code (build with SNAPMLA_ARCHS containing 90a)";
@@ -74,12 +75,12 @@ const char* launch_decode_sm90(const DecodeParams& params, const uint8_t* kv_cac
     return "decode_sm90: cuTensorMapEncodeTiled rejected the kv_cache layout";
   }
 
-  if (cudaFuncSetAttribute(decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            kSmemAlloc) != cudaSuccess) {
     return cudaGetErrorString(cudaGetLastError());
   }
   const dim3 grid(batch, (params.num_rows + kBlockRows - 1) / kBlockRows, params.num_splits);
-  decode_kernel<<<grid, kThreads, kSmemAlloc, stream>>>(content_map, rope_map, scale_map, params);
+  kernel<<<grid, kThreads, kSmemAlloc, stream>>>(content_map, rope_map, scale_map, params);
   const cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }

@@ -89,6 +89,12 @@ __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+// Counts this thread at barrier `id` without waiting; shared-memory writes before it are visible
+// to the threads whose bar.sync on `id` it completes.
+__device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegs));
@@ -235,6 +241,15 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3_rs(float (&d)[64], const u
 // The P accumulator becomes the PV A operand without any data exchange by permuting K (tokens):
 // A position k of a 16-wide group carries token 8*((k>>1)&1) + 2*(k>>2) + (k&1) of that group,
 // which is exactly what each thread already holds; V^T is written with the same token order.
+//
+// kExchangeP = false: both consumer warpgroups compute S, the softmax and P8 of every page.
+// kExchangeP = true (paper Algorithm 1): page i's S, softmax and P8 are computed only by consumer
+// i % 2, which publishes P8, gamma and the updated row state in shared memory (buffer i % 2,
+// named barrier 4 + i % 2); the other consumer waits there and takes them.  Both apply every
+// page's P8 . V to their own 256 columns in increasing page order.  The state chain (page i + 1
+// needs the state after page i) makes the barriers strictly alternate, which also keeps a buffer
+// from being rewritten (page i + 2) before the other consumer has read it (page i).
+template <bool kExchangeP>
 __global__ void __launch_bounds__(kThreads, 1)
     decode_kernel(const __grid_constant__ CUtensorMap content_map,
                   const __grid_constant__ CUtensorMap rope_map,
@@ -422,97 +437,131 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_proxy_async();   // V^T becomes visible to the WGMMA (async) proxy
     named_barrier_sync(wg_barrier, 128);
 
-    // S = qpe' . kpe'^T (BF16, exact FP32 accumulation) + q8 . k8^T (FP8, promoted per chunk).
-    float s[32], part[32];
-    wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < kRopeDim / kWgmmaK16; ++k) {
-      wgmma_m64n64k16_bf16(s, sw128_desc(qpe_addr + k * 32),
-                           sw128_desc(stage_addr + kStageRope + k * 32), k);
-    }
-    wgmma_commit();
-#pragma unroll
-    for (int chunk = 0; chunk < kQkChunks; ++chunk) {
-      fence_operands(part);   // the previous chunk's `s += part` stays above the fence
+    const bool computes_p = !kExchangeP || (i % 2) == consumer;
+    uint32_t p8[2][4];   // PV A operand per K=32 step (see the fragment note above the kernel)
+    float gamma[2];      // O rescale for this page: exp(m_old - m) * sigma_P old / new
+    uint32_t* exchange =
+        reinterpret_cast<uint32_t*>(smem + kSmemExchange + (i % 2) * kExchangeBytes);
+    if (computes_p) {
+      // S = qpe' . kpe'^T (BF16, exact FP32 accumulation) + q8 . k8^T (FP8, promoted per chunk).
+      float s[32], part[32];
       wgmma_fence();
 #pragma unroll
-      for (int k = 0; k < kQkPromoteCols / kWgmmaK8; ++k) {
-        const int col = chunk * kQkPromoteCols + k * kWgmmaK8;
-        const uint32_t offset =
-            (col / kSwizzleRowBytes) * kContentTileBytes + col % kSwizzleRowBytes;
-        wgmma_m64n64k32_e4m3(part, sw128_desc(q8_addr + offset),
-                             sw128_desc(stage_addr + kStageContent + offset), k);
+      for (int k = 0; k < kRopeDim / kWgmmaK16; ++k) {
+        wgmma_m64n64k16_bf16(s, sw128_desc(qpe_addr + k * 32),
+                             sw128_desc(stage_addr + kStageRope + k * 32), k);
       }
       wgmma_commit();
-      wgmma_wait_all();
-      fence_operands(s);
-      fence_operands(part);
 #pragma unroll
-      for (int v = 0; v < 32; ++v) s[v] += part[v];   // the FP32 promotion point
-    }
-
-    // Token scales of this thread's 16 columns (token 8*j + 2*quad + e at [2*j + e]).
-    const float* scale_tile = reinterpret_cast<const float*>(stage_ptr + kStageScale);
-    float k_scale[16];
+      for (int chunk = 0; chunk < kQkChunks; ++chunk) {
+        fence_operands(part);   // the previous chunk's `s += part` stays above the fence
+        wgmma_fence();
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+        for (int k = 0; k < kQkPromoteCols / kWgmmaK8; ++k) {
+          const int col = chunk * kQkPromoteCols + k * kWgmmaK8;
+          const uint32_t offset =
+              (col / kSwizzleRowBytes) * kContentTileBytes + col % kSwizzleRowBytes;
+          wgmma_m64n64k32_e4m3(part, sw128_desc(q8_addr + offset),
+                               sw128_desc(stage_addr + kStageContent + offset), k);
+        }
+        wgmma_commit();
+        wgmma_wait_all();
+        fence_operands(s);
+        fence_operands(part);
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int t = 8 * j + 2 * quad + e;
-        k_scale[2 * j + e] = t < live ? scale_tile[t * kScaleBoxFloats] : 0.f;
+        for (int v = 0; v < 32; ++v) s[v] += part[v];   // the FP32 promotion point
       }
-    // This thread is done with the stage (its QK WGMMAs completed, V^T built, scales read).
-    mbar_arrive(empty_bar + 8 * stage);
 
-    // The SnapMLA P pipeline, operation for operation as the Triton kernel.
-    float row_max[2] = {-INFINITY, -INFINITY};
+      // Token scales of this thread's 16 columns (token 8*j + 2*quad + e at [2*j + e]).
+      const float* scale_tile = reinterpret_cast<const float*>(stage_ptr + kStageScale);
+      float k_scale[16];
 #pragma unroll
-    for (int v = 0; v < 32; ++v) {
-      const int h = (v >> 1) & 1;
-      const int pos = page * kPageSize + 8 * (v >> 2) + 2 * quad + (v & 1);
-      const float logit = s[v] * (row_scale[h] * k_scale[2 * (v >> 2) + (v & 1)]);
-      s[v] = (pos < visible[h] && row_ok[h]) ? logit : -INFINITY;   // select: drops NaN garbage
-      row_max[h] = fmaxf(row_max[h], s[v]);
-    }
-    float m_ref[2], alpha[2], amax[2] = {0.f, 0.f}, e_sum[2] = {0.f, 0.f};
+      for (int j = 0; j < 8; ++j)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float m_new = fmaxf(m[h], quad_max(row_max[h]));
-      m_ref[h] = m_new == -INFINITY ? 0.f : m_new;   // rows that have seen nothing yet
-      alpha[h] = exp2_approx(m[h] - m_ref[h]);
-      m[h] = m_new;
-    }
+        for (int e = 0; e < 2; ++e) {
+          const int t = 8 * j + 2 * quad + e;
+          k_scale[2 * j + e] = t < live ? scale_tile[t * kScaleBoxFloats] : 0.f;
+        }
+      // This thread is done with the stage (its QK WGMMAs completed, V^T built, scales read).
+      mbar_arrive(empty_bar + 8 * stage);
+
+      // The SnapMLA P pipeline, operation for operation as the Triton kernel.
+      float row_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int v = 0; v < 32; ++v) {
-      const int h = (v >> 1) & 1;
-      const float e = exp2_approx(s[v] - m_ref[h]);
-      e_sum[h] += e;
-      s[v] = e * k_scale[2 * (v >> 2) + (v & 1)];    // scale fusion: P' = P * sigma_V
-      amax[h] = fmaxf(amax[h], s[v]);
-    }
-    float gamma[2], inv_amax[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float page_amax = quad_max(amax[h]);
-      peak[h] = fmaxf(peak[h] * alpha[h], page_amax);
-      const float amax_new = fmaxf(fmaxf(page_amax, peak[h] * kPScaleRange), kPScaleFloor);
-      inv_amax[h] = 1.f / amax_new;                                  // <= 2**126: finite
-      gamma[h] = alpha[h] * (amax_prev[h] * inv_amax[h]);            // exp(m_old - m) s_old / s
-      l[h] = l[h] * alpha[h] + quad_sum(e_sum[h]);
-      amax_prev[h] = amax_new;
-    }
-    uint32_t p8[2][4];   // PV A operand per K=32 step (see the fragment note above the kernel)
-#pragma unroll
-    for (int k = 0; k < 2; ++k)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int v0 = 16 * k + 8 * (j >> 1) + 2 * (j & 1);
-        const float inv = inv_amax[j & 1];   // registers 0, 2: row h = 0; 1, 3: h = 1
-        p8[k][j] = pack_e4m3x4(fminf((s[v0] * inv) * kFp8Max, kFp8Max),
-                               fminf((s[v0 + 1] * inv) * kFp8Max, kFp8Max),
-                               fminf((s[v0 + 4] * inv) * kFp8Max, kFp8Max),
-                               fminf((s[v0 + 5] * inv) * kFp8Max, kFp8Max));
+      for (int v = 0; v < 32; ++v) {
+        const int h = (v >> 1) & 1;
+        const int pos = page * kPageSize + 8 * (v >> 2) + 2 * quad + (v & 1);
+        const float logit = s[v] * (row_scale[h] * k_scale[2 * (v >> 2) + (v & 1)]);
+        s[v] = (pos < visible[h] && row_ok[h]) ? logit : -INFINITY;   // select: drops NaN garbage
+        row_max[h] = fmaxf(row_max[h], s[v]);
       }
+      float m_ref[2], alpha[2], amax[2] = {0.f, 0.f}, e_sum[2] = {0.f, 0.f};
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float m_new = fmaxf(m[h], quad_max(row_max[h]));
+        m_ref[h] = m_new == -INFINITY ? 0.f : m_new;   // rows that have seen nothing yet
+        alpha[h] = exp2_approx(m[h] - m_ref[h]);
+        m[h] = m_new;
+      }
+#pragma unroll
+      for (int v = 0; v < 32; ++v) {
+        const int h = (v >> 1) & 1;
+        const float e = exp2_approx(s[v] - m_ref[h]);
+        e_sum[h] += e;
+        s[v] = e * k_scale[2 * (v >> 2) + (v & 1)];    // scale fusion: P' = P * sigma_V
+        amax[h] = fmaxf(amax[h], s[v]);
+      }
+      float inv_amax[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float page_amax = quad_max(amax[h]);
+        peak[h] = fmaxf(peak[h] * alpha[h], page_amax);
+        const float amax_new = fmaxf(fmaxf(page_amax, peak[h] * kPScaleRange), kPScaleFloor);
+        inv_amax[h] = 1.f / amax_new;                                  // <= 2**126: finite
+        gamma[h] = alpha[h] * (amax_prev[h] * inv_amax[h]);            // exp(m_old - m) s_old / s
+        l[h] = l[h] * alpha[h] + quad_sum(e_sum[h]);
+        amax_prev[h] = amax_new;
+      }
+#pragma unroll
+      for (int k = 0; k < 2; ++k)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int v0 = 16 * k + 8 * (j >> 1) + 2 * (j & 1);
+          const float inv = inv_amax[j & 1];   // registers 0, 2: row h = 0; 1, 3: h = 1
+          p8[k][j] = pack_e4m3x4(fminf((s[v0] * inv) * kFp8Max, kFp8Max),
+                                 fminf((s[v0 + 1] * inv) * kFp8Max, kFp8Max),
+                                 fminf((s[v0 + 4] * inv) * kFp8Max, kFp8Max),
+                                 fminf((s[v0 + 5] * inv) * kFp8Max, kFp8Max));
+        }
+      if constexpr (kExchangeP) {
+        // Publish for the other consumer's thread wg_tid, which holds the same rows and tokens.
+#pragma unroll
+        for (int w = 0; w < 8; ++w) exchange[w * 128 + wg_tid] = p8[w / 4][w % 4];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          exchange[(8 + h) * 128 + wg_tid] = __float_as_uint(gamma[h]);
+          exchange[(10 + h) * 128 + wg_tid] = __float_as_uint(m[h]);
+          exchange[(12 + h) * 128 + wg_tid] = __float_as_uint(peak[h]);
+          exchange[(14 + h) * 128 + wg_tid] = __float_as_uint(amax_prev[h]);
+          exchange[(16 + h) * 128 + wg_tid] = __float_as_uint(l[h]);
+        }
+        named_barrier_arrive(4 + (i % 2), 256);
+      }
+    } else {
+      // The other consumer computes this page's P: this one read only V from the stage.
+      mbar_arrive(empty_bar + 8 * stage);
+      named_barrier_sync(4 + (i % 2), 256);
+#pragma unroll
+      for (int w = 0; w < 8; ++w) p8[w / 4][w % 4] = exchange[w * 128 + wg_tid];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        gamma[h] = __uint_as_float(exchange[(8 + h) * 128 + wg_tid]);
+        m[h] = __uint_as_float(exchange[(10 + h) * 128 + wg_tid]);
+        peak[h] = __uint_as_float(exchange[(12 + h) * 128 + wg_tid]);
+        amax_prev[h] = __uint_as_float(exchange[(14 + h) * 128 + wg_tid]);
+        l[h] = __uint_as_float(exchange[(16 + h) * 128 + wg_tid]);
+      }
+    }
 
     // O = gamma O + P8 . V8, one 64x128 half at a time; each page's sum is promoted into FP32 O.
 #pragma unroll
