@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 
+from tests.e2e.server import KV_CACHE_BYTES
 from vllm_snapmla.demo import RESULT_TAG, subprocess_env
 
 # gpu_model_runner.py logs this at DEBUG for every batch it runs (vLLM 0.26.0, V1 runner).
@@ -34,6 +35,7 @@ def _run(spec: dict) -> dict:
 
     kwargs = dict(load_format="auto", skip_tokenizer_init=True, dtype="bfloat16",
                   max_model_len=1024, gpu_memory_utilization=0.3, seed=0,
+                  kv_cache_memory_bytes=KV_CACHE_BYTES,
                   disable_log_stats=False)
     kwargs.update(spec.get("llm_kwargs", {}))
     llm = LLM(model=spec["model"], kv_cache_dtype=spec["kv_cache_dtype"], **kwargs)

@@ -24,6 +24,11 @@ from vllm_snapmla.demo import subprocess_env
 
 STARTUP_TIMEOUT_S = 600
 STOP_TIMEOUT_S = 60
+# A fixed KV-cache budget for every e2e engine: vLLM then skips its memory profiling, which
+# fails when another process on the GPU frees memory meanwhile (seen on the H200 with the
+# tiny-model training running beside the tests).  Equal bytes for every KV dtype also makes
+# capacity ratios exact (1152 / 656 bytes per token and layer).
+KV_CACHE_BYTES = 4 << 30
 
 
 def free_port() -> int:

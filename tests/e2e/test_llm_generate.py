@@ -17,6 +17,7 @@ cache read from the wrong positions gave 1.3 and gaps around 1.5.)
 import pytest
 import torch
 
+from tests.e2e.server import KV_CACHE_BYTES
 from vllm_snapmla.demo import generate_in_subprocess, write_tiny_deepseek_v3
 
 pytestmark = pytest.mark.e2e
@@ -25,7 +26,8 @@ KV = "fp8_snapmla"
 MAX_TOKENS = 12
 LONG_PROMPT = 300
 ENGINE = {"load_format": "auto", "enable_prefix_caching": True, "max_num_batched_tokens": 128,
-          "max_num_seqs": 16, "max_model_len": 1024, "gpu_memory_utilization": 0.3}
+          "max_num_seqs": 16, "max_model_len": 1024, "gpu_memory_utilization": 0.3,
+          "kv_cache_memory_bytes": KV_CACHE_BYTES}
 RUNNERS = {"v1": "0", "mrv2": "1"}     # VLLM_USE_V2_MODEL_RUNNER
 
 NEAR_TIE_NATS = 1.0          # BF16 log-prob gap allowed where the outputs part

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.e2e.server import http, vllm_server
+from tests.e2e.server import KV_CACHE_BYTES, http, vllm_server
 from vllm_snapmla.demo import write_tiny_deepseek_v3
 
 pytestmark = pytest.mark.e2e
@@ -14,7 +14,8 @@ def test_vllm_serve_completion_with_token_ids(tmp_path):
     model = str(write_tiny_deepseek_v3(tmp_path / "tiny-deepseek-v3"))
     log = tmp_path / "server.log"
     args = ["--kv-cache-dtype", "fp8_snapmla", "--skip-tokenizer-init", "--load-format", "dummy",
-            "--enforce-eager", "--max-model-len", "1024", "--gpu-memory-utilization", "0.3"]
+            "--enforce-eager", "--max-model-len", "1024", "--gpu-memory-utilization", "0.3",
+            "--kv-cache-memory-bytes", str(KV_CACHE_BYTES)]
     with vllm_server(model, args, log) as base:
         prompts = [[5, 17, 99, 1000, 4000] * 20, [7, 8, 9]]
         status, reply = http(f"{base}/v1/completions", {

@@ -29,7 +29,7 @@ import time
 import pytest
 import torch
 
-from tests.e2e.server import http, http_text, vllm_server
+from tests.e2e.server import KV_CACHE_BYTES, http, http_text, vllm_server
 from vllm_snapmla import format as fmt
 from vllm_snapmla.demo import write_tiny_deepseek_v3
 
@@ -53,7 +53,7 @@ SERVER_ARGS = [
     "--kv-cache-dtype", fmt.KV_CACHE_DTYPE, "--skip-tokenizer-init", "--seed", "0",
     "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", "8192",
     "--max-num-seqs", "32", "--enable-prefix-caching", "--enable-prompt-tokens-details",
-    "--gpu-memory-utilization", "0.3",
+    "--gpu-memory-utilization", "0.3", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
 ]
 # /reset_prefix_cache is a development endpoint.
 SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
