@@ -1,0 +1,68 @@
+"""What the sm_90a decode kernel compiles to, checked on the built extension (no GPU needed).
+
+Register spills turned up three times while tuning the kernel (each time from a change that looked
+harmless); in its main loop they would add local-memory traffic to every page.  So the SASS of
+every instantiation must have no local loads/stores and must contain the FP8 (QGMMA) and BF16
+(HGMMA) tensor-core instructions the design relies on.  Skips when the extension or its sm_90a
+code is not built, or no ``cuobjdump`` is found (CUDA toolkit or Triton's bundled copy).
+"""
+
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+
+def _cuobjdump() -> str | None:
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import triton
+    except ImportError:
+        return None
+    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                           "cuobjdump")
+    return bundled if os.access(bundled, os.X_OK) else None
+
+
+@pytest.fixture(scope="module")
+def decode_kernels() -> dict[str, str]:
+    """SASS text of each sm_90a ``decode_kernel`` instantiation, by mangled name."""
+    try:
+        import vllm_snapmla._C as native
+    except ImportError:
+        pytest.skip("native extension not built (SNAPMLA_SKIP_BUILD=1)")
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or triton) to read the SASS with")
+    sass = subprocess.run([tool, "-sass", "-arch", "sm_90a", native.__file__],
+                          capture_output=True, text=True, timeout=300).stdout
+    kernels = {}
+    for name, body in re.findall(r"Function : (\S+)\n(.*?)(?=\n\s*Function : |\Z)", sass, re.S):
+        if "decode_kernel" in name:
+            kernels[name] = body
+    if not kernels:
+        pytest.skip("the extension has no sm_90a decode kernel (SNAPMLA_ARCHS without 90a)")
+    return kernels
+
+
+def test_both_variants_are_built(decode_kernels):
+    assert len(decode_kernels) == 2, sorted(decode_kernels)   # kExchangeP = false, true
+
+
+def test_no_register_spills(decode_kernels):
+    for name, body in decode_kernels.items():
+        local = re.findall(r"\b(LDL|STL)\b", body)
+        assert not local, f"{name}: {len(local)} local-memory instructions (register spills)"
+
+
+def test_tensor_core_instructions(decode_kernels):
+    for name, body in decode_kernels.items():
+        qk = len(re.findall(r"QGMMA\.64x64x32\.F32\.E4M3\.E4M3", body))
+        pv = len(re.findall(r"QGMMA\.64x128x32\.F32\.E4M3\.E4M3", body))
+        rope = len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16", body))
+        # Content QK: 512 / 32 FP8 steps; PV: 2 halves x 64 / 32 steps; RoPE: 64 / 16 steps.
+        assert (qk, pv, rope) == (16, 4, 4), (name, qk, pv, rope)
