@@ -203,3 +203,8 @@ if __name__ == "__main__":
     from tests.cpu import _vllm_cpu
 
     _vllm_cpu._serve(register="--register" in sys.argv)
+
+
+# An n-gram speculative config (no drafter model), as the spec-decode configuration tests use it.
+SPEC_NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4,
+              "prompt_lookup_min": 2}

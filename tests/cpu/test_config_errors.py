@@ -10,16 +10,9 @@ import tempfile
 
 import pytest
 
-from tests.cpu._vllm_cpu import RemoteError, shared_process
+from tests.cpu._vllm_cpu import SPEC_NGRAM, RemoteError
 
 KV = "fp8_snapmla"
-SPEC_NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4,
-              "prompt_lookup_min": 2}
-
-
-@pytest.fixture(scope="module")
-def vllm_cpu():
-    return shared_process()
 
 
 def _tiny_llama(vocab_size: int = 1024) -> str:

@@ -15,18 +15,11 @@ import pytest
 import torch
 
 from tests.cache_builder import build_cache
-from tests.cpu._vllm_cpu import shared_process
+from tests.cpu._vllm_cpu import SPEC_NGRAM
 from vllm_snapmla import format as fmt
 from vllm_snapmla import ops
 
 KV = "fp8_snapmla"
-SPEC_NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4,
-              "prompt_lookup_min": 2}
-
-
-@pytest.fixture(scope="module")
-def vllm_cpu():
-    return shared_process()
 
 
 def test_builder_declares_uniform_batch_graphs_and_uniform_queries():

@@ -42,14 +42,8 @@ needs_lm_eval = pytest.mark.skipif(not _has("lm_eval"),
 
 
 @pytest.fixture(scope="module")
-def smoke_model(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny-mla-smoke")
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "eval" / "train_tiny_mla.py"),
-                           "--out", str(out), "--smoke", "--seed", "0"],
-                          capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out
+def smoke_model(smoke_checkpoint):
+    return smoke_checkpoint
 
 
 @pytest.fixture(scope="module")

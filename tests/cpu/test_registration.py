@@ -11,14 +11,9 @@ import tomllib
 
 import pytest
 
-from tests.cpu._vllm_cpu import REPO_ROOT, RemoteError, VllmCpuProcess, shared_process
+from tests.cpu._vllm_cpu import REPO_ROOT, RemoteError, VllmCpuProcess
 
 KV = "fp8_snapmla"
-
-
-@pytest.fixture(scope="module")
-def vllm_cpu():
-    return shared_process()
 
 
 # --- registration itself ---------------------------------------------------------------------

@@ -3,9 +3,6 @@
 import json
 import math
 import pathlib
-import subprocess
-import os
-import sys
 
 import numpy as np
 import pytest
@@ -16,14 +13,8 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny-mla-smoke")
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "eval" / "train_tiny_mla.py"),
-                           "--out", str(out), "--smoke", "--seed", "0"],
-                          capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out, json.loads((out / "train_log.json").read_text())
+def smoke_run(smoke_checkpoint):
+    return smoke_checkpoint, json.loads((smoke_checkpoint / "train_log.json").read_text())
 
 
 def test_smoke_run_is_fast_and_learns(smoke_run):

@@ -1,0 +1,30 @@
+"""Fixtures shared by the CPU tests."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from tests.cpu._vllm_cpu import shared_process
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def vllm_cpu():
+    """The shared fake-CUDA vLLM process (``tests/cpu/_vllm_cpu.py``)."""
+    return shared_process()
+
+
+@pytest.fixture(scope="session")
+def smoke_checkpoint(tmp_path_factory) -> pathlib.Path:
+    """``eval/train_tiny_mla.py --smoke`` on the CPU, trained once per session; read-only."""
+    out = tmp_path_factory.mktemp("tiny-mla-smoke")
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "eval" / "train_tiny_mla.py"),
+                           "--out", str(out), "--smoke", "--seed", "0"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
