@@ -257,24 +257,16 @@ def model_args(opts, setting: str, eos_id: int) -> tuple[str, dict]:
     return "vllm", args
 
 
-def parse_kv_pairs(text: str | None) -> dict:
-    """``"a=1,b=x"`` -> ``{"a": 1, "b": "x"}`` (ints, floats and booleans converted)."""
-    out = {}
-    for item in filter(None, (text or "").split(",")):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"expected key=value, got {item!r}")
-        value = value.strip()
-        if value.lower() in ("true", "false"):
-            out[key.strip()] = value.lower() == "true"
-            continue
-        for cast in (int, float, str):
-            try:
-                out[key.strip()] = cast(value)
-                break
-            except ValueError:
-                pass
-    return out
+def _parity_module():
+    """``eval/parity.py`` (eval/ is not a package), for its ``--model-args`` parser."""
+    spec = importlib.util.spec_from_file_location("snapmla_parity",
+                                                  pathlib.Path(__file__).with_name("parity.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+parse_kv_pairs = _parity_module().parse_kv_pairs
 
 
 def lm_eval_command(name: str, args: dict, include_path: pathlib.Path, out_dir: pathlib.Path,

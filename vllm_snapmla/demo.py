@@ -196,21 +196,27 @@ def run_generation(spec: dict) -> dict:
             "kv_cache_tokens": cache.num_gpu_blocks * cache.block_size}
 
 
+def run_json_child(args: list[str], spec: dict, env: dict | None, timeout: float
+                   ) -> tuple[dict, str]:
+    """``python <args>`` with ``spec`` as JSON on stdin, in this plugin's environment: the JSON
+    after its last ``RESULT_TAG`` line, and everything it printed."""
+    proc = subprocess.run([sys.executable, *args], input=json.dumps(spec), capture_output=True,
+                          text=True, timeout=timeout, env=subprocess_env(env))
+    log = proc.stdout + proc.stderr
+    result_lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
+    if proc.returncode != 0 or not result_lines:
+        raise RuntimeError(f"vLLM run failed (exit {proc.returncode}) for "
+                           f"{spec['kv_cache_dtype']}; last output:\n{log[-6000:]}")
+    return json.loads(result_lines[-1][len(RESULT_TAG):]), log
+
+
 def generate_in_subprocess(spec: dict, env: dict | None = None, timeout: float = 900) -> dict:
     """``run_generation`` in a fresh Python process (it owns the GPU until it exits).
 
     Adds ``log`` (everything the processes printed) and ``log_kv_cache_tokens`` (the
     capacity vLLM logs) to the result.
     """
-    proc = subprocess.run([sys.executable, "-m", "vllm_snapmla.demo", "--child"],
-                          input=json.dumps(spec), capture_output=True, text=True,
-                          timeout=timeout, env=subprocess_env(env))
-    log = proc.stdout + proc.stderr
-    result_lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
-    if proc.returncode != 0 or not result_lines:
-        raise RuntimeError(f"vLLM run failed (exit {proc.returncode}) for "
-                           f"{spec['kv_cache_dtype']}; last output:\n{log[-6000:]}")
-    result = json.loads(result_lines[-1][len(RESULT_TAG):])
+    result, log = run_json_child(["-m", "vllm_snapmla.demo", "--child"], spec, env, timeout)
     logged = _KV_TOKENS_LOG.findall(log)
     result["log_kv_cache_tokens"] = int(logged[-1].replace(",", "")) if logged else None
     result["log"] = log

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 
 from tests.e2e.server import KV_CACHE_BYTES
-from vllm_snapmla.demo import RESULT_TAG, subprocess_env
+from vllm_snapmla.demo import RESULT_TAG, run_json_child
 
 # gpu_model_runner.py logs this at DEBUG for every batch it runs (vLLM 0.26.0, V1 runner).
 _BATCH_LOG = re.compile(
@@ -69,15 +68,7 @@ def _outputs(prompts, outputs) -> list[dict]:
 
 def generate(spec: dict, env: dict | None = None, timeout: float = 600) -> dict:
     """``_run(spec)`` in a fresh process; adds ``log`` and ``batches`` (mode, tokens, reqs, uniform)."""
-    proc = subprocess.run([sys.executable, "-m", "tests.e2e.generate"], input=json.dumps(spec),
-                          capture_output=True, text=True, timeout=timeout,
-                          env=subprocess_env(env))
-    log = proc.stdout + proc.stderr
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"vLLM run failed (exit {proc.returncode}); last output:\n"
-                           f"{log[-6000:]}")
-    result = json.loads(lines[-1][len(RESULT_TAG):])
+    result, log = run_json_child(["-m", "tests.e2e.generate"], spec, env, timeout)
     result["log"] = log
     result["batches"] = [(mode, int(n), None if reqs == "None" else int(reqs), uniform == "True")
                          for mode, n, reqs, uniform in _BATCH_LOG.findall(log)]
