@@ -3,12 +3,9 @@
 #   bash tools/h200.sh STAGE [args]        logs go to $OUT/<stage>.log
 # Stages: stash K (move .devcache/vllm-site.partK aside; carry that part with the call) |
 #         setup (unpack vLLM, build the extension) | kernels | sm90 | e2e | serve | bench | train | parity
-# A whole lease in three calls after `stash 0`, `stash 1` (each carrying its part):
-#   1. stash 2 && lease1: unpack, training in the background (setsid, 8 min), build, sm90 smoke
-#      test (its verdict picks the decode kernel for the rest of the lease), GPU kernel tests in
-#      the background, e2e + serve tests in the foreground.
-#   2. lease2: parity of the trained model, capture + fidelity study.   3. lease3: benchmarks.
-# Each lease call packs its logs and results into $OUT/<stage>.tgz (a call returns at most 8 files).
+# A whole lease in five calls (docs/development.md): `stash 0`, `stash 1` (each carrying its
+# part), `stash 2 && lease4` (carrying part 2), `lease5` (carrying .whl).  Each lease call packs
+# its logs and results into $OUT/<stage>.tgz (a call returns at most 8 files).
 set -uo pipefail
 stage=${1:?stage}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -19,17 +16,25 @@ log="$OUT/$stage.log"
 run() { echo "+ $*" | tee -a "$log"; "$@" 2>&1 | tee -a "$log"; }
 start=$(date +%s)
 left() { echo $(( ${1:-570} - ($(date +%s) - start) )); }    # seconds left of a call's budget
-[ -f /root/decode_kernel ] && export SNAPMLA_DECODE_KERNEL=$(cat /root/decode_kernel)
 pack() { mkdir -p /root/res; cp -r "$@" /root/res/ 2>/dev/null; tar czf "$OUT/$stage.tgz" -C /root res; }
+unpack() {   # the vLLM bundle, stashed by the three `stash` calls
+  [ -d /root/site/vllm ] ||
+    { mkdir -p /root/site && cat /root/stash/vllm-site.part* | xz -d -T0 | tar x -C /root/site; }
+  export PYTHONPATH=/root/site:$PWD
+}
+build() {
+  run nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
+  run timeout 200 python3 -m pip install -q -v --no-build-isolation --no-deps -e . \
+      | grep -E "registers|spill|error"
+}
+# The tiny model.  A fixed step count (what 6 minutes gave on 2026-12-01) makes the LR schedule
+# and the data order independent of the wall clock and of what else runs on the GPU; 8 minutes
+# is the cap.
+TRAIN_TINY=(python3 eval/train_tiny_mla.py --out /root/tiny-mla --max-steps 1750 --minutes 8
+            --seed 0)
 case "$stage" in
   stash)  mkdir -p /root/stash && mv ".devcache/vllm-site.part$2" /root/stash/ && ls /root/stash ;;
-  setup)
-    if [ ! -d /root/site/vllm ]; then
-      mkdir -p /root/site && cat /root/stash/vllm-site.part* | xz -d -T0 | tar x -C /root/site
-    fi
-    export PYTHONPATH=/root/site:$PWD
-    run nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
-    run python3 -m pip install -q -v --no-build-isolation --no-deps -e . | grep -E "registers|spill|error" ;;
+  setup)  unpack; build ;;
   kernels) run timeout 300 python3 -m pytest tests/gpu -q -rs ;;
   sm90)
     CUDA_LAUNCH_BLOCKING=1 run timeout 150 python3 -m pytest tests/gpu/test_decode_sm90.py -x -q \
@@ -40,62 +45,13 @@ case "$stage" in
   bench)
     run timeout 280 python3 benchmarks/bench_decode.py --out "$OUT/decode"
     run timeout 120 python3 benchmarks/bench_cache_ops.py --out "$OUT/cache_ops.csv" ;;
-  train)  run timeout 590 python3 eval/train_tiny_mla.py --out build/tiny-mla --minutes 8 --seed 0 &&
-          cp build/tiny-mla/train_log.json "$OUT/" ;;
-  parity) run timeout 590 python3 eval/parity_tiny.py --model build/tiny-mla --out build/parity-tiny &&
-          cp -r build/parity-tiny "$OUT/" ;;
-  lease1)
-    mkdir -p /root/site && cat /root/stash/vllm-site.part* | xz -d -T0 | tar x -C /root/site
-    export PYTHONPATH=/root/site:$PWD
-    setsid nohup python3 eval/train_tiny_mla.py --out /root/tiny-mla --minutes 8 --seed 0 \
-        > /root/train.log 2>&1 < /dev/null &
-    run nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
-    run timeout 200 python3 -m pip install -q -v --no-build-isolation --no-deps -e . \
-        | grep -E "registers|spill|error"
-    if CUDA_LAUNCH_BLOCKING=1 run timeout 120 python3 -m pytest tests/gpu/test_decode_sm90.py -x \
-        -q -p no:cacheprovider -k "few_pages or rejects or spare"; then
-      echo auto > /root/decode_kernel; sel=""
-    else
-      echo triton > /root/decode_kernel; sel="not sm90"
-    fi
-    export SNAPMLA_DECODE_KERNEL=$(cat /root/decode_kernel); echo "decode kernel: $SNAPMLA_DECODE_KERNEL"
-    setsid bash -c "timeout $(left 540) python3 -m pytest tests/gpu -q -rs -p no:cacheprovider \
-        -k '$sel' > /root/gpu.log 2>&1; echo rc=\$? >> /root/gpu.log" < /dev/null &
-    run timeout $(left 330) python3 -m pytest tests/e2e/test_llm_generate.py -q -rs -p no:cacheprovider
-    run timeout $(left 560) python3 -m pytest tests/e2e/test_serve.py tests/e2e/test_serve_load.py \
-        -v -s -p no:cacheprovider
-    while ! grep -q "^rc=" /root/gpu.log && [ $(left 575) -gt 0 ]; do sleep 2; done
-    tail -25 /root/gpu.log; pack /root/gpu.log /root/train.log "$log" ;;
-  lease2)
-    for _ in $(seq 120); do pgrep -f train_tiny_mla >/dev/null || break; sleep 2; done
-    run tail -5 /root/train.log
-    run timeout $(left 380) python3 eval/parity_tiny.py --model /root/tiny-mla \
-        --out /root/parity-tiny --timeout 150
-    python3 - <<'PY'
-import numpy as np
-from transformers import AutoTokenizer
-tok = AutoTokenizer.from_pretrained("/root/tiny-mla")
-ids = np.load("/root/tiny-mla/heldout_tokens.npy")[:8000].tolist()
-open("/root/prompt.txt", "w").write(tok.decode(ids))
-PY
-    run timeout $(left 500) python3 eval/capture_vllm.py --model /root/tiny-mla \
-        --out /root/capture.pt --prompt-file /root/prompt.txt --prompt-len 3000 \
-        --gpu-memory-utilization 0.5
-    run timeout $(left 570) python3 eval/fidelity.py --input /root/capture.pt --out /root/fidelity
-    pack /root/tiny-mla/train_log.json /root/tiny-mla/config.json /root/parity-tiny \
-        /root/fidelity "$log" ;;
-  lease3)
-    run timeout $(left 400) python3 benchmarks/bench_decode.py --out /root/bench_decode
-    pack /root/bench_decode "$log" ;;
+  train)  run timeout 590 "${TRAIN_TINY[@]}" && cp /root/tiny-mla/train_log.json "$OUT/" ;;
+  parity) run timeout 590 python3 eval/parity_tiny.py --model /root/tiny-mla --out /root/parity-tiny &&
+          cp -r /root/parity-tiny "$OUT/" ;;
   lease4)   # after `stash 2`: training in the background, kernel tests, CUDA-graph and serve e2e
-    mkdir -p /root/site && cat /root/stash/vllm-site.part* | xz -d -T0 | tar x -C /root/site
-    export PYTHONPATH=/root/site:$PWD
-    # A fixed step count (what 6 minutes gave on 2026-12-01) makes the LR schedule and the data
-    # order independent of the wall clock and of what else runs on the GPU; 8 minutes is the cap.
-    setsid nohup python3 eval/train_tiny_mla.py --out /root/tiny-mla --max-steps 1750 \
-        --minutes 8 --seed 0 > /root/train.log 2>&1 < /dev/null &
-    run timeout 200 python3 -m pip install -q -v --no-build-isolation --no-deps -e . \
-        | grep -E "registers|spill|error"
+    unpack
+    setsid nohup "${TRAIN_TINY[@]}" > /root/train.log 2>&1 < /dev/null &
+    build
     setsid bash -c "timeout $(left 400) python3 -m pytest tests/gpu -q -rs -p no:cacheprovider \
         > /root/gpu.log 2>&1; echo rc=\$? >> /root/gpu.log" < /dev/null &
     timeout $(left 330) python3 -m pytest tests/e2e/test_cuda_graphs_spec_decode.py -v -s -rs \
