@@ -124,24 +124,35 @@ def run_transformers(spec: dict) -> dict:
             correct.append((logits.argmax(-1) == target).int().tolist())
     score_s = time.monotonic() - started
     started = time.monotonic()
-    continuations = [greedy_with_cache(model, prompt, spec["gen_len"], device)
-                     for prompt in spec["prompts"]]
+    continuations = greedy_with_cache(model, spec["prompts"], spec["gen_len"], device)
     return {"logprobs": logprobs, "correct": correct, "continuations": continuations,
             "seconds": {"score": score_s, "generate": time.monotonic() - started}}
 
 
-def greedy_with_cache(model, prompt: list[int], gen_len: int, device) -> list[int]:
-    """``gen_len`` greedy tokens (EOS ignored) with transformers' own BF16 KV cache."""
+def greedy_with_cache(model, prompts: list[list[int]], gen_len: int, device) -> list[list[int]]:
+    """``gen_len`` greedy tokens (EOS ignored) per prompt with transformers' own BF16 KV cache.
+
+    Prompts of one length run as one batch (no padding needed): one forward pass per step for
+    the batch rather than per prompt.
+    """
     import torch
 
+    continuations: list[list[int] | None] = [None] * len(prompts)
+    by_length: dict[int, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        by_length.setdefault(len(prompt), []).append(i)
     with torch.no_grad():
-        out = model(input_ids=torch.tensor([prompt], device=device), use_cache=True)
-        tokens = [int(out.logits[0, -1].argmax())]
-        for _ in range(gen_len - 1):
-            out = model(input_ids=torch.tensor([[tokens[-1]]], device=device),
-                        past_key_values=out.past_key_values, use_cache=True)
-            tokens.append(int(out.logits[0, -1].argmax()))
-    return tokens
+        for rows in by_length.values():
+            ids = torch.tensor([prompts[i] for i in rows], device=device)
+            out = model(input_ids=ids, use_cache=True)
+            steps = [out.logits[:, -1].argmax(-1)]
+            for _ in range(gen_len - 1):
+                out = model(input_ids=steps[-1][:, None], past_key_values=out.past_key_values,
+                            use_cache=True)
+                steps.append(out.logits[:, -1].argmax(-1))
+            for row, tokens in zip(rows, torch.stack(steps, 1).tolist()):
+                continuations[row] = tokens
+    return continuations
 
 
 def _child() -> None:

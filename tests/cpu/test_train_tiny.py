@@ -132,10 +132,14 @@ def test_parity_greedy_with_cache_matches_full_recompute(smoke_run):
     spec.loader.exec_module(parity)
     out, _ = smoke_run
     model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
-    prompt = np.load(out / "heldout_tokens.npy")[:40].tolist()
-    cached = parity.greedy_with_cache(model, prompt, 12, "cpu")
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(12):
-            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-    assert cached == ids[len(prompt):]
+    tokens = np.load(out / "heldout_tokens.npy").tolist()
+    # Two prompts of one length (a batch) and one of another, in mixed order.
+    prompts = [tokens[:40], tokens[100:125], tokens[200:240]]
+    cached = parity.greedy_with_cache(model, prompts, 12, "cpu")
+    assert len(cached) == len(prompts)
+    for prompt, continuation in zip(prompts, cached):
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(12):
+                ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+        assert continuation == ids[len(prompt):]
