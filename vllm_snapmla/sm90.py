@@ -3,7 +3,8 @@
 Same inputs, outputs and split contract as ``vllm_snapmla.triton.decode.snapmla_decode``: stage 1
 is the CUDA kernel (one CTA per request, 64-row block of ``(s_q, head)`` rows and KV split; TMA
 page ring, FP8/BF16 WGMMA); with several splits, stage 2 is the Triton combine kernel.
-``vllm_snapmla.ops.decode`` uses it on sm_90 GPUs (``SNAPMLA_DECODE_KERNEL`` overrides that).
+``vllm_snapmla.ops.decode`` uses it on sm_90 GPUs for requests of at least ``ops.SM90_MIN_ROWS``
+query rows (``SNAPMLA_DECODE_KERNEL`` overrides that).
 """
 
 from __future__ import annotations
