@@ -38,11 +38,11 @@ from vllm_snapmla import ops, reference  # noqa: E402
 SNAPMLA_KERNELS = {
     "snapmla-triton": "vllm_snapmla.triton.decode:snapmla_decode",
     "snapmla-sm90": "vllm_snapmla.sm90:snapmla_decode_sm90",
-    "snapmla-sm90-exchange": "vllm_snapmla.sm90:snapmla_decode_sm90_exchange",
+    "snapmla-sm90-free": "vllm_snapmla.sm90:snapmla_decode_sm90_free",
 }
 # Backends that run only where a predicate ("module:function", no arguments) says so.
 SNAPMLA_AVAILABLE = {"snapmla-sm90": "vllm_snapmla.sm90:available",
-                     "snapmla-sm90-exchange": "vllm_snapmla.sm90:available"}
+                     "snapmla-sm90-free": "vllm_snapmla.sm90:available"}
 
 # (batch, heads, context, s_q)
 SHAPES = [
@@ -200,7 +200,13 @@ def main():
     parser.add_argument("--out", default="out/bench_decode", help="folder for decode.csv/png")
     parser.add_argument("--quick", action="store_true", help="4 shapes, shorter timing")
     parser.add_argument("--eager", action="store_true", help="time Python calls, not graphs")
+    parser.add_argument("--backends", help="comma-separated subset of: flashmla-bf16, "
+                        "flashmla-fp8, " + ", ".join(SNAPMLA_KERNELS) + " (default: all)")
     args = parser.parse_args()
+    known = {"flashmla-bf16", "flashmla-fp8", *SNAPMLA_KERNELS}
+    wanted = set(args.backends.split(",")) if args.backends else known
+    if wanted - known:
+        parser.error(f"unknown backends {sorted(wanted - known)}; known: {sorted(known)}")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -221,7 +227,8 @@ def main():
     for B, H, N, s_q in (QUICK_SHAPES if args.quick else SHAPES):
         print(f"shape B={B} H={H} N={N} s_q={s_q} ...", flush=True)
         inp = _make_inputs(B, H, N, s_q, gen)
-        runners = _runners(inp, fm, scale, quantize)
+        runners = {name: fn for name, fn in _runners(inp, fm, scale, quantize).items()
+                   if name in wanted}
         base_out = runners["flashmla-bf16"]()[0].float() if "flashmla-bf16" in runners else None
         flops = 2 * B * H * s_q * N * (fmt.HEAD_SIZE + fmt.KV_LORA_RANK)
         times = {}

@@ -48,6 +48,23 @@ case "$stage" in
   train)  run timeout 590 "${TRAIN_TINY[@]}" && cp /root/tiny-mla/train_log.json "$OUT/" ;;
   parity) run timeout 590 python3 eval/parity_tiny.py --model /root/tiny-mla --out /root/parity-tiny &&
           cp -r /root/parity-tiny "$OUT/" ;;
+  ncu)      # Nsight Compute on one launch of two sm90 schedules (no vLLM needed)
+    build
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+    run timeout 300 "$NCU" --clock-control none --kernel-name regex:decode_kernel --set full \
+        --import-source no -f -o /root/sm90 python3 tools/profile_sm90.py --schedules free,turns
+    "$NCU" -i /root/sm90.ncu-rep --page details --print-details all > /root/ncu_details.txt 2>&1 ||
+      "$NCU" -i /root/sm90.ncu-rep --page details > /root/ncu_details.txt 2>&1
+    "$NCU" -i /root/sm90.ncu-rep --page source --csv --print-source sass > /root/ncu_sass.csv 2>&1
+    pack /root/ncu_details.txt /root/ncu_sass.csv "$log" ;;
+  lease6)   # after `stash 2`: the sm90 kernel's schedules, tested and timed against FlashMLA
+    unpack; build
+    run timeout 150 python3 -m pytest tests/gpu/test_decode_sm90.py -q -x -p no:cacheprovider \
+        -k "few_pages or bit_identical"
+    run timeout 200 python3 benchmarks/bench_decode.py --out /root/bench_decode \
+        --backends flashmla-bf16,flashmla-fp8,snapmla-sm90,snapmla-sm90-free
+    run timeout $(left 570) python3 -m pytest tests/gpu -q -p no:cacheprovider
+    pack /root/bench_decode "$log" ;;
   lease4)   # after `stash 2`: training in the background, kernel tests, CUDA-graph and serve e2e
     unpack
     setsid nohup "${TRAIN_TINY[@]}" > /root/train.log 2>&1 < /dev/null &

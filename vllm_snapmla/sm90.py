@@ -17,6 +17,9 @@ from vllm_snapmla import ops
 from vllm_snapmla.triton.decode import _combine_kernel, _device_limits, num_splits_for
 
 _BLOCK_ROWS = 64   # query rows per CTA (csrc/sm90/decode/config.h kBlockRows)
+# How the two consumer warpgroups order their tensor-core sections (config.h kSchedule*).
+SCHEDULES = {"free": 0, "turns": 1}
+DEFAULT_SCHEDULE = "turns"   # 0-5% faster than "free" on the H200 (benchmarks/RESULTS.md)
 # csrc/sm90/decode/config.h hard-codes these (kPScaleRange, kPScaleFloor).
 assert fmt.P_SCALE_RANGE == 2.0 ** -32 and fmt.P_SCALE_FLOOR == 2.0 ** -126
 
@@ -32,7 +35,7 @@ def available(device: torch.device | int | None = None) -> bool:
 def snapmla_decode_sm90(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: torch.Tensor,
                         kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                         softmax_scale: float, causal: bool = True, num_splits: int | None = None,
-                        exchange_p: bool = False):
+                        schedule: str = DEFAULT_SCHEDULE):
     """SnapMLA decode from a quantized query on an sm_90 GPU.
 
     ``q8`` e4m3 ``[B,s_q,H,512]``, ``q_scale`` fp32 ``[B,s_q,H]``, ``q_pe_scaled`` bf16
@@ -40,10 +43,13 @@ def snapmla_decode_sm90(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: to
     ``[>=B,max_blocks]``; ``seq_lens`` int32 ``[>=B]``.  Returns ``out`` bf16 ``[B,s_q,H,512]`` and
     ``lse`` fp32 ``[B,H,s_q]`` (natural log; -inf and zero output for rows that see no token).
     ``num_splits`` defaults to the Triton kernel's ``num_splits_for`` heuristic over
-    ``block_table.shape[1]`` pages, evaluated for this kernel's grid.  ``exchange_p`` runs the
-    kernel variant in which each page's P is computed by one consumer warpgroup and handed to the
-    other through shared memory (paper Algorithm 1; not yet validated on a GPU, so not the default).
+    ``block_table.shape[1]`` pages, evaluated for this kernel's grid.  ``schedule`` (a key of
+    ``SCHEDULES``) orders the two consumer warpgroups' tensor-core sections: ``turns`` (their QK
+    and PV sections alternate) or ``free``; the arithmetic is the same, so is the result, bit for
+    bit.
     """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
     native = ops.native()
     if native is None or not hasattr(native, "decode_sm90"):
         raise RuntimeError("vllm_snapmla._C was built without decode_sm90 (csrc/sm90/); rebuild "
@@ -71,19 +77,30 @@ def snapmla_decode_sm90(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: to
 
     if num_splits == 1:
         native.decode_sm90(q8, q_scale, q_pe_scaled, kv_cache, block_table, seq_lens, out, lse,
-                           float(softmax_scale), bool(causal), 1, bool(exchange_p))
+                           float(softmax_scale), bool(causal), 1, SCHEDULES[schedule])
         return out, lse
     part = torch.empty(B, num_splits, num_rows, fmt.KV_LORA_RANK, dtype=torch.float32,
                        device=device)
     part_lse = torch.empty(B, num_splits, num_rows, dtype=torch.float32, device=device)
     native.decode_sm90(q8, q_scale, q_pe_scaled, kv_cache, block_table, seq_lens, part, part_lse,
-                       float(softmax_scale), bool(causal), num_splits, bool(exchange_p))
+                       float(softmax_scale), bool(causal), num_splits,
+                       SCHEDULES[schedule])
     _combine_kernel[(B, num_rows)](
         part, part_lse, out, lse, H, s_q, num_rows, num_splits,
         BLOCK_S=triton.next_power_of_2(num_splits), D=fmt.KV_LORA_RANK, num_warps=4)
     return out, lse
 
 
-def snapmla_decode_sm90_exchange(*args, **kwargs):
-    """``snapmla_decode_sm90`` with ``exchange_p=True`` (for tests and benchmarks)."""
-    return snapmla_decode_sm90(*args, exchange_p=True, **kwargs)
+
+def schedule_variant(schedule: str):
+    """``snapmla_decode_sm90`` with a fixed ``schedule`` (for tests and benchmarks)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
+
+    def decode(*args, **kwargs):
+        return snapmla_decode_sm90(*args, schedule=schedule, **kwargs)
+    decode.__name__ = f"snapmla_decode_sm90[{schedule}]"
+    return decode
+
+
+snapmla_decode_sm90_free = schedule_variant("free")

@@ -8,6 +8,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "sm90/decode/config.h"
 #include "sm90/decode/snapmla_decode_sm90.h"
 #include "snapmla_format.h"
 
@@ -45,7 +46,7 @@ void check_rows_aligned(const char* name, const at::Tensor& t) {
 void decode_sm90(const at::Tensor& q8, const at::Tensor& q_scale, const at::Tensor& q_pe_scaled,
                  const at::Tensor& kv_cache, const at::Tensor& block_table,
                  const at::Tensor& seq_lens, at::Tensor& out, at::Tensor& lse,
-                 double softmax_scale, bool causal, int64_t num_splits, bool exchange_p) {
+                 double softmax_scale, bool causal, int64_t num_splits, int64_t schedule) {
   const at::Device device = q8.device();
   check_on("q8", q8, device);
   TORCH_CHECK_VALUE(q8.dim() == 4 && q8.size(3) == kKvLoraRank, kOp,
@@ -85,6 +86,9 @@ void decode_sm90(const at::Tensor& q8, const at::Tensor& q_scale, const at::Tens
 
   TORCH_CHECK_VALUE(num_splits >= 1 && num_splits <= 65535, kOp,
                     ": num_splits must be in [1, 65535], got ", num_splits);
+  TORCH_CHECK_VALUE(schedule == sm90::kScheduleFree || schedule == sm90::kScheduleTurns, kOp,
+                    ": schedule must be ", sm90::kScheduleFree, " (free) or ",
+                    sm90::kScheduleTurns, " (turns), got ", schedule);
   check_on("out", out, device);
   check_on("lse", lse, device);
   if (num_splits == 1) {
@@ -121,7 +125,7 @@ void decode_sm90(const at::Tensor& q8, const at::Tensor& q_scale, const at::Tens
   p.num_splits = static_cast<int>(num_splits);
   p.causal = causal ? 1 : 0;
   p.qk_scale_log2 = static_cast<float>(softmax_scale * 1.4426950408889634);
-  p.exchange_p = exchange_p ? 1 : 0;
+  p.schedule = static_cast<int>(schedule);
   const char* err = sm90::launch_decode_sm90(
       p, static_cast<const uint8_t*>(kv_cache.data_ptr()), kv_cache.size(0), kv_cache.stride(0),
       static_cast<int>(batch), c10::cuda::getCurrentCUDAStream());
@@ -131,7 +135,7 @@ void decode_sm90(const at::Tensor& q8, const at::Tensor& q_scale, const at::Tens
 // Writes only into the tensors it is given: nothing to do for fake-tensor tracing.
 void decode_sm90_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                       const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, double, bool,
-                      int64_t, bool) {}
+                      int64_t, int64_t) {}
 
 }  // namespace
 }  // namespace snapmla
@@ -140,7 +144,7 @@ TORCH_LIBRARY_FRAGMENT(_snapmla_C, m) {
   m.def(
       "decode_sm90(Tensor q8, Tensor q_scale, Tensor q_pe_scaled, Tensor kv_cache, "
       "Tensor block_table, Tensor seq_lens, Tensor(a!) out, Tensor(b!) lse, float softmax_scale, "
-      "bool causal, int num_splits, bool exchange_p=False) -> ()");
+      "bool causal, int num_splits, int schedule=1) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(_snapmla_C, CUDA, m) { m.impl("decode_sm90", &snapmla::decode_sm90); }

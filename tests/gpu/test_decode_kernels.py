@@ -30,16 +30,16 @@ _NEEDS_SM90 = [pytest.mark.hopper, pytest.mark.skipif(
 @pytest.fixture(params=[
     "triton",
     pytest.param("sm90", marks=_NEEDS_SM90),
-    pytest.param("sm90-exchange", marks=_NEEDS_SM90),
+    pytest.param("sm90-free", marks=_NEEDS_SM90),
 ])
 def decode(request):
     """Each decode kernel, with the signature of ``triton.decode.snapmla_decode``."""
     if request.param == "sm90":
         from vllm_snapmla.sm90 import snapmla_decode_sm90
         return snapmla_decode_sm90
-    if request.param == "sm90-exchange":
-        from vllm_snapmla.sm90 import snapmla_decode_sm90_exchange
-        return snapmla_decode_sm90_exchange
+    if request.param.startswith("sm90-"):
+        from vllm_snapmla.sm90 import schedule_variant
+        return schedule_variant(request.param[len("sm90-"):])
     from vllm_snapmla.triton.decode import snapmla_decode
     return snapmla_decode
 

@@ -3,7 +3,8 @@
 The checks it shares with the Triton kernel (ragged batches, 131k tokens, causal and non-causal,
 graph replay) run for both in ``test_decode_kernels.py``; here: the smallest cases first (with a
 report of where a wrong result is wrong), block-table and cache-stride contracts, input checks,
-a direct comparison with the Triton kernel, and the P-exchange variant against the plain one.  Needs an H100/H200 and a ``90a`` build.
+a direct comparison with the Triton kernel, and the warpgroup schedules against each other.  Needs
+an H100/H200 and a ``90a`` build.
 """
 
 import pytest
@@ -41,14 +42,13 @@ def _where_wrong(out, lse, q8, qs, qpe, cache, bt, sl, causal=True):
             f"{[round(x, 3) for x in col_err.tolist()]}")
 
 
-@pytest.mark.parametrize("exchange_p", [False, True], ids=["plain", "exchange"])
+@pytest.mark.parametrize("schedule", sorted(sm90.SCHEDULES))
 @pytest.mark.parametrize("seq_len", [64, 37, 129])
-def test_few_pages_one_split(seq_len, exchange_p):
+def test_few_pages_one_split(seq_len, schedule):
     """The smallest cases first: one request, 1-3 pages, one split (bf16 out written directly)."""
     q, qp, cache, bt, sl = _case([seq_len], 64, 1, seed=seq_len)
     q8, qs, qpe = ref.quantize_q(q, qp)
-    out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, True, num_splits=1,
-                      exchange_p=exchange_p)
+    out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, True, num_splits=1, schedule=schedule)
     torch.cuda.synchronize()
     try:
         _check(out, lse, q, qp, cache, bt, sl)
@@ -96,22 +96,22 @@ def test_matches_triton_kernel(H, s_q, num_splits):
 
 
 @pytest.mark.parametrize("seq_lens, H, s_q, num_splits, q_std", [
-    ([64], 64, 1, 1, 1.0),                      # one page: only consumer 0 computes P
+    ([64], 64, 1, 1, 1.0),                      # one page: one turn each
     ([128, 129, 191, 1], 128, 1, 1, 1.0),       # even and odd page counts
-    (RAGGED, 16, 2, 3, 1.0),                    # splits starting on odd pages, empty requests
+    (RAGGED, 16, 2, 3, 1.0),                    # empty splits and requests (no turns at all)
     ([3000, 200], 64, 1, 3, 8.0),               # sharp softmax: P scales jump between pages
     ([131072], 128, 1, 4, 1.0),
 ])
-def test_exchange_variant_is_bit_identical(seq_lens, H, s_q, num_splits, q_std):
-    """With P exchanged (Algorithm 1), each page's P8, gamma and row state are computed by one
-    warpgroup with the same instructions as before and copied to the other: the output and LSE
-    must equal the plain kernel's bit for bit (any race or stale buffer shows as a mismatch)."""
+def test_schedules_are_bit_identical(seq_lens, H, s_q, num_splits, q_std):
+    """The schedules reorder whole sections between the warpgroups, never an operation within
+    one: output and LSE must equal the free schedule's bit for bit (a turn handed over too early
+    shows as a mismatch or a hang, one never handed over as a hang)."""
     q, qp, cache, bt, sl = _case(seq_lens, H, s_q, seed=19 + H, q_std=q_std)
     q8, qs, qpe = ref.quantize_q(q, qp)
-    out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, num_splits=num_splits)
+    out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, num_splits=num_splits, schedule="free")
     for _ in range(3):   # timing-dependent bugs need more than one chance to show
         x_out, x_lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, num_splits=num_splits,
-                              exchange_p=True)
+                              schedule="turns")
         if not (torch.equal(x_lse, lse) and torch.equal(x_out, out)):
             seen = ~torch.isneginf(lse)
             raise AssertionError(
@@ -127,3 +127,5 @@ def test_rejects_bad_inputs():
         decode(q8, qs, qpe.float(), cache, bt, sl, SCALE)
     with pytest.raises((RuntimeError, TypeError, ValueError), match="kv_cache"):
         decode(q8, qs, qpe, cache[:, :32], bt, sl, SCALE)
+    with pytest.raises(ValueError, match="schedule"):
+        decode(q8, qs, qpe, cache, bt, sl, SCALE, schedule="fast")

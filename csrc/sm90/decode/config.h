@@ -12,6 +12,13 @@ constexpr int kStages = 2;               // pages in flight in the shared-memory
 constexpr int kOutColsPerWarpgroup = kKvLoraRank / kConsumerWarpgroups;   // 256
 constexpr int kPvN = 128;                // N of one PV WGMMA (two per warpgroup; 64 accum regs)
 
+// How the consumer warpgroups order their tensor-core sections (snapmla_decode_sm90.cuh).
+constexpr int kScheduleFree = 0;
+constexpr int kScheduleTurns = 1;
+// Named barriers: 0 is __syncthreads, 1 the consumers' start, 2 + c consumer c's own, and
+// kTurnBarrier + c the turn of consumer c.
+constexpr int kTurnBarrier = 4;
+
 // Register budgets after setmaxnreg (multiples of 8; 24*128 + 2*240*128 <= 64K registers).
 constexpr int kProducerRegs = 24;
 constexpr int kConsumerRegs = 240;
@@ -58,13 +65,7 @@ constexpr int kSmemQpe = kSmemQ8 + kContentTiles * kBlockRows * kSwizzleRowBytes
 // V^T of one warpgroup: 256 rows (output columns) x 64 tokens, padded to 128-byte swizzled rows.
 constexpr int kVtBytes = kOutColsPerWarpgroup * kSwizzleRowBytes;               // 32 KB
 constexpr int kSmemVt = kSmemQpe + kBlockRows * kSwizzleRowBytes;
-// P exchange (the kExchangeP kernel): per page, its owner publishes for each consumer thread the
-// e4m3 P fragment (8 words), gamma (2) and the row state m, peak, amax, l (2 each), stored
-// word-major ([word][thread]) so a warp's accesses hit 32 banks; two buffers, by page parity.
-constexpr int kExchangeWords = 8 + 2 + 8;
-constexpr int kExchangeBytes = kExchangeWords * 128 * 4;                          // 9 KB
-constexpr int kSmemExchange = kSmemVt + kConsumerWarpgroups * kVtBytes;
-constexpr int kSmemBarriers = kSmemExchange + 2 * kExchangeBytes;
+constexpr int kSmemBarriers = kSmemVt + kConsumerWarpgroups * kVtBytes;
 constexpr int kSmemBytes = kSmemBarriers + 2 * kStages * 8;
 constexpr int kSmemAlloc = kSmemBytes + 1024;  // slack to align the dynamic base to 1024 bytes
 

@@ -7,7 +7,9 @@
 //   WG1, WG2 consumers: each computes the whole logit tile S[64 rows, 64 tokens] and the same
 //            (deterministic, hence identical) softmax / P quantization, then P8 . V8 for its own
 //            256 of the 512 output columns.  Computing S twice wastes half of the QK math but
-//            needs no exchange of P between warpgroups (the paper's Algorithm 1 is the follow-up).
+//            needs no hand-over of P between warpgroups; a variant with the hand-over (each
+//            page's P from one warpgroup, the paper's Algorithm 1 in its simplest order) ran
+//            10% slower on the H200, every step waiting on the other warpgroup's softmax.
 // Per page and row the math is exactly the Triton kernel's (vllm_snapmla/triton/decode.py) and
 // reference.decode_quantized's: see docs/format.md "Decode".
 //
@@ -51,16 +53,20 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
 
-// Waits for the completion of the barrier phase with the given parity.
+// Waits for the completion of the barrier phase with the given parity.  The suspend-time hint
+// lets the thread sleep until the phase completes instead of polling: without it the producer's
+// polling of the empty barrier took about 2,200 issue slots per page from the consumer warps
+// sharing its scheduler (Nsight Compute, 2026-12-01).
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  constexpr uint32_t kSuspendNs = 1000000;
   uint32_t done;
   do {
     asm volatile(
         "{\n.reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3;\n"
         "selp.u32 %0, 1, 0, p;\n}\n"
         : "=r"(done)
-        : "r"(bar), "r"(parity)
+        : "r"(bar), "r"(parity), "r"(kSuspendNs)
         : "memory");
   } while (!done);
 }
@@ -142,15 +148,24 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
          (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
 }
 
+// The descriptor of the tile `bytes` further on (start address field, in 16-byte units, of a
+// shared-memory address below 256 KB: adding cannot carry out of the field).
+__device__ __forceinline__ uint64_t desc_at(uint64_t desc, uint32_t bytes) {
+  return desc + (bytes >> 4);
+}
+
 // Byte offset of (row, byte) in a [rows][128 bytes] tile with the 128-byte swizzle: the 16-byte
 // chunk index is XORed with the row index mod 8 (what TMA SWIZZLE_128B writes).
 __device__ __forceinline__ uint32_t sw128_offset(uint32_t row, uint32_t byte) {
   return row * kSwizzleRowBytes + ((((byte >> 4) ^ row) & 7) << 4) + (byte & 15);
 }
 
+// Flushing subnormal results to zero makes this one MUFU.EX2 (without .ftz: three more
+// instructions per call, 100 per thread and page).  The arguments are m_old - m and s - m <= 0;
+// a result below 2^-126 of the row's largest term changes neither l nor any FP8 P value.
 __device__ __forceinline__ float exp2_approx(float x) {
   float y;
-  asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
 
@@ -230,6 +245,63 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3_rs(float (&d)[64], const u
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
 }
 
+// V^T of one page, for one consumer thread.  The thread's kVtUnits units are the output columns
+// 32 j + 4 (lane / 4) .. + 3 of its warpgroup (j = 0..7), always of the tokens token0, +1, +8,
+// +9, with token0 = 16 warp + 2 (lane % 4) (A positions 4 kgroup .. + 3, kgroup = 4 warp +
+// lane % 4, in the permuted token order).  In the 128-byte swizzle, the load address of unit j is
+// the unit-0 address with bits 5-6 XORed with j % 4 and 8 KB added per j / 4; the store address is
+// the unit-0 one plus 4 KB per j.  Lane groups lane / 8 store their 4 columns in rotated order
+// (step s stores column (s + lane / 8) % 4), so that the 32 lanes of every store hit 32 banks;
+// loads hit 32 banks too (checked by simulating the address maps).
+struct VtMap {
+  int token0;
+  uint32_t load[2];     // byte offsets of token0 and token0 + 1 in the warpgroup's content tiles
+  uint32_t store[4];    // byte offset in V^T of step s's word of unit 0
+  uint32_t select[4];   // __byte_perm selector picking step s's column of two token words
+};
+
+__device__ __forceinline__ VtMap make_vt_map(int warp, int lane) {
+  VtMap map;
+  map.token0 = 16 * warp + 2 * (lane % 4);
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int t = map.token0 + e;
+    map.load[e] = t * kSwizzleRowBytes + ((((lane / 16) ^ t) & 7) << 4) + 4 * ((lane / 4) % 4);
+  }
+#pragma unroll
+  for (int step = 0; step < 4; ++step) {
+    const int c = (step + lane / 8) & 3;
+    const int row = 4 * (lane / 4) + c;   // output column within the unit-0 block of 32
+    map.store[step] = row * kSwizzleRowBytes + (((warp ^ row) & 7) << 4) + 4 * (lane % 4);
+    map.select[step] = c | ((4 + c) << 4);
+  }
+  return map;
+}
+
+// `tile`: the stage's first content tile of this warpgroup's columns; `keep_t`: all-ones for
+// tokens token0, +1, +8, +9 that hold data, zero for empty slots.
+__device__ __forceinline__ void build_vt(const uint8_t* tile, uint8_t* vt, const VtMap& map,
+                                         uint32_t keep0, uint32_t keep1, uint32_t keep8,
+                                         uint32_t keep9) {
+#pragma unroll
+  for (int j = 0; j < kVtUnits; ++j) {
+    const uint8_t* t0 = tile + (j / 4) * kContentTileBytes + (map.load[0] ^ (32 * (j % 4)));
+    const uint8_t* t1 = tile + (j / 4) * kContentTileBytes + (map.load[1] ^ (32 * (j % 4)));
+    const uint32_t w0 = *reinterpret_cast<const uint32_t*>(t0) & keep0;
+    const uint32_t w1 = *reinterpret_cast<const uint32_t*>(t1) & keep1;
+    const uint32_t w8 = *reinterpret_cast<const uint32_t*>(t0 + 8 * kSwizzleRowBytes) & keep8;
+    const uint32_t w9 = *reinterpret_cast<const uint32_t*>(t1 + 8 * kSwizzleRowBytes) & keep9;
+#pragma unroll
+    for (int step = 0; step < 4; ++step) {
+      // Bytes (w0[c], w1[c], w8[c], w9[c]): column c of the 4 tokens, in A-position order.
+      const uint32_t lo = __byte_perm(w0, w1, map.select[step]);
+      const uint32_t hi = __byte_perm(w8, w9, map.select[step]);
+      *reinterpret_cast<uint32_t*>(vt + map.store[step] + j * 32 * kSwizzleRowBytes) =
+          __byte_perm(lo, hi, 0x5410);
+    }
+  }
+}
+
 }  // namespace device
 #endif  // SNAPMLA_SM90_DEVICE
 
@@ -242,14 +314,15 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3_rs(float (&d)[64], const u
 // A position k of a 16-wide group carries token 8*((k>>1)&1) + 2*(k>>2) + (k&1) of that group,
 // which is exactly what each thread already holds; V^T is written with the same token order.
 //
-// kExchangeP = false: both consumer warpgroups compute S, the softmax and P8 of every page.
-// kExchangeP = true (paper Algorithm 1): page i's S, softmax and P8 are computed only by consumer
-// i % 2, which publishes P8, gamma and the updated row state in shared memory (buffer i % 2,
-// named barrier 4 + i % 2); the other consumer waits there and takes them.  Both apply every
-// page's P8 . V to their own 256 columns in increasing page order.  The state chain (page i + 1
-// needs the state after page i) makes the barriers strictly alternate, which also keeps a buffer
-// from being rewritten (page i + 2) before the other consumer has read it (page i).
-template <bool kExchangeP>
+// Both consumer warpgroups compute S, the softmax and P8 of every page (identical results) and
+// then P8 . V for their own 256 columns.  kSchedule orders their tensor-core sections:
+//   kScheduleFree:  no ordering.
+//   kScheduleTurns: the QK and the PV sections alternate between the warpgroups (QK of WG1, QK
+//                   of WG2, PV of WG1, PV of WG2, per page), so that one warpgroup's CUDA-core
+//                   work (softmax, V^T) runs while the other's WGMMAs are in flight.  A turn is
+//                   handed over right after the section's last WGMMA is issued, so the next
+//                   section's WGMMAs queue behind it.  Measured 0-5% faster (RESULTS.md).
+template <int kSchedule>
 __global__ void __launch_bounds__(kThreads, 1)
     decode_kernel(const __grid_constant__ CUtensorMap content_map,
                   const __grid_constant__ CUtensorMap rope_map,
@@ -363,7 +436,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     row_qi[h] = row_ok[h] ? g / p.num_heads : 0;
     row_qh[h] = row_ok[h] ? g % p.num_heads : 0;
     // Query i of s_q sees positions < seq_len - s_q + i + 1 when causal.
-    visible[h] = seq_len - p.causal * (p.s_q - 1 - row_qi[h]);
+    visible[h] = row_ok[h] ? seq_len - p.causal * (p.s_q - 1 - row_qi[h]) : 0;
     row_scale[h] = row_ok[h] ? p.q_scale[b * p.q_scale_stride[0] + row_qi[h] * p.q_scale_stride[1] +
                                          row_qh[h] * p.q_scale_stride[2]] * p.qk_scale_log2
                              : 0.f;
@@ -379,10 +452,22 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int v = 0; v < kPvN / 2; ++v) o[half][v] = 0.f;
 
   uint8_t* vt = smem + kSmemVt + consumer * kVtBytes;
-  const uint32_t vt_addr = smem_addr(vt);
-  const uint32_t q8_addr = smem_base + kSmemQ8;
-  const uint32_t qpe_addr = smem_base + kSmemQpe;
+  const VtMap vt_map = make_vt_map(warp, lane);
+  const uint64_t vt_desc = sw128_desc(smem_addr(vt));
+  const uint64_t q8_desc = sw128_desc(smem_base + kSmemQ8);
+  const uint64_t qpe_desc = sw128_desc(smem_base + kSmemQpe);
   const uint32_t wg_barrier = 2 + consumer;
+  // Turns: consumer c waits at barrier kTurnBarrier + c for its turn and hands it over at the
+  // other's.  Every wait has exactly one matching hand-over: WG2 hands WG1 the first turn and
+  // skips its hand-over after its last section; each warpgroup waits and hands over twice per
+  // page.  A warpgroup cannot hand over twice before the other has waited once (it would first
+  // have to wait for its own next turn), so the barriers' rounds never mix.
+  constexpr bool kTurns = kSchedule == kScheduleTurns;
+  const auto wait_turn = [&] { named_barrier_sync(kTurnBarrier + consumer, 256); };
+  const auto hand_over_turn = [&](bool last_section) {
+    if (!(consumer == 1 && last_section)) named_barrier_arrive(kTurnBarrier + 1 - consumer, 256);
+  };
+  if (kTurns && consumer == 1 && num_iters > 0) named_barrier_arrive(kTurnBarrier, 256);
 
   for (int i = 0; i < num_iters; ++i) {
     const int stage = i % kStages;
@@ -390,66 +475,42 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int live = min(seq_len - page * kPageSize, kPageSize);   // slots holding real tokens
     const uint8_t* stage_ptr = smem + kSmemStages + stage * kStageBytes;
     const uint32_t stage_addr = smem_base + kSmemStages + stage * kStageBytes;
+    const uint64_t stage_desc = sw128_desc(stage_addr);
     mbar_wait(full_bar + 8 * stage, (i / kStages) & 1);
 
     // V^T: this warpgroup's 256 content columns as K-major rows (tokens contiguous, in the
     // permuted order above).  Slots past seq_len become zeros: their bytes are arbitrary (NaN),
     // and a zero P times a NaN V would still be NaN.  A unit is 4 tokens x 4 columns (four
-    // 32-bit loads, byte permutes, four 32-bit stores); a thread does kVtUnits of them.  Within
-    // a warp, units span 8 column quads x 4 token quads and each lane starts its stores at a
-    // different column, so that with the 128-byte swizzle the 32 lanes of every load and every
-    // store hit 32 different banks (the first version had 16-way store conflicts).  Moving
-    // this work between the QK WGMMA issue and wait spilled (S, the chunk and O are live there).
+    // 32-bit loads, byte permutes, four 32-bit stores); a thread does kVtUnits of them, always
+    // of the same 4 tokens (see vt_map above the loop), so every address is one of a few
+    // per-thread bases plus a constant.  The lanes of every load and every store hit 32
+    // different banks (the first version had 16-way store conflicts).  Moving this work
+    // between the QK WGMMA issue and wait spilled (S, the chunk and O are live there).
     named_barrier_sync(wg_barrier, 128);   // every warp's previous PV WGMMA has read vt
-    auto build_vt_unit = [&](int j) {
-      const int idx = warp * kVtUnits + j;                       // 32 (warp, j) pairs
-      const int col4 = (idx % 8) * 8 + lane / 4;                 // column quad, 0..63
-      const int kgroup = (idx / 8) * 4 + lane % 4;               // A positions 4*kgroup .. +3
-      const int token0 = (kgroup / 4) * 16 + 2 * (kgroup % 4);
-      const int col = consumer * kOutColsPerWarpgroup + col4 * 4;
-      const uint8_t* tile =
-          stage_ptr + kStageContent + (col / kSwizzleRowBytes) * kContentTileBytes;
-      const int byte = col % kSwizzleRowBytes;
-      const int tokens[4] = {token0, token0 + 1, token0 + 8, token0 + 9};
-      uint32_t w[4];
-#pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        w[t] = tokens[t] < live
-                   ? *reinterpret_cast<const uint32_t*>(tile + sw128_offset(tokens[t], byte))
-                   : 0u;
+    {
+      const uint8_t* tile = stage_ptr + kStageContent + consumer * 2 * kContentTileBytes;
+      if (live == kPageSize) {
+        build_vt(tile, vt, vt_map, ~0u, ~0u, ~0u, ~0u);
+      } else {   // the last page of a request: zeros for the empty slots
+        const int t0 = vt_map.token0;
+        build_vt(tile, vt, vt_map, t0 < live ? ~0u : 0u, t0 + 1 < live ? ~0u : 0u,
+                 t0 + 8 < live ? ~0u : 0u, t0 + 9 < live ? ~0u : 0u);
       }
-      // Byte c of each of the 4 token words -> one word per column c, token t in byte t:
-      // columns 0, 1 come from the low halves, 2, 3 from the high halves.
-      const uint32_t lo01 = __byte_perm(w[0], w[1], 0x5140), lo23 = __byte_perm(w[2], w[3], 0x5140);
-      const uint32_t hi01 = __byte_perm(w[0], w[1], 0x7362), hi23 = __byte_perm(w[2], w[3], 0x7362);
-      const int rot = lane / 8;
-#pragma unroll
-      for (int step = 0; step < 4; ++step) {
-        const int c = (step + rot) & 3;
-        const uint32_t value = c < 2 ? __byte_perm(lo01, lo23, c ? 0x7632 : 0x5410)
-                                     : __byte_perm(hi01, hi23, c & 1 ? 0x7632 : 0x5410);
-        *reinterpret_cast<uint32_t*>(vt + sw128_offset(col4 * 4 + c, kgroup * 4)) = value;
-      }
-    };
-
-#pragma unroll 1   // unrolled, the loads of all units get hoisted and the kernel spills
-    for (int j = 0; j < kVtUnits; ++j) build_vt_unit(j);
+    }
     fence_proxy_async();   // V^T becomes visible to the WGMMA (async) proxy
     named_barrier_sync(wg_barrier, 128);
 
-    const bool computes_p = !kExchangeP || (i % 2) == consumer;
     uint32_t p8[2][4];   // PV A operand per K=32 step (see the fragment note above the kernel)
     float gamma[2];      // O rescale for this page: exp(m_old - m) * sigma_P old / new
-    uint32_t* exchange =
-        reinterpret_cast<uint32_t*>(smem + kSmemExchange + (i % 2) * kExchangeBytes);
-    if (computes_p) {
+    {
       // S = qpe' . kpe'^T (BF16, exact FP32 accumulation) + q8 . k8^T (FP8, promoted per chunk).
       float s[32], part[32];
+      if (kTurns) wait_turn();
       wgmma_fence();
 #pragma unroll
       for (int k = 0; k < kRopeDim / kWgmmaK16; ++k) {
-        wgmma_m64n64k16_bf16(s, sw128_desc(qpe_addr + k * 32),
-                             sw128_desc(stage_addr + kStageRope + k * 32), k);
+        wgmma_m64n64k16_bf16(s, desc_at(qpe_desc, k * 32),
+                             desc_at(stage_desc, kStageRope + k * 32), k);
       }
       wgmma_commit();
 #pragma unroll
@@ -461,10 +522,11 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int col = chunk * kQkPromoteCols + k * kWgmmaK8;
           const uint32_t offset =
               (col / kSwizzleRowBytes) * kContentTileBytes + col % kSwizzleRowBytes;
-          wgmma_m64n64k32_e4m3(part, sw128_desc(q8_addr + offset),
-                               sw128_desc(stage_addr + kStageContent + offset), k);
+          wgmma_m64n64k32_e4m3(part, desc_at(q8_desc, offset),
+                               desc_at(stage_desc, kStageContent + offset), k);
         }
         wgmma_commit();
+        if (kTurns && chunk == kQkChunks - 1) hand_over_turn(false);
         wgmma_wait_all();
         fence_operands(s);
         fence_operands(part);
@@ -486,15 +548,22 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_arrive(empty_bar + 8 * stage);
 
       // The SnapMLA P pipeline, operation for operation as the Triton kernel.
-      float row_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
       for (int v = 0; v < 32; ++v) {
-        const int h = (v >> 1) & 1;
-        const int pos = page * kPageSize + 8 * (v >> 2) + 2 * quad + (v & 1);
-        const float logit = s[v] * (row_scale[h] * k_scale[2 * (v >> 2) + (v & 1)]);
-        s[v] = (pos < visible[h] && row_ok[h]) ? logit : -INFINITY;   // select: drops NaN garbage
-        row_max[h] = fmaxf(row_max[h], s[v]);
+        s[v] *= row_scale[(v >> 1) & 1] * k_scale[2 * (v >> 2) + (v & 1)];
       }
+      // Positions a row may not see (past seq_len, causal, padding rows) get -inf by select,
+      // which also drops NaN garbage; only the pages at the end of a row's range have any.
+      if ((page + 1) * kPageSize > min(visible[0], visible[1])) {
+#pragma unroll
+        for (int v = 0; v < 32; ++v) {
+          const int pos = page * kPageSize + 8 * (v >> 2) + 2 * quad + (v & 1);
+          s[v] = pos < visible[(v >> 1) & 1] ? s[v] : -INFINITY;
+        }
+      }
+      float row_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int v = 0; v < 32; ++v) row_max[(v >> 1) & 1] = fmaxf(row_max[(v >> 1) & 1], s[v]);
       float m_ref[2], alpha[2], amax[2] = {0.f, 0.f}, e_sum[2] = {0.f, 0.f};
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -528,42 +597,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int j = 0; j < 4; ++j) {
           const int v0 = 16 * k + 8 * (j >> 1) + 2 * (j & 1);
           const float inv = inv_amax[j & 1];   // registers 0, 2: row h = 0; 1, 3: h = 1
-          p8[k][j] = pack_e4m3x4(fminf((s[v0] * inv) * kFp8Max, kFp8Max),
-                                 fminf((s[v0 + 1] * inv) * kFp8Max, kFp8Max),
-                                 fminf((s[v0 + 4] * inv) * kFp8Max, kFp8Max),
-                                 fminf((s[v0 + 5] * inv) * kFp8Max, kFp8Max));
+          // min(x, 448) of the reference is the conversion's saturation (.satfinite).
+          p8[k][j] = pack_e4m3x4((s[v0] * inv) * kFp8Max, (s[v0 + 1] * inv) * kFp8Max,
+                                 (s[v0 + 4] * inv) * kFp8Max, (s[v0 + 5] * inv) * kFp8Max);
         }
-      if constexpr (kExchangeP) {
-        // Publish for the other consumer's thread wg_tid, which holds the same rows and tokens.
-#pragma unroll
-        for (int w = 0; w < 8; ++w) exchange[w * 128 + wg_tid] = p8[w / 4][w % 4];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          exchange[(8 + h) * 128 + wg_tid] = __float_as_uint(gamma[h]);
-          exchange[(10 + h) * 128 + wg_tid] = __float_as_uint(m[h]);
-          exchange[(12 + h) * 128 + wg_tid] = __float_as_uint(peak[h]);
-          exchange[(14 + h) * 128 + wg_tid] = __float_as_uint(amax_prev[h]);
-          exchange[(16 + h) * 128 + wg_tid] = __float_as_uint(l[h]);
-        }
-        named_barrier_arrive(4 + (i % 2), 256);
-      }
-    } else {
-      // The other consumer computes this page's P: this one read only V from the stage.
-      mbar_arrive(empty_bar + 8 * stage);
-      named_barrier_sync(4 + (i % 2), 256);
-#pragma unroll
-      for (int w = 0; w < 8; ++w) p8[w / 4][w % 4] = exchange[w * 128 + wg_tid];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        gamma[h] = __uint_as_float(exchange[(8 + h) * 128 + wg_tid]);
-        m[h] = __uint_as_float(exchange[(10 + h) * 128 + wg_tid]);
-        peak[h] = __uint_as_float(exchange[(12 + h) * 128 + wg_tid]);
-        amax_prev[h] = __uint_as_float(exchange[(14 + h) * 128 + wg_tid]);
-        l[h] = __uint_as_float(exchange[(16 + h) * 128 + wg_tid]);
-      }
     }
 
     // O = gamma O + P8 . V8, one 64x128 half at a time; each page's sum is promoted into FP32 O.
+    if (kTurns) wait_turn();
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       float pv[kPvN / 2];
@@ -572,10 +613,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_fence();
 #pragma unroll
       for (int k = 0; k < kPageSize / kWgmmaK8; ++k) {
-        const uint32_t vt_k = vt_addr + half * kPvN * kSwizzleRowBytes + k * 32;
-        wgmma_m64n128k32_e4m3_rs(pv, p8[k], sw128_desc(vt_k), k);
+        wgmma_m64n128k32_e4m3_rs(pv, p8[k], desc_at(vt_desc, half * kPvN * kSwizzleRowBytes + k * 32),
+                                 k);
       }
       wgmma_commit();
+      if (kTurns && half == 1) hand_over_turn(i == num_iters - 1);
       wgmma_wait_all();
       fence_operands(pv);
 #pragma unroll

@@ -28,7 +28,7 @@ struct DecodeParams {
   int num_splits;
   int causal;
   float qk_scale_log2;            // softmax_scale * log2(e): exponentials run in base 2
-  int exchange_p;                 // host-side choice of the kernel: 1 = P exchange (Algorithm 1)
+  int schedule;                   // host-side choice of the kernel: kSchedule* of config.h
 };
 
 // Launches the decode of `batch` requests over `kv_cache` (uint8 [num_blocks, 64, 656], blocks

@@ -1,0 +1,40 @@
+"""One sm90 decode launch per schedule on random data, for Nsight Compute (tools/h200.sh ncu).
+
+    ncu --clock-control none --kernel-name regex:decode_kernel python3 tools/profile_sm90.py
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vllm_snapmla import format as fmt, ops, reference, sm90  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="32,128,16384,1", help="B,H,N,s_q")
+    parser.add_argument("--schedules", default=",".join(sm90.SCHEDULES))
+    args = parser.parse_args()
+    B, H, N, s_q = (int(x) for x in args.shape.split(","))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    pages = N // fmt.PAGE_SIZE
+    nb = B * pages
+    kv = torch.randn(nb * fmt.PAGE_SIZE, fmt.KV_LORA_RANK, device="cuda", generator=gen)
+    pe = torch.randn(nb * fmt.PAGE_SIZE, fmt.ROPE_DIM, device="cuda", generator=gen)
+    cache = reference.quantize_kv(kv.bfloat16(), pe.bfloat16()).view(nb, fmt.PAGE_SIZE, -1)
+    block_table = torch.randperm(nb, device="cuda", generator=gen).view(B, pages).int()
+    seq_lens = torch.full((B,), N, dtype=torch.int32, device="cuda")
+    q = torch.randn(B, s_q, H, fmt.KV_LORA_RANK, device="cuda", generator=gen).bfloat16()
+    q_pe = torch.randn(B, s_q, H, fmt.ROPE_DIM, device="cuda", generator=gen).bfloat16()
+    q8, qs, qpe = ops.quantize_q(q, q_pe)
+    for schedule in args.schedules.split(","):
+        sm90.snapmla_decode_sm90(q8, qs, qpe, cache, block_table, seq_lens, fmt.HEAD_SIZE ** -0.5,
+                                 schedule=schedule)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
