@@ -257,16 +257,18 @@ def model_args(opts, setting: str, eos_id: int) -> tuple[str, dict]:
     return "vllm", args
 
 
-def _parity_module():
-    """``eval/parity.py`` (eval/ is not a package), for its ``--model-args`` parser."""
-    spec = importlib.util.spec_from_file_location("snapmla_parity",
-                                                  pathlib.Path(__file__).with_name("parity.py"))
+def _eval_module(name: str):
+    """``eval/<name>.py`` (eval/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"snapmla_{name}",
+                                                  pathlib.Path(__file__).with_name(f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-parse_kv_pairs = _parity_module().parse_kv_pairs
+parse_kv_pairs = _eval_module("parity").parse_kv_pairs      # the --model-args parser
+_parity_tiny = _eval_module("parity_tiny")                   # the paired statistics
+paired_delta, paired_text = _parity_tiny.paired_delta, _parity_tiny.paired_text
 
 
 def lm_eval_command(name: str, args: dict, include_path: pathlib.Path, out_dir: pathlib.Path,
@@ -385,6 +387,7 @@ def summarize(settings: list[str], opts) -> list[dict]:
         if docs:
             row["token_ppl"] = math.exp(-sum(ll for ll, _ in docs.values())
                                         / sum(n for _, n in docs.values()))
+            row["ppl_docs"] = docs       # for paired comparisons (not written to the CSV)
         rows.append(row)
     base = next((r for r in rows if r["setting"] == BASELINE), None)
     if base is None:
@@ -409,11 +412,25 @@ def summarize(settings: list[str], opts) -> list[dict]:
         common = sorted(set(ours) & set(base_ppl))
         if common:
             row["ppl_docs_sum_dloglik"] = float(sum(ours[d][0] - base_ppl[d][0] for d in common))
+            row["d_token_nll"], row["d_token_nll_se"], _ = paired_token_nll(ours, base_ppl)
     return rows
+
+
+def paired_token_nll(ours: dict, theirs: dict) -> tuple[float, float, int]:
+    """Per-token NLL of ``ours`` minus ``theirs`` over their common perplexity documents
+    (``read_samples`` dicts), its paired standard error with the documents as the units
+    (``eval/parity_tiny.py``'s ``paired_delta``), and the number of documents."""
+    common = sorted(set(ours) & set(theirs))
+    mean, se = paired_delta([theirs[d][0] - ours[d][0] for d in common],
+                            [theirs[d][1] for d in common])
+    return mean, se, len(common)
 
 
 COLUMNS = [("setting", "setting", "{}"),
            ("token_ppl", "token ppl", "{:.4f}"), ("d_token_ppl_pct", "Δ token ppl", "{:+.3f}%"),
+           ("d_token_nll", "ΔNLL/token ± SE",
+            lambda r: f"{r['d_token_nll']:+.2e} ± {r['d_token_nll_se']:.1e}"),
+           ("d_token_nll_se", "SE of ΔNLL/token", "{:.2e}"),
            ("word_ppl", "word ppl", "{:.6g}"), ("d_word_ppl_pct", "Δ word ppl", "{:+.3f}%"),
            ("byte_ppl", "byte ppl", "{:.5f}"), ("d_byte_ppl_pct", "Δ byte ppl", "{:+.3f}%"),
            ("bits_per_byte", "bits/byte", "{:.5f}"),
@@ -424,7 +441,8 @@ COLUMNS = [("setting", "setting", "{}"),
            ("d_next_token_ppl_pct", "Δ next-token ppl", "{:+.3f}%"),
            ("next_token_mean_abs_dlogprob", "mean abs Δlogprob vs auto", "{:.2e}"),
            ("ppl_docs_sum_dloglik", "Σ Δloglik (ppl docs) vs auto", "{:+.3f}")]
-MD_ONLY_IN_CSV = {"d_byte_ppl_pct", "ppl_docs_sum_dloglik"}   # keeps the Markdown table narrower
+# keeps the Markdown table narrower (the ΔNLL cell shows its SE)
+MD_ONLY_IN_CSV = {"d_byte_ppl_pct", "ppl_docs_sum_dloglik", "d_token_nll_se"}
 
 
 def write_report(rows: list[dict], stats: dict, opts, failed: list[str]) -> str:
@@ -436,7 +454,9 @@ def write_report(rows: list[dict], stats: dict, opts, failed: list[str]) -> str:
 
     def cell(row, key, fmt):
         value = row.get(key)
-        return "–" if value is None else fmt.format(value)
+        if value is None:
+            return "–"
+        return fmt(row) if callable(fmt) else fmt.format(value)
 
     shown = [c for c in COLUMNS if c[0] not in MD_ONLY_IN_CSV]
     table = ["| " + " | ".join(h for _, h, _ in shown) + " |", "|" + "---|" * len(shown)]
@@ -450,8 +470,10 @@ def write_report(rows: list[dict], stats: dict, opts, failed: list[str]) -> str:
     if {"fp8", "fp8_snapmla"} <= by.keys() and None not in (by["fp8"].get("token_ppl"),
                                                             by["fp8_snapmla"].get("token_ppl")):
         s, f8 = by["fp8_snapmla"]["token_ppl"], by["fp8"]["token_ppl"]
+        mean, se, docs = paired_token_nll(by["fp8_snapmla"]["ppl_docs"], by["fp8"]["ppl_docs"])
         verdicts.append(f"- fp8_snapmla held-out token perplexity no worse than fp8: "
-                        f"{'PASS' if s <= f8 else 'FAIL'} ({s:.4f} vs {f8:.4f})")
+                        f"{'PASS' if s <= f8 else 'FAIL'} ({s:.4f} vs {f8:.4f}; NLL per token "
+                        f"fp8_snapmla − fp8 {paired_text(mean, se, docs, 'files')})")
     ppl, nxt = stats[PPL_TASK], stats[NEXT_TASK]
     train_log_path = opts.model / "train_log.json"
     model_line = f"model `{opts.model}`"
@@ -480,8 +502,11 @@ def write_report(rows: list[dict], stats: dict, opts, failed: list[str]) -> str:
         *table, "",
         "token ppl: exp(−Σ log-likelihood / Σ tokens) over the perplexity documents (from "
         "lm-eval's per-document log-likelihoods); word/byte ppl and bits/byte are lm-eval's. "
-        "Δ are against `auto` (BF16 cache); flips: next-token documents whose is_greedy "
-        "differs from `auto`'s; Δlogprob: per document, paired.", "", *verdicts,
+        "Δ are against `auto` (BF16 cache); ΔNLL/token: the token perplexity's mean negative "
+        "log-likelihood per token minus `auto`'s (nats; Δ token ppl = exp(ΔNLL) − 1), ± its "
+        "paired standard error with the files as the units (ratio estimator); flips: "
+        "next-token documents whose is_greedy differs from `auto`'s; Δlogprob: per document, "
+        "paired.", "", *verdicts,
         *(["", f"Failed settings (see <setting>/log.txt): {', '.join(failed)}"]
           if failed else [])]) + "\n"
     (opts.out / "lm_eval_tiny.md").write_text(text)

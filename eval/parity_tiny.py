@@ -189,6 +189,26 @@ def run_in_subprocess(spec: dict, timeout: float) -> dict:
 
 # --- summary -------------------------------------------------------------------------------
 
+def paired_delta(diffs, tokens) -> tuple[float, float]:
+    """Per-token mean of a paired difference summed per document, and its standard error.
+
+    ``diffs[i]`` is document ``i``'s difference between two runs summed over its ``tokens[i]``
+    tokens (e.g. one run's negative log-likelihood minus another's).  The mean is
+    Σ diffs / Σ tokens, every token weighing the same.  Neighbouring tokens' differences are
+    correlated, so the documents, not the tokens, are the independent units: the standard
+    error is the ratio estimator's (delta method),
+    ``sqrt(m / (m - 1) * Σ_i (diffs_i - mean * tokens_i)²) / Σ tokens`` over ``m`` documents,
+    i.e. the standard error of the mean over documents when they are all of one length.  NaN
+    for fewer than two documents.
+    """
+    d, n = np.asarray(diffs, dtype=float), np.asarray(tokens, dtype=float)
+    mean = float(d.sum() / n.sum())
+    m = len(d)
+    if m < 2:
+        return mean, math.nan
+    return mean, math.sqrt(m / (m - 1) * float(((d - mean * n) ** 2).sum())) / float(n.sum())
+
+
 def summarize(name: str, raw: dict, base: dict | None, chunk: int) -> dict:
     logprobs = [np.asarray(w) for w in raw["logprobs"]]
     correct = [np.asarray(w) for w in raw["correct"]]
@@ -201,11 +221,17 @@ def summarize(name: str, raw: dict, base: dict | None, chunk: int) -> dict:
            "ppl_all": math.exp(-np.concatenate(logprobs).mean()),
            "accuracy_cache_context": float(np.concatenate([c[chunk:] for c in correct]).mean()),
            "scored_tokens": int(sum(len(c) for c in cached)),
-           "kv_cache_tokens": raw.get("kv_cache_tokens", "")}
+           "kv_cache_tokens": raw.get("kv_cache_tokens", ""),
+           # per window, for paired comparisons between runs (not written to the CSV)
+           "window_nll": [float(-lp.sum()) for lp in cached],
+           "window_tokens": [len(lp) for lp in cached]}
     if base is not None:
         base_cached = np.concatenate([np.asarray(w)[chunk:] for w in base["logprobs"]])
         row["mean_abs_dlogprob_vs_bf16"] = float(np.abs(np.concatenate(cached)
                                                         - base_cached).mean())
+        base_nll = [float(-np.asarray(w)[chunk:].sum()) for w in base["logprobs"]]
+        row["dnll_vs_bf16"], row["dnll_vs_bf16_se"] = paired_delta(
+            np.subtract(row["window_nll"], base_nll), row["window_tokens"])
         if "continuations" in raw and "continuations" in base:
             prefixes = []
             for ours, theirs in zip(raw["continuations"], base["continuations"]):
@@ -219,15 +245,28 @@ def summarize(name: str, raw: dict, base: dict | None, chunk: int) -> dict:
     return row
 
 
+def paired_text(mean: float, se: float, units: int, unit_name: str) -> str:
+    """``mean ± se nats, z paired SE over N units`` for a verdict line."""
+    z = f"{abs(mean) / se:.1f}" if se > 0 else "n/a"
+    return f"{mean:+.2e} ± {se:.1e} nats, {z} paired SE over {units} {unit_name}"
+
+
+def _pm(key: str):
+    """A Markdown cell ``mean ± standard error`` of ``key`` and ``key + '_se'``."""
+    return lambda row: f"{row[key]:+.2e} ± {row[key + '_se']:.1e}"
+
+
 COLUMNS = [("run", "run", "{}"),
            ("ppl_cache_context", "ppl (position ≥ chunk)", "{:.4f}"),
            ("ppl_delta_pct", "Δppl vs BF16", "{:+.3f}%"),
+           ("dnll_vs_bf16", "ΔNLL vs BF16 (nats/token ± SE)", _pm("dnll_vs_bf16")),
            ("ppl_all", "ppl (all tokens)", "{:.4f}"),
            ("accuracy_cache_context", "next-token acc.", "{:.4f}"),
            ("mean_abs_dlogprob_vs_bf16", "mean abs Δlogprob vs BF16", "{:.2e}"),
            ("greedy_identical", "greedy identical to BF16", "{:.3f}"),
            ("greedy_mean_common_prefix", "mean common prefix (tokens)", "{:.1f}"),
            ("kv_cache_tokens", "KV-cache tokens", "{:,}")]
+CSV_ONLY = ["dnll_vs_bf16_se", "scored_tokens"]
 
 
 def write_report(out: pathlib.Path, rows: list[dict], args, train_log: dict | None,
@@ -237,14 +276,16 @@ def write_report(out: pathlib.Path, rows: list[dict], args, train_log: dict | No
         if base is not None and r["run"] != "auto":
             r["ppl_delta_pct"] = 100 * (r["ppl_cache_context"] / base["ppl_cache_context"] - 1)
     with open(out / "parity_tiny.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[k for k, _, _ in COLUMNS] + ["scored_tokens"],
+        writer = csv.DictWriter(f, fieldnames=[k for k, _, _ in COLUMNS] + CSV_ONLY,
                                 extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
 
     def cell(row, key, fmt):
         value = row.get(key)
-        return fmt.format(value) if value not in (None, "") else "–"
+        if value in (None, ""):
+            return "–"
+        return fmt(row) if callable(fmt) else fmt.format(value)
 
     lines = ["| " + " | ".join(h for _, h, _ in COLUMNS) + " |",
              "|" + "---|" * len(COLUMNS)]
@@ -257,8 +298,13 @@ def write_report(out: pathlib.Path, rows: list[dict], args, train_log: dict | No
                         f"{'PASS' if abs(d) <= 0.5 else 'FAIL'} ({d:+.3f}%)")
     if {"fp8", "fp8_snapmla"} <= by_run.keys():
         s, f8 = (by_run[k]["ppl_cache_context"] for k in ("fp8_snapmla", "fp8"))
+        d, se = paired_delta(np.subtract(by_run["fp8_snapmla"]["window_nll"],
+                                         by_run["fp8"]["window_nll"]),
+                             by_run["fp8"]["window_tokens"])
         verdicts.append(f"- fp8_snapmla perplexity no worse than fp8: "
-                        f"{'PASS' if s <= f8 else 'FAIL'} ({s:.4f} vs {f8:.4f})")
+                        f"{'PASS' if s <= f8 else 'FAIL'} ({s:.4f} vs {f8:.4f}; NLL per token "
+                        f"fp8_snapmla − fp8 "
+                        f"{paired_text(d, se, len(by_run['fp8']['window_nll']), 'windows')})")
     model_line = f"model `{args.model}`"
     if train_log:
         model_line += (f": {train_log['parameters'] / 1e6:.1f}M parameters, "
@@ -275,7 +321,11 @@ def write_report(out: pathlib.Path, rows: list[dict], args, train_log: dict | No
         "pass in transformers (scoring without a KV cache; greedy continuations with its BF16 "
         "KV cache): its distance from vLLM's BF16 run is what a different but equally exact "
         "BF16 implementation moves, the floor for the other rows.", "",
-        *lines, "", *verdicts, "", "Sample (text prompt through vLLM's tokenizer):", ""]
+        *lines, "",
+        ("ΔNLL: mean negative log-likelihood per token minus BF16's, over the same tokens "
+         "(nats; Δppl = exp(ΔNLL) − 1), ± its paired standard error with the windows as the "
+         "units (ratio estimator: neighbouring tokens' differences are correlated)."), "",
+        *verdicts, "", "Sample (text prompt through vLLM's tokenizer):", ""]
         + [f"- {name}: `{json.dumps(s)[:300]}`" for name, s in samples.items()]) + "\n"
     (out / "parity_tiny.md").write_text(text)
     return text
