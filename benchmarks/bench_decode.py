@@ -39,10 +39,12 @@ SNAPMLA_KERNELS = {
     "snapmla-triton": "vllm_snapmla.triton.decode:snapmla_decode",
     "snapmla-sm90": "vllm_snapmla.sm90:snapmla_decode_sm90",
     "snapmla-sm90-free": "vllm_snapmla.sm90:snapmla_decode_sm90_free",
+    "snapmla-sm90-turns": "vllm_snapmla.sm90:snapmla_decode_sm90_turns",
 }
 # Backends that run only where a predicate ("module:function", no arguments) says so.
 SNAPMLA_AVAILABLE = {"snapmla-sm90": "vllm_snapmla.sm90:available",
-                     "snapmla-sm90-free": "vllm_snapmla.sm90:available"}
+                     "snapmla-sm90-free": "vllm_snapmla.sm90:available",
+                     "snapmla-sm90-turns": "vllm_snapmla.sm90:available"}
 
 # (batch, heads, context, s_q)
 SHAPES = [

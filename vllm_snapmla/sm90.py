@@ -18,8 +18,9 @@ from vllm_snapmla.triton.decode import _combine_kernel, _device_limits, num_spli
 
 _BLOCK_ROWS = 64   # query rows per CTA (csrc/sm90/decode/config.h kBlockRows)
 # How the two consumer warpgroups order their tensor-core sections (config.h kSchedule*).
-SCHEDULES = {"free": 0, "turns": 1}
-DEFAULT_SCHEDULE = "turns"   # 0-5% faster than "free" on the H200 (benchmarks/RESULTS.md)
+SCHEDULES = {"free": 0, "turns": 1, "hand-over": 2}
+# 2-7% faster than "turns" on the H200, which is -2% to +3% from "free" (benchmarks/RESULTS.md).
+DEFAULT_SCHEDULE = "hand-over"
 # csrc/sm90/decode/config.h hard-codes these (kPScaleRange, kPScaleFloor).
 assert fmt.P_SCALE_RANGE == 2.0 ** -32 and fmt.P_SCALE_FLOOR == 2.0 ** -126
 
@@ -44,9 +45,10 @@ def snapmla_decode_sm90(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: to
     ``lse`` fp32 ``[B,H,s_q]`` (natural log; -inf and zero output for rows that see no token).
     ``num_splits`` defaults to the Triton kernel's ``num_splits_for`` heuristic over
     ``block_table.shape[1]`` pages, evaluated for this kernel's grid.  ``schedule`` (a key of
-    ``SCHEDULES``) orders the two consumer warpgroups' tensor-core sections: ``turns`` (their QK
-    and PV sections alternate) or ``free``; the arithmetic is the same, so is the result, bit for
-    bit.
+    ``SCHEDULES``) orders the two consumer warpgroups' work: ``turns`` (both compute every page's
+    P; their QK and PV sections alternate), ``free`` (the same without turns) or ``hand-over``
+    (paper Algorithm 1: each page's P is computed by one warpgroup and handed to the other); the
+    arithmetic is the same, so is the result, bit for bit.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
@@ -104,3 +106,4 @@ def schedule_variant(schedule: str):
 
 
 snapmla_decode_sm90_free = schedule_variant("free")
+snapmla_decode_sm90_turns = schedule_variant("turns")

@@ -86,9 +86,11 @@ void decode_sm90(const at::Tensor& q8, const at::Tensor& q_scale, const at::Tens
 
   TORCH_CHECK_VALUE(num_splits >= 1 && num_splits <= 65535, kOp,
                     ": num_splits must be in [1, 65535], got ", num_splits);
-  TORCH_CHECK_VALUE(schedule == sm90::kScheduleFree || schedule == sm90::kScheduleTurns, kOp,
-                    ": schedule must be ", sm90::kScheduleFree, " (free) or ",
-                    sm90::kScheduleTurns, " (turns), got ", schedule);
+  TORCH_CHECK_VALUE(schedule == sm90::kScheduleFree || schedule == sm90::kScheduleTurns ||
+                        schedule == sm90::kScheduleHandOver,
+                    kOp, ": schedule must be ", sm90::kScheduleFree, " (free), ",
+                    sm90::kScheduleTurns, " (turns) or ", sm90::kScheduleHandOver,
+                    " (hand-over), got ", schedule);
   check_on("out", out, device);
   check_on("lse", lse, device);
   if (num_splits == 1) {
@@ -144,7 +146,7 @@ TORCH_LIBRARY_FRAGMENT(_snapmla_C, m) {
   m.def(
       "decode_sm90(Tensor q8, Tensor q_scale, Tensor q_pe_scaled, Tensor kv_cache, "
       "Tensor block_table, Tensor seq_lens, Tensor(a!) out, Tensor(b!) lse, float softmax_scale, "
-      "bool causal, int num_splits, int schedule=1) -> ()");
+      "bool causal, int num_splits, int schedule=2) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(_snapmla_C, CUDA, m) { m.impl("decode_sm90", &snapmla::decode_sm90); }

@@ -102,16 +102,18 @@ def test_matches_triton_kernel(H, s_q, num_splits):
     ([3000, 200], 64, 1, 3, 8.0),               # sharp softmax: P scales jump between pages
     ([131072], 128, 1, 4, 1.0),
 ])
-def test_schedules_are_bit_identical(seq_lens, H, s_q, num_splits, q_std):
-    """The schedules reorder whole sections between the warpgroups, never an operation within
-    one: output and LSE must equal the free schedule's bit for bit (a turn handed over too early
-    shows as a mismatch or a hang, one never handed over as a hang)."""
+@pytest.mark.parametrize("schedule", ["turns", "hand-over"])
+def test_schedules_are_bit_identical(schedule, seq_lens, H, s_q, num_splits, q_std):
+    """The schedules reorder whole sections between the warpgroups or hand a page's P8, gamma and
+    row state from one to the other, never change an operation: output and LSE must equal the
+    free schedule's bit for bit (a race or a stale hand-over buffer shows as a mismatch, a
+    missing hand-over as a hang)."""
     q, qp, cache, bt, sl = _case(seq_lens, H, s_q, seed=19 + H, q_std=q_std)
     q8, qs, qpe = ref.quantize_q(q, qp)
     out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, num_splits=num_splits, schedule="free")
     for _ in range(3):   # timing-dependent bugs need more than one chance to show
         x_out, x_lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, num_splits=num_splits,
-                              schedule="turns")
+                              schedule=schedule)
         if not (torch.equal(x_lse, lse) and torch.equal(x_out, out)):
             seen = ~torch.isneginf(lse)
             raise AssertionError(

@@ -15,8 +15,10 @@ constexpr int kPvN = 128;                // N of one PV WGMMA (two per warpgroup
 // How the consumer warpgroups order their tensor-core sections (snapmla_decode_sm90.cuh).
 constexpr int kScheduleFree = 0;
 constexpr int kScheduleTurns = 1;
+constexpr int kScheduleHandOver = 2;     // Algorithm 1: each page's P from one warpgroup
 // Named barriers: 0 is __syncthreads, 1 the consumers' start, 2 + c consumer c's own, and
-// kTurnBarrier + c the turn of consumer c.
+// kTurnBarrier + c consumer c's turn (kScheduleTurns) or the hand-over of pages of parity c
+// (kScheduleHandOver).
 constexpr int kTurnBarrier = 4;
 
 // Register budgets after setmaxnreg (multiples of 8; 24*128 + 2*240*128 <= 64K registers).
@@ -65,7 +67,14 @@ constexpr int kSmemQpe = kSmemQ8 + kContentTiles * kBlockRows * kSwizzleRowBytes
 // V^T of one warpgroup: 256 rows (output columns) x 64 tokens, padded to 128-byte swizzled rows.
 constexpr int kVtBytes = kOutColsPerWarpgroup * kSwizzleRowBytes;               // 32 KB
 constexpr int kSmemVt = kSmemQpe + kBlockRows * kSwizzleRowBytes;
-constexpr int kSmemBarriers = kSmemVt + kConsumerWarpgroups * kVtBytes;
+// The kScheduleHandOver kernel: per page, its owner hands the other consumer's thread wg_tid the
+// e4m3 P fragment (8 words), gamma (2) and the row state m, peak, amax, l (2 each), stored
+// word-major ([word][thread]) so a warp's accesses hit 32 banks; four buffers, by page mod 4.
+constexpr int kHandOverWords = 8 + 2 + 8;
+constexpr int kHandOverBytes = kHandOverWords * 128 * 4;                          // 9 KB
+constexpr int kHandOverBuffers = 4;
+constexpr int kSmemHandOver = kSmemVt + kConsumerWarpgroups * kVtBytes;
+constexpr int kSmemBarriers = kSmemHandOver + kHandOverBuffers * kHandOverBytes;
 constexpr int kSmemBytes = kSmemBarriers + 2 * kStages * 8;
 constexpr int kSmemAlloc = kSmemBytes + 1024;  // slack to align the dynamic base to 1024 bytes
 

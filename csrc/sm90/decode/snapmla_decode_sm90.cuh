@@ -4,12 +4,11 @@
 //   WG0      producer: one thread streams the split's 64-token pages with TMA into a 2-stage
 //            ring (content as four 64x128 e4m3 tiles, RoPE as one 64x64 bf16 tile, both with the
 //            128-byte swizzle WGMMA reads; the fp32 scales as a 64x16-byte box).
-//   WG1, WG2 consumers: each computes the whole logit tile S[64 rows, 64 tokens] and the same
-//            (deterministic, hence identical) softmax / P quantization, then P8 . V8 for its own
-//            256 of the 512 output columns.  Computing S twice wastes half of the QK math but
-//            needs no hand-over of P between warpgroups; a variant with the hand-over (each
-//            page's P from one warpgroup, the paper's Algorithm 1 in its simplest order) ran
-//            10% slower on the H200, every step waiting on the other warpgroup's softmax.
+//   WG1, WG2 consumers: each applies every page's P8 . V8 to its own 256 of the 512 output
+//            columns.  With the default schedule (kScheduleHandOver, the paper's Algorithm 1)
+//            page i's logit tile S[64 rows, 64 tokens], softmax and P quantization are computed
+//            by consumer i % 2 and handed to the other through shared memory; the other
+//            schedules compute them in both consumers (identical, deterministic results).
 // Per page and row the math is exactly the Triton kernel's (vllm_snapmla/triton/decode.py) and
 // reference.decode_quantized's: see docs/format.md "Decode".
 //
@@ -252,7 +251,9 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3_rs(float (&d)[64], const u
 // the unit-0 address with bits 5-6 XORed with j % 4 and 8 KB added per j / 4; the store address is
 // the unit-0 one plus 4 KB per j.  Lane groups lane / 8 store their 4 columns in rotated order
 // (step s stores column (s + lane / 8) % 4), so that the 32 lanes of every store hit 32 banks;
-// loads hit 32 banks too (checked by simulating the address maps).
+// loads hit 32 banks too (checked by simulating the address maps).  V^T buffer 1 holds its 64
+// tokens in bytes 64-127 of the rows (buffer 0 in bytes 0-63): in the swizzle, chunk index XOR
+// 4, so its store addresses are buffer 0's XOR 64.
 struct VtMap {
   int token0;
   uint32_t load[2];     // byte offsets of token0 and token0 + 1 in the warpgroup's content tiles
@@ -281,7 +282,7 @@ __device__ __forceinline__ VtMap make_vt_map(int warp, int lane) {
 // `tile`: the stage's first content tile of this warpgroup's columns; `keep_t`: all-ones for
 // tokens token0, +1, +8, +9 that hold data, zero for empty slots.
 __device__ __forceinline__ void build_vt(const uint8_t* tile, uint8_t* vt, const VtMap& map,
-                                         uint32_t keep0, uint32_t keep1, uint32_t keep8,
+                                         int buf, uint32_t keep0, uint32_t keep1, uint32_t keep8,
                                          uint32_t keep9) {
 #pragma unroll
   for (int j = 0; j < kVtUnits; ++j) {
@@ -296,7 +297,7 @@ __device__ __forceinline__ void build_vt(const uint8_t* tile, uint8_t* vt, const
       // Bytes (w0[c], w1[c], w8[c], w9[c]): column c of the 4 tokens, in A-position order.
       const uint32_t lo = __byte_perm(w0, w1, map.select[step]);
       const uint32_t hi = __byte_perm(w8, w9, map.select[step]);
-      *reinterpret_cast<uint32_t*>(vt + map.store[step] + j * 32 * kSwizzleRowBytes) =
+      *reinterpret_cast<uint32_t*>(vt + (map.store[step] ^ (64 * buf)) + j * 32 * kSwizzleRowBytes) =
           __byte_perm(lo, hi, 0x5410);
     }
   }
@@ -314,14 +315,15 @@ __device__ __forceinline__ void build_vt(const uint8_t* tile, uint8_t* vt, const
 // A position k of a 16-wide group carries token 8*((k>>1)&1) + 2*(k>>2) + (k&1) of that group,
 // which is exactly what each thread already holds; V^T is written with the same token order.
 //
-// Both consumer warpgroups compute S, the softmax and P8 of every page (identical results) and
-// then P8 . V for their own 256 columns.  kSchedule orders their tensor-core sections:
-//   kScheduleFree:  no ordering.
-//   kScheduleTurns: the QK and the PV sections alternate between the warpgroups (QK of WG1, QK
-//                   of WG2, PV of WG1, PV of WG2, per page), so that one warpgroup's CUDA-core
-//                   work (softmax, V^T) runs while the other's WGMMAs are in flight.  A turn is
-//                   handed over right after the section's last WGMMA is issued, so the next
-//                   section's WGMMAs queue behind it.  Measured 0-5% faster (RESULTS.md).
+// kSchedule divides the work between the consumer warpgroups (same arithmetic, bit-identical
+// results; timings in benchmarks/RESULTS.md):
+//   kScheduleHandOver: page i's S, softmax and P8 by consumer i % 2 only, handed over (see the
+//                      loop).  2-7% faster than kScheduleTurns.
+//   kScheduleTurns:    both consumers compute every page's S and P8; their QK and PV sections
+//                      alternate (QK of WG1, QK of WG2, PV of WG1, PV of WG2, per page), so one
+//                      warpgroup's CUDA-core work runs while the other's WGMMAs are in flight.
+//                      A turn is handed over right after the section's last WGMMA is issued.
+//   kScheduleFree:     both compute everything, in no particular order.
 template <int kSchedule>
 __global__ void __launch_bounds__(kThreads, 1)
     decode_kernel(const __grid_constant__ CUtensorMap content_map,
@@ -426,20 +428,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   named_barrier_sync(1, 256);
 
   // Per-row state for this thread's two rows (h = 0: lane/4, h = 1: lane/4 + 8 of its warp).
-  bool row_ok[2];
-  int row_qi[2], row_qh[2], visible[2];
+  // (Row indices are recomputed in the epilogue rather than kept: registers are tight.)
+  int visible[2];
   float row_scale[2], m[2], peak[2], amax_prev[2], l[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int g = row0 + 16 * warp + lane / 4 + 8 * h;
-    row_ok[h] = g < p.num_rows;
-    row_qi[h] = row_ok[h] ? g / p.num_heads : 0;
-    row_qh[h] = row_ok[h] ? g % p.num_heads : 0;
+    const bool row_ok = g < p.num_rows;
+    const int qi = row_ok ? g / p.num_heads : 0, qh = row_ok ? g % p.num_heads : 0;
     // Query i of s_q sees positions < seq_len - s_q + i + 1 when causal.
-    visible[h] = row_ok[h] ? seq_len - p.causal * (p.s_q - 1 - row_qi[h]) : 0;
-    row_scale[h] = row_ok[h] ? p.q_scale[b * p.q_scale_stride[0] + row_qi[h] * p.q_scale_stride[1] +
-                                         row_qh[h] * p.q_scale_stride[2]] * p.qk_scale_log2
-                             : 0.f;
+    visible[h] = row_ok ? seq_len - p.causal * (p.s_q - 1 - qi) : 0;
+    row_scale[h] = row_ok ? p.q_scale[b * p.q_scale_stride[0] + qi * p.q_scale_stride[1] +
+                                      qh * p.q_scale_stride[2]] * p.qk_scale_log2
+                          : 0.f;
     m[h] = -INFINITY;           // running max logit (log2 units)
     peak[h] = 0.f;              // largest P' so far, at the current m
     amax_prev[h] = kPScaleFloor;   // 448 * sigma_P of the last page
@@ -452,7 +453,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int v = 0; v < kPvN / 2; ++v) o[half][v] = 0.f;
 
   uint8_t* vt = smem + kSmemVt + consumer * kVtBytes;
-  const VtMap vt_map = make_vt_map(warp, lane);
   const uint64_t vt_desc = sw128_desc(smem_addr(vt));
   const uint64_t q8_desc = sw128_desc(smem_base + kSmemQ8);
   const uint64_t qpe_desc = sw128_desc(smem_base + kSmemQpe);
@@ -469,141 +469,157 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   if (kTurns && consumer == 1 && num_iters > 0) named_barrier_arrive(kTurnBarrier, 256);
 
-  for (int i = 0; i < num_iters; ++i) {
-    const int stage = i % kStages;
-    const int page = first_page + i;
-    const int live = min(seq_len - page * kPageSize, kPageSize);   // slots holding real tokens
-    const uint8_t* stage_ptr = smem + kSmemStages + stage * kStageBytes;
-    const uint32_t stage_addr = smem_base + kSmemStages + stage * kStageBytes;
-    const uint64_t stage_desc = sw128_desc(stage_addr);
-    mbar_wait(full_bar + 8 * stage, (i / kStages) & 1);
+  // Local page i of the split: its stage, slots holding real tokens, and the wait for it.
+  const auto stage_of = [&](int i) { return i % kStages; };
+  const auto live_of = [&](int i) {
+    return min(seq_len - (first_page + i) * kPageSize, kPageSize);
+  };
+  const auto wait_page = [&](int i) {
+    mbar_wait(full_bar + 8 * stage_of(i), (i / kStages) & 1);
+  };
+  const auto release_page = [&](int i) { mbar_arrive(empty_bar + 8 * stage_of(i)); };
 
-    // V^T: this warpgroup's 256 content columns as K-major rows (tokens contiguous, in the
-    // permuted order above).  Slots past seq_len become zeros: their bytes are arbitrary (NaN),
-    // and a zero P times a NaN V would still be NaN.  A unit is 4 tokens x 4 columns (four
-    // 32-bit loads, byte permutes, four 32-bit stores); a thread does kVtUnits of them, always
-    // of the same 4 tokens (see vt_map above the loop), so every address is one of a few
-    // per-thread bases plus a constant.  The lanes of every load and every store hit 32
-    // different banks (the first version had 16-way store conflicts).  Moving this work
-    // between the QK WGMMA issue and wait spilled (S, the chunk and O are live there).
-    named_barrier_sync(wg_barrier, 128);   // every warp's previous PV WGMMA has read vt
-    {
-      const uint8_t* tile = stage_ptr + kStageContent + consumer * 2 * kContentTileBytes;
-      if (live == kPageSize) {
-        build_vt(tile, vt, vt_map, ~0u, ~0u, ~0u, ~0u);
-      } else {   // the last page of a request: zeros for the empty slots
-        const int t0 = vt_map.token0;
-        build_vt(tile, vt, vt_map, t0 < live ? ~0u : 0u, t0 + 1 < live ? ~0u : 0u,
-                 t0 + 8 < live ? ~0u : 0u, t0 + 9 < live ? ~0u : 0u);
-      }
+  // V^T of page i (this warpgroup's 256 content columns) into V^T buffer `buf`: K-major rows
+  // (tokens contiguous, in the permuted order above), buffer 0 in bytes 0-63 of each 128-byte
+  // row, buffer 1 in bytes 64-127.  Slots past seq_len become zeros: their bytes are arbitrary
+  // (NaN), and a zero P times a NaN V would still be NaN.  A unit is 4 tokens x 4 columns (four
+  // 32-bit loads, byte permutes, four 32-bit stores); a thread does kVtUnits of them, always of
+  // the same 4 tokens (VtMap), so every address is one of a few per-thread bases plus a
+  // constant.  The lanes of every load and every store hit 32 different banks.  Callers put a
+  // warpgroup barrier before (the PV reading the buffer is done) and fence_proxy_async and a
+  // warpgroup barrier after (the WGMMA sees the stores).
+  const auto build_page_vt = [&](int i, int buf) {
+    const uint8_t* tile = smem + kSmemStages + stage_of(i) * kStageBytes + kStageContent +
+                          consumer * 2 * kContentTileBytes;
+    // The map is rebuilt per page from a fresh read of the thread index (volatile, so the
+    // compiler cannot hoist it out of the loop): kept live across the loop, its 11 registers
+    // made the hand-over kernel spill.
+    uint32_t tid;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+    const VtMap vt_map = make_vt_map((tid % 128) / 32, tid % 32);
+    const int live = live_of(i);
+    if (live == kPageSize) {
+      build_vt(tile, vt, vt_map, buf, ~0u, ~0u, ~0u, ~0u);
+    } else {   // the last page of a request: zeros for the empty slots
+      const int t0 = vt_map.token0;
+      build_vt(tile, vt, vt_map, buf, t0 < live ? ~0u : 0u, t0 + 1 < live ? ~0u : 0u,
+               t0 + 8 < live ? ~0u : 0u, t0 + 9 < live ? ~0u : 0u);
     }
-    fence_proxy_async();   // V^T becomes visible to the WGMMA (async) proxy
-    named_barrier_sync(wg_barrier, 128);
+  };
 
-    uint32_t p8[2][4];   // PV A operand per K=32 step (see the fragment note above the kernel)
-    float gamma[2];      // O rescale for this page: exp(m_old - m) * sigma_P old / new
-    {
-      // S = qpe' . kpe'^T (BF16, exact FP32 accumulation) + q8 . k8^T (FP8, promoted per chunk).
-      float s[32], part[32];
-      if (kTurns) wait_turn();
+  // S of page i = qpe' . kpe'^T (BF16, exact FP32 accumulation) + q8 . k8^T (FP8, promoted per
+  // chunk).
+  const auto compute_s = [&](int i, float (&s)[32], bool last_turn) {
+    const uint64_t stage_desc = sw128_desc(smem_base + kSmemStages + stage_of(i) * kStageBytes);
+    float part[32];
+    if (kTurns) wait_turn();
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < kRopeDim / kWgmmaK16; ++k) {
+      wgmma_m64n64k16_bf16(s, desc_at(qpe_desc, k * 32),
+                           desc_at(stage_desc, kStageRope + k * 32), k);
+    }
+    wgmma_commit();
+#pragma unroll
+    for (int chunk = 0; chunk < kQkChunks; ++chunk) {
+      fence_operands(part);   // the previous chunk's `s += part` stays above the fence
       wgmma_fence();
 #pragma unroll
-      for (int k = 0; k < kRopeDim / kWgmmaK16; ++k) {
-        wgmma_m64n64k16_bf16(s, desc_at(qpe_desc, k * 32),
-                             desc_at(stage_desc, kStageRope + k * 32), k);
+      for (int k = 0; k < kQkPromoteCols / kWgmmaK8; ++k) {
+        const int col = chunk * kQkPromoteCols + k * kWgmmaK8;
+        const uint32_t offset =
+            (col / kSwizzleRowBytes) * kContentTileBytes + col % kSwizzleRowBytes;
+        wgmma_m64n64k32_e4m3(part, desc_at(q8_desc, offset),
+                             desc_at(stage_desc, kStageContent + offset), k);
       }
       wgmma_commit();
+      if (kTurns && chunk == kQkChunks - 1) hand_over_turn(last_turn);
+      wgmma_wait_all();
+      fence_operands(s);
+      fence_operands(part);
 #pragma unroll
-      for (int chunk = 0; chunk < kQkChunks; ++chunk) {
-        fence_operands(part);   // the previous chunk's `s += part` stays above the fence
-        wgmma_fence();
-#pragma unroll
-        for (int k = 0; k < kQkPromoteCols / kWgmmaK8; ++k) {
-          const int col = chunk * kQkPromoteCols + k * kWgmmaK8;
-          const uint32_t offset =
-              (col / kSwizzleRowBytes) * kContentTileBytes + col % kSwizzleRowBytes;
-          wgmma_m64n64k32_e4m3(part, desc_at(q8_desc, offset),
-                               desc_at(stage_desc, kStageContent + offset), k);
-        }
-        wgmma_commit();
-        if (kTurns && chunk == kQkChunks - 1) hand_over_turn(false);
-        wgmma_wait_all();
-        fence_operands(s);
-        fence_operands(part);
-#pragma unroll
-        for (int v = 0; v < 32; ++v) s[v] += part[v];   // the FP32 promotion point
-      }
-
-      // Token scales of this thread's 16 columns (token 8*j + 2*quad + e at [2*j + e]).
-      const float* scale_tile = reinterpret_cast<const float*>(stage_ptr + kStageScale);
-      float k_scale[16];
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int t = 8 * j + 2 * quad + e;
-          k_scale[2 * j + e] = t < live ? scale_tile[t * kScaleBoxFloats] : 0.f;
-        }
-      // This thread is done with the stage (its QK WGMMAs completed, V^T built, scales read).
-      mbar_arrive(empty_bar + 8 * stage);
-
-      // The SnapMLA P pipeline, operation for operation as the Triton kernel.
-#pragma unroll
-      for (int v = 0; v < 32; ++v) {
-        s[v] *= row_scale[(v >> 1) & 1] * k_scale[2 * (v >> 2) + (v & 1)];
-      }
-      // Positions a row may not see (past seq_len, causal, padding rows) get -inf by select,
-      // which also drops NaN garbage; only the pages at the end of a row's range have any.
-      if ((page + 1) * kPageSize > min(visible[0], visible[1])) {
-#pragma unroll
-        for (int v = 0; v < 32; ++v) {
-          const int pos = page * kPageSize + 8 * (v >> 2) + 2 * quad + (v & 1);
-          s[v] = pos < visible[(v >> 1) & 1] ? s[v] : -INFINITY;
-        }
-      }
-      float row_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int v = 0; v < 32; ++v) row_max[(v >> 1) & 1] = fmaxf(row_max[(v >> 1) & 1], s[v]);
-      float m_ref[2], alpha[2], amax[2] = {0.f, 0.f}, e_sum[2] = {0.f, 0.f};
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float m_new = fmaxf(m[h], quad_max(row_max[h]));
-        m_ref[h] = m_new == -INFINITY ? 0.f : m_new;   // rows that have seen nothing yet
-        alpha[h] = exp2_approx(m[h] - m_ref[h]);
-        m[h] = m_new;
-      }
-#pragma unroll
-      for (int v = 0; v < 32; ++v) {
-        const int h = (v >> 1) & 1;
-        const float e = exp2_approx(s[v] - m_ref[h]);
-        e_sum[h] += e;
-        s[v] = e * k_scale[2 * (v >> 2) + (v & 1)];    // scale fusion: P' = P * sigma_V
-        amax[h] = fmaxf(amax[h], s[v]);
-      }
-      float inv_amax[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float page_amax = quad_max(amax[h]);
-        peak[h] = fmaxf(peak[h] * alpha[h], page_amax);
-        const float amax_new = fmaxf(fmaxf(page_amax, peak[h] * kPScaleRange), kPScaleFloor);
-        inv_amax[h] = 1.f / amax_new;                                  // <= 2**126: finite
-        gamma[h] = alpha[h] * (amax_prev[h] * inv_amax[h]);            // exp(m_old - m) s_old / s
-        l[h] = l[h] * alpha[h] + quad_sum(e_sum[h]);
-        amax_prev[h] = amax_new;
-      }
-#pragma unroll
-      for (int k = 0; k < 2; ++k)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int v0 = 16 * k + 8 * (j >> 1) + 2 * (j & 1);
-          const float inv = inv_amax[j & 1];   // registers 0, 2: row h = 0; 1, 3: h = 1
-          // min(x, 448) of the reference is the conversion's saturation (.satfinite).
-          p8[k][j] = pack_e4m3x4((s[v0] * inv) * kFp8Max, (s[v0 + 1] * inv) * kFp8Max,
-                                 (s[v0 + 4] * inv) * kFp8Max, (s[v0 + 5] * inv) * kFp8Max);
-        }
+      for (int v = 0; v < 32; ++v) s[v] += part[v];   // the FP32 promotion point
     }
+  };
 
-    // O = gamma O + P8 . V8, one 64x128 half at a time; each page's sum is promoted into FP32 O.
+  // The token scales of page i for this thread's 16 columns (token 8*j + 2*quad + e at
+  // [2*j + e]); zero for empty slots.
+  const auto load_scales = [&](int i, float (&k_scale)[16]) {
+    const float* scale_tile =
+        reinterpret_cast<const float*>(smem + kSmemStages + stage_of(i) * kStageBytes + kStageScale);
+    const int live = live_of(i);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int t = 8 * j + 2 * quad + e;
+        k_scale[2 * j + e] = t < live ? scale_tile[t * kScaleBoxFloats] : 0.f;
+      }
+  };
+
+  // The SnapMLA P pipeline of page i from its S, operation for operation as the Triton kernel:
+  // P8 (the PV A operand), gamma (O's rescale for this page: exp(m_old - m) * sigma_P old / new)
+  // and the row state (m, peak, amax_prev, l) advanced past the page.
+  const auto softmax = [&](int i, float (&s)[32], const float (&k_scale)[16],
+                           uint32_t (&p8)[2][4], float (&gamma)[2]) {
+    const int page = first_page + i;
+#pragma unroll
+    for (int v = 0; v < 32; ++v) s[v] *= row_scale[(v >> 1) & 1] * k_scale[2 * (v >> 2) + (v & 1)];
+    // Positions a row may not see (past seq_len, causal, padding rows) get -inf by select,
+    // which also drops NaN garbage; only the pages at the end of a row's range have any.
+    if ((page + 1) * kPageSize > min(visible[0], visible[1])) {
+#pragma unroll
+      for (int v = 0; v < 32; ++v) {
+        const int pos = page * kPageSize + 8 * (v >> 2) + 2 * quad + (v & 1);
+        s[v] = pos < visible[(v >> 1) & 1] ? s[v] : -INFINITY;
+      }
+    }
+    float row_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int v = 0; v < 32; ++v) row_max[(v >> 1) & 1] = fmaxf(row_max[(v >> 1) & 1], s[v]);
+    float m_ref[2], alpha[2], amax[2] = {0.f, 0.f}, e_sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float m_new = fmaxf(m[h], quad_max(row_max[h]));
+      m_ref[h] = m_new == -INFINITY ? 0.f : m_new;   // rows that have seen nothing yet
+      alpha[h] = exp2_approx(m[h] - m_ref[h]);
+      m[h] = m_new;
+    }
+#pragma unroll
+    for (int v = 0; v < 32; ++v) {
+      const int h = (v >> 1) & 1;
+      const float e = exp2_approx(s[v] - m_ref[h]);
+      e_sum[h] += e;
+      s[v] = e * k_scale[2 * (v >> 2) + (v & 1)];    // scale fusion: P' = P * sigma_V
+      amax[h] = fmaxf(amax[h], s[v]);
+    }
+    float inv_amax[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float page_amax = quad_max(amax[h]);
+      peak[h] = fmaxf(peak[h] * alpha[h], page_amax);
+      const float amax_new = fmaxf(fmaxf(page_amax, peak[h] * kPScaleRange), kPScaleFloor);
+      inv_amax[h] = 1.f / amax_new;                                  // <= 2**126: finite
+      gamma[h] = alpha[h] * (amax_prev[h] * inv_amax[h]);            // exp(m_old - m) s_old / s
+      l[h] = l[h] * alpha[h] + quad_sum(e_sum[h]);
+      amax_prev[h] = amax_new;
+    }
+#pragma unroll
+    for (int k = 0; k < 2; ++k)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int v0 = 16 * k + 8 * (j >> 1) + 2 * (j & 1);
+        const float inv = inv_amax[j & 1];   // registers 0, 2: row h = 0; 1, 3: h = 1
+        // min(x, 448) of the reference is the conversion's saturation (.satfinite).
+        p8[k][j] = pack_e4m3x4((s[v0] * inv) * kFp8Max, (s[v0 + 1] * inv) * kFp8Max,
+                               (s[v0 + 4] * inv) * kFp8Max, (s[v0 + 5] * inv) * kFp8Max);
+      }
+  };
+
+  // O = gamma O + P8 . V8 (V^T buffer `buf`), one 64x128 half at a time; each page's sum is
+  // promoted into FP32 O.
+  const auto apply_page = [&](uint32_t (&p8)[2][4], const float (&gamma)[2], int buf,
+                              bool last_turn) {
     if (kTurns) wait_turn();
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -613,26 +629,132 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_fence();
 #pragma unroll
       for (int k = 0; k < kPageSize / kWgmmaK8; ++k) {
-        wgmma_m64n128k32_e4m3_rs(pv, p8[k], desc_at(vt_desc, half * kPvN * kSwizzleRowBytes + k * 32),
-                                 k);
+        wgmma_m64n128k32_e4m3_rs(
+            pv, p8[k], desc_at(vt_desc, buf * kPageSize + half * kPvN * kSwizzleRowBytes + k * 32),
+            k);
       }
       wgmma_commit();
-      if (kTurns && half == 1) hand_over_turn(i == num_iters - 1);
+      if (kTurns && half == 1) hand_over_turn(last_turn);
       wgmma_wait_all();
       fence_operands(pv);
 #pragma unroll
       for (int v = 0; v < kPvN / 2; ++v) o[half][v] = o[half][v] * gamma[(v >> 1) & 1] + pv[v];
+    }
+  };
+
+  if constexpr (kSchedule != kScheduleHandOver) {
+    // Both warpgroups compute every page's S and P8 (identical), each applies it to its columns.
+    for (int i = 0; i < num_iters; ++i) {
+      wait_page(i);
+      named_barrier_sync(wg_barrier, 128);   // every warp's previous PV WGMMA has read vt
+      build_page_vt(i, 0);
+      fence_proxy_async();   // V^T becomes visible to the WGMMA (async) proxy
+      named_barrier_sync(wg_barrier, 128);
+      uint32_t p8[2][4];
+      float gamma[2];
+      {
+        float s[32], k_scale[16];
+        compute_s(i, s, false);
+        load_scales(i, k_scale);
+        release_page(i);   // this thread's QK WGMMAs completed, V^T built, scales read
+        softmax(i, s, k_scale, p8, gamma);
+      }
+      apply_page(p8, gamma, 0, i == num_iters - 1);
+    }
+  } else {
+    // Paper Algorithm 1: page i's S and P8 are computed by consumer i % 2 only, which hands P8,
+    // gamma and the row state after the page to the other consumer through shared memory
+    // (named barrier kTurnBarrier + i % 2); both apply every page to their own columns in
+    // increasing order.  A step of consumer c has its own page i = 2k + c and the other's page
+    // r = i - 1: V^T of r and i (two buffers), S of i, then the state after r (waiting for the
+    // other consumer), the softmax of i and its hand-over, then PV(r) and PV(i).  So one
+    // consumer's S overlaps the other's softmax, and the softmax chain (page i needs the state
+    // after i - 1) is the only serial part.  The chain also makes each named barrier's rounds
+    // alternate strictly (page i + 2's arrive comes after page i + 1's state was received, which
+    // the other consumer hands over after its wait for page i).
+    // Page i's hand-over buffer is i % 4 (this thread's words): its owner rewrites it for page
+    // i + 4 only after receiving page i + 3's state, which the other consumer hands over in the
+    // step after the one in which it applied page i.
+    const auto hand_over_of = [&](int i) {
+      return reinterpret_cast<uint32_t*>(smem + kSmemHandOver) +
+             (i % kHandOverBuffers) * kHandOverWords * 128 + wg_tid;
+    };
+    for (int own = consumer;; own += 2) {
+      const int other = own - 1;
+      const bool has_own = own < num_iters;
+      const bool has_other = other >= 0 && other < num_iters;
+      if (!has_own && !has_other) break;
+      named_barrier_sync(wg_barrier, 128);   // every warp's previous PV WGMMAs have read vt
+      if (has_other) {
+        wait_page(other);
+        build_page_vt(other, other & 1);
+        release_page(other);   // the other consumer's stage: only its V was needed here
+      }
+      if (has_own) {
+        wait_page(own);
+        build_page_vt(own, own & 1);
+      }
+      fence_proxy_async();
+      named_barrier_sync(wg_barrier, 128);
+
+      float s[32];
+      if (has_own) compute_s(own, s, false);
+      // The state after page `other`, handed over by the other consumer, then `own`'s softmax
+      // and its hand-over.
+      if (has_other) {
+        named_barrier_sync(kTurnBarrier + (other & 1), 256);
+        const uint32_t* x = hand_over_of(other);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          m[h] = __uint_as_float(x[(10 + h) * 128]);
+          peak[h] = __uint_as_float(x[(12 + h) * 128]);
+          amax_prev[h] = __uint_as_float(x[(14 + h) * 128]);
+          l[h] = __uint_as_float(x[(16 + h) * 128]);
+        }
+      }
+      if (has_own) {
+        float k_scale[16];
+        load_scales(own, k_scale);
+        release_page(own);   // QK, V^T and scales done
+        uint32_t p8[2][4];
+        float gamma[2];
+        softmax(own, s, k_scale, p8, gamma);
+        uint32_t* x = hand_over_of(own);
+#pragma unroll
+        for (int w = 0; w < 8; ++w) x[w * 128] = p8[w / 4][w % 4];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          x[(8 + h) * 128] = __float_as_uint(gamma[h]);
+          x[(10 + h) * 128] = __float_as_uint(m[h]);
+          x[(12 + h) * 128] = __float_as_uint(peak[h]);
+          x[(14 + h) * 128] = __float_as_uint(amax_prev[h]);
+          x[(16 + h) * 128] = __float_as_uint(l[h]);
+        }
+        named_barrier_arrive(kTurnBarrier + (own & 1), 256);
+      }
+      // PV of `other`, then of `own`, with P8 and gamma from the hand-over buffers (one call
+      // site: two kept the second page's P8 live across the first PV and spilled).
+      for (int i = has_other ? other : own; i <= (has_own ? own : other); ++i) {
+        const uint32_t* x = hand_over_of(i);
+        uint32_t p8[2][4];
+        float gamma[2];
+#pragma unroll
+        for (int w = 0; w < 8; ++w) p8[w / 4][w % 4] = x[w * 128];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) gamma[h] = __uint_as_float(x[(8 + h) * 128]);
+        apply_page(p8, gamma, i & 1, false);
+      }
     }
   }
 
   // Epilogue: out = sigma_P O / (sigma_P L); rows that saw nothing give 0 and LSE -inf.
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    if (!row_ok[h]) continue;
+    const int g = row0 + 16 * warp + lane / 4 + 8 * h;
+    if (g >= p.num_rows) continue;
     const bool seen_any = l[h] > 0.f;
     const float norm = seen_any ? amax_prev[h] / (kFp8Max * l[h]) : 0.f;
     const float lse = seen_any ? (m[h] + log2f(l[h])) * kLn2 : -INFINITY;
-    const int g = row0 + 16 * warp + lane / 4 + 8 * h;
     const bool writes_lse = consumer == 0 && quad == 0;
     if (p.num_splits == 1) {
       __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.out) +
@@ -647,7 +769,8 @@ __global__ void __launch_bounds__(kThreads, 1)
               __floats2bfloat162_rn(o[half][v] * norm, o[half][v + 1] * norm);
         }
       if (writes_lse) {
-        p.lse[(static_cast<int64_t>(b) * p.num_heads + row_qh[h]) * p.s_q + row_qi[h]] = lse;
+        p.lse[(static_cast<int64_t>(b) * p.num_heads + g % p.num_heads) * p.s_q + g / p.num_heads] =
+            lse;
       }
     } else {
       const int64_t part_row = (static_cast<int64_t>(b) * p.num_splits + split) * p.num_rows + g;
