@@ -19,7 +19,7 @@ from vllm_snapmla.triton.decode import _combine_kernel, _device_limits, num_spli
 _BLOCK_ROWS = 64   # query rows per CTA (csrc/sm90/decode/config.h kBlockRows)
 # How the two consumer warpgroups order their tensor-core sections (config.h kSchedule*).
 SCHEDULES = {"free": 0, "turns": 1, "hand-over": 2}
-# 2-7% faster than "turns" on the H200, which is -2% to +3% from "free" (benchmarks/RESULTS.md).
+# 1-7% faster than "turns" on the H200, which is -2% to +3% from "free" (benchmarks/RESULTS.md).
 DEFAULT_SCHEDULE = "hand-over"
 # csrc/sm90/decode/config.h hard-codes these (kPScaleRange, kPScaleFloor).
 assert fmt.P_SCALE_RANGE == 2.0 ** -32 and fmt.P_SCALE_FLOOR == 2.0 ** -126

@@ -318,7 +318,7 @@ __device__ __forceinline__ void build_vt(const uint8_t* tile, uint8_t* vt, const
 // kSchedule divides the work between the consumer warpgroups (same arithmetic, bit-identical
 // results; timings in benchmarks/RESULTS.md):
 //   kScheduleHandOver: page i's S, softmax and P8 by consumer i % 2 only, handed over (see the
-//                      loop).  2-7% faster than kScheduleTurns.
+//                      loop).  1-7% faster than kScheduleTurns.
 //   kScheduleTurns:    both consumers compute every page's S and P8; their QK and PV sections
 //                      alternate (QK of WG1, QK of WG2, PV of WG1, PV of WG2, per page), so one
 //                      warpgroup's CUDA-core work runs while the other's WGMMAs are in flight.
