@@ -36,7 +36,7 @@ def available(device: torch.device | int | None = None) -> bool:
 def snapmla_decode_sm90(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: torch.Tensor,
                         kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                         softmax_scale: float, causal: bool = True, num_splits: int | None = None,
-                        schedule: str = DEFAULT_SCHEDULE):
+                        schedule: str = DEFAULT_SCHEDULE, promote_pv: bool = True):
     """SnapMLA decode from a quantized query on an sm_90 GPU.
 
     ``q8`` e4m3 ``[B,s_q,H,512]``, ``q_scale`` fp32 ``[B,s_q,H]``, ``q_pe_scaled`` bf16
@@ -48,10 +48,14 @@ def snapmla_decode_sm90(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: to
     ``SCHEDULES``) orders the two consumer warpgroups' work: ``turns`` (both compute every page's
     P; their QK and PV sections alternate), ``free`` (the same without turns) or ``hand-over``
     (paper Algorithm 1: each page's P is computed by one warpgroup and handed to the other); the
-    arithmetic is the same, so is the result, bit for bit.
+    arithmetic is the same, so is the result, bit for bit.  ``promote_pv=False`` (measurement
+    only; with ``schedule="free"``) accumulates every page's PV straight into O in the tensor
+    core instead of promoting each page's sum into FP32 O.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
+    if not promote_pv and schedule != "free":
+        raise ValueError(f"promote_pv=False exists only with schedule='free', got {schedule!r}")
     native = ops.native()
     if native is None or not hasattr(native, "decode_sm90"):
         raise RuntimeError("vllm_snapmla._C was built without decode_sm90 (csrc/sm90/); rebuild "
@@ -79,14 +83,15 @@ def snapmla_decode_sm90(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: to
 
     if num_splits == 1:
         native.decode_sm90(q8, q_scale, q_pe_scaled, kv_cache, block_table, seq_lens, out, lse,
-                           float(softmax_scale), bool(causal), 1, SCHEDULES[schedule])
+                           float(softmax_scale), bool(causal), 1, SCHEDULES[schedule],
+                           bool(promote_pv))
         return out, lse
     part = torch.empty(B, num_splits, num_rows, fmt.KV_LORA_RANK, dtype=torch.float32,
                        device=device)
     part_lse = torch.empty(B, num_splits, num_rows, dtype=torch.float32, device=device)
     native.decode_sm90(q8, q_scale, q_pe_scaled, kv_cache, block_table, seq_lens, part, part_lse,
-                       float(softmax_scale), bool(causal), num_splits,
-                       SCHEDULES[schedule])
+                       float(softmax_scale), bool(causal), num_splits, SCHEDULES[schedule],
+                       bool(promote_pv))
     _combine_kernel[(B, num_rows)](
         part, part_lse, out, lse, H, s_q, num_rows, num_splits,
         BLOCK_S=triton.next_power_of_2(num_splits), D=fmt.KV_LORA_RANK, num_warps=4)

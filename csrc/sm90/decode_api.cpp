@@ -46,7 +46,8 @@ void check_rows_aligned(const char* name, const at::Tensor& t) {
 void decode_sm90(const at::Tensor& q8, const at::Tensor& q_scale, const at::Tensor& q_pe_scaled,
                  const at::Tensor& kv_cache, const at::Tensor& block_table,
                  const at::Tensor& seq_lens, at::Tensor& out, at::Tensor& lse,
-                 double softmax_scale, bool causal, int64_t num_splits, int64_t schedule) {
+                 double softmax_scale, bool causal, int64_t num_splits, int64_t schedule,
+                 bool promote_pv) {
   const at::Device device = q8.device();
   check_on("q8", q8, device);
   TORCH_CHECK_VALUE(q8.dim() == 4 && q8.size(3) == kKvLoraRank, kOp,
@@ -91,6 +92,9 @@ void decode_sm90(const at::Tensor& q8, const at::Tensor& q_scale, const at::Tens
                     kOp, ": schedule must be ", sm90::kScheduleFree, " (free), ",
                     sm90::kScheduleTurns, " (turns) or ", sm90::kScheduleHandOver,
                     " (hand-over), got ", schedule);
+  TORCH_CHECK_VALUE(promote_pv || schedule == sm90::kScheduleFree, kOp,
+                    ": promote_pv=False exists only with the free schedule (", sm90::kScheduleFree,
+                    "), got schedule ", schedule);
   check_on("out", out, device);
   check_on("lse", lse, device);
   if (num_splits == 1) {
@@ -128,6 +132,7 @@ void decode_sm90(const at::Tensor& q8, const at::Tensor& q_scale, const at::Tens
   p.causal = causal ? 1 : 0;
   p.qk_scale_log2 = static_cast<float>(softmax_scale * 1.4426950408889634);
   p.schedule = static_cast<int>(schedule);
+  p.promote_pv = promote_pv ? 1 : 0;
   const char* err = sm90::launch_decode_sm90(
       p, static_cast<const uint8_t*>(kv_cache.data_ptr()), kv_cache.size(0), kv_cache.stride(0),
       static_cast<int>(batch), c10::cuda::getCurrentCUDAStream());
@@ -137,7 +142,7 @@ void decode_sm90(const at::Tensor& q8, const at::Tensor& q_scale, const at::Tens
 // Writes only into the tensors it is given: nothing to do for fake-tensor tracing.
 void decode_sm90_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                       const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, double, bool,
-                      int64_t, int64_t) {}
+                      int64_t, int64_t, bool) {}
 
 }  // namespace
 }  // namespace snapmla
@@ -146,7 +151,7 @@ TORCH_LIBRARY_FRAGMENT(_snapmla_C, m) {
   m.def(
       "decode_sm90(Tensor q8, Tensor q_scale, Tensor q_pe_scaled, Tensor kv_cache, "
       "Tensor block_table, Tensor seq_lens, Tensor(a!) out, Tensor(b!) lse, float softmax_scale, "
-      "bool causal, int num_splits, int schedule=2) -> ()");
+      "bool causal, int num_splits, int schedule=2, bool promote_pv=True) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(_snapmla_C, CUDA, m) { m.impl("decode_sm90", &snapmla::decode_sm90); }

@@ -122,6 +122,17 @@ def test_schedules_are_bit_identical(schedule, seq_lens, H, s_q, num_splits, q_s
                 + _where_wrong(x_out, x_lse, q8, qs, qpe, cache, bt, sl))
 
 
+def test_unpromoted_variant_on_short_contexts():
+    """``promote_pv=False`` (the measurement variant of benchmarks/pv_promotion_error.py) on a few
+    pages, where the accumulation length cannot matter: within the usual bounds of the reference
+    algorithm, so a layout bug in the variant cannot pass for a precision effect."""
+    q, qp, cache, bt, sl = _case([300, 65, 1], 64, 1, seed=21)
+    q8, qs, qpe = ref.quantize_q(q, qp)
+    out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, num_splits=1, schedule="free",
+                      promote_pv=False)
+    _check(out, lse, q, qp, cache, bt, sl, check_exact=False)
+
+
 def test_rejects_bad_inputs():
     q, qp, cache, bt, sl = _case([100], 16, 1, seed=17)
     q8, qs, qpe = ref.quantize_q(q, qp)

@@ -51,9 +51,10 @@ const char* launch_decode_sm90(const DecodeParams& params, const uint8_t* kv_cac
   if (major != 9 || minor != 0) {
     return "decode_sm90 needs an sm_90 (Hopper) GPU; use vllm_snapmla.triton.decode elsewhere";
   }
-  const auto kernel = params.schedule == kScheduleTurns      ? decode_kernel<kScheduleTurns>
-                      : params.schedule == kScheduleHandOver ? decode_kernel<kScheduleHandOver>
-                                                             : decode_kernel<kScheduleFree>;
+  const auto kernel = !params.promote_pv                      ? decode_kernel<kScheduleFree, false>
+                      : params.schedule == kScheduleTurns     ? decode_kernel<kScheduleTurns>
+                      : params.schedule == kScheduleHandOver  ? decode_kernel<kScheduleHandOver>
+                                                              : decode_kernel<kScheduleFree>;
   // The kernel body exists only in sm_90a code; compute_89 PTX JIT-compiled for this GPU would
   // run an empty kernel.
   cudaFuncAttributes attr;

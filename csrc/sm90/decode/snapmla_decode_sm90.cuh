@@ -324,7 +324,11 @@ __device__ __forceinline__ void build_vt(const uint8_t* tile, uint8_t* vt, const
 //                      warpgroup's CUDA-core work runs while the other's WGMMAs are in flight.
 //                      A turn is handed over right after the section's last WGMMA is issued.
 //   kScheduleFree:     both compute everything, in no particular order.
-template <int kSchedule>
+// kPromotePv = false (measurement only, with kScheduleFree): O is rescaled by gamma in registers
+// and each page's PV WGMMAs accumulate straight into it, so O's sum over the pages runs in the
+// tensor core's reduced-precision accumulation instead of FP32 (what the per-page promotion
+// buys, benchmarks/pv_promotion_error.py).
+template <int kSchedule, bool kPromotePv = true>
 __global__ void __launch_bounds__(kThreads, 1)
     decode_kernel(const __grid_constant__ CUtensorMap content_map,
                   const __grid_constant__ CUtensorMap rope_map,
@@ -621,6 +625,27 @@ __global__ void __launch_bounds__(kThreads, 1)
   const auto apply_page = [&](uint32_t (&p8)[2][4], const float (&gamma)[2], int buf,
                               bool last_turn) {
     if (kTurns) wait_turn();
+    if constexpr (!kPromotePv) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+#pragma unroll
+        for (int v = 0; v < kPvN / 2; ++v) o[half][v] *= gamma[(v >> 1) & 1];
+        fence_operands(o[half]);
+        fence_operands(p8[0]);
+        fence_operands(p8[1]);
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < kPageSize / kWgmmaK8; ++k) {
+          wgmma_m64n128k32_e4m3_rs(
+              o[half], p8[k],
+              desc_at(vt_desc, buf * kPageSize + half * kPvN * kSwizzleRowBytes + k * 32), 1);
+        }
+        wgmma_commit();
+        wgmma_wait_all();
+        fence_operands(o[half]);
+      }
+      return;
+    }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       float pv[kPvN / 2];

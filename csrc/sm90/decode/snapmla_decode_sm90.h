@@ -29,6 +29,7 @@ struct DecodeParams {
   int causal;
   float qk_scale_log2;            // softmax_scale * log2(e): exponentials run in base 2
   int schedule;                   // host-side choice of the kernel: kSchedule* of config.h
+  int promote_pv;                 // 0: no per-page FP32 promotion of PV (measurement only)
 };
 
 // Launches the decode of `batch` requests over `kv_cache` (uint8 [num_blocks, 64, 656], blocks
