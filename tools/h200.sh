@@ -3,7 +3,7 @@
 #   bash tools/h200.sh STAGE [args]        logs go to $OUT/<stage>.log
 # Stages: stash K (move .devcache/vllm-site.partK aside; carry that part with the call) |
 #         setup (unpack vLLM, build the extension) | kernels | sm90 | e2e | serve | bench | train | parity
-#         | ncu | promotion | lease6 (after stash 2)
+#         | ncu | promotion | e2e-sm90 | lease6 (after stash 2)
 # A whole lease in five calls (docs/development.md): `stash 0`, `stash 1` (each carrying its
 # part), `stash 2 && lease4` (carrying part 2), `lease5` (carrying .whl).  Each lease call packs
 # its logs and results into $OUT/<stage>.tgz (a call returns at most 8 files).
@@ -58,6 +58,11 @@ case "$stage" in
       "$NCU" -i /root/sm90.ncu-rep --page details > /root/ncu_details.txt 2>&1
     "$NCU" -i /root/sm90.ncu-rep --page source --csv --print-source sass > /root/ncu_sass.csv 2>&1
     pack /root/ncu_details.txt /root/ncu_sass.csv "$log" ;;
+  e2e-sm90)    # FULL CUDA graphs and n-gram speculation in vLLM with the sm90 kernel forced (the
+               # tiny model's 16 heads would pick Triton); needs the unpacked vLLM bundle
+    unpack
+    SNAPMLA_DECODE_KERNEL=sm90 run timeout 400 python3 -m pytest \
+        tests/e2e/test_cuda_graphs_spec_decode.py -v -s -rs -p no:cacheprovider ;;
   promotion)   # the sm90 kernel with and without per-page PV promotion, up to 131072 tokens
     build
     run timeout 300 python3 benchmarks/pv_promotion_error.py --out /root/pv_promotion
