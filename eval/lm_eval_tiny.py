@@ -269,6 +269,7 @@ def _eval_module(name: str):
 parse_kv_pairs = _eval_module("parity").parse_kv_pairs      # the --model-args parser
 _parity_tiny = _eval_module("parity_tiny")                   # the paired statistics
 paired_delta, paired_text = _parity_tiny.paired_delta, _parity_tiny.paired_text
+mean_se_cell, markdown_cell = _parity_tiny.mean_se_cell, _parity_tiny.markdown_cell
 
 
 def lm_eval_command(name: str, args: dict, include_path: pathlib.Path, out_dir: pathlib.Path,
@@ -428,8 +429,7 @@ def paired_token_nll(ours: dict, theirs: dict) -> tuple[float, float, int]:
 
 COLUMNS = [("setting", "setting", "{}"),
            ("token_ppl", "token ppl", "{:.4f}"), ("d_token_ppl_pct", "Δ token ppl", "{:+.3f}%"),
-           ("d_token_nll", "ΔNLL/token ± SE",
-            lambda r: f"{r['d_token_nll']:+.2e} ± {r['d_token_nll_se']:.1e}"),
+           ("d_token_nll", "ΔNLL/token ± SE", mean_se_cell("d_token_nll")),
            ("d_token_nll_se", "SE of ΔNLL/token", "{:.2e}"),
            ("word_ppl", "word ppl", "{:.6g}"), ("d_word_ppl_pct", "Δ word ppl", "{:+.3f}%"),
            ("byte_ppl", "byte ppl", "{:.5f}"), ("d_byte_ppl_pct", "Δ byte ppl", "{:+.3f}%"),
@@ -452,15 +452,9 @@ def write_report(rows: list[dict], stats: dict, opts, failed: list[str]) -> str:
         writer.writerows([{c: "" if r.get(c) is None else r.get(c) for c, _, _ in COLUMNS}
                           for r in rows])
 
-    def cell(row, key, fmt):
-        value = row.get(key)
-        if value is None:
-            return "–"
-        return fmt(row) if callable(fmt) else fmt.format(value)
-
     shown = [c for c in COLUMNS if c[0] not in MD_ONLY_IN_CSV]
     table = ["| " + " | ".join(h for _, h, _ in shown) + " |", "|" + "---|" * len(shown)]
-    table += ["| " + " | ".join(cell(r, k, f) for k, _, f in shown) + " |" for r in rows]
+    table += ["| " + " | ".join(markdown_cell(r, k, f) for k, _, f in shown) + " |" for r in rows]
     by = {r["setting"]: r for r in rows}
     verdicts = []
     d = by.get("fp8_snapmla", {}).get("d_token_ppl_pct")

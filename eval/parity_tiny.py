@@ -251,15 +251,24 @@ def paired_text(mean: float, se: float, units: int, unit_name: str) -> str:
     return f"{mean:+.2e} ± {se:.1e} nats, {z} paired SE over {units} {unit_name}"
 
 
-def _pm(key: str):
+def mean_se_cell(key: str):
     """A Markdown cell ``mean ± standard error`` of ``key`` and ``key + '_se'``."""
     return lambda row: f"{row[key]:+.2e} ± {row[key + '_se']:.1e}"
+
+
+def markdown_cell(row: dict, key: str, fmt) -> str:
+    """``row[key]`` formatted by ``fmt`` (a format string, or a function of the row); "–" when
+    the value is missing."""
+    value = row.get(key)
+    if value in (None, ""):
+        return "–"
+    return fmt(row) if callable(fmt) else fmt.format(value)
 
 
 COLUMNS = [("run", "run", "{}"),
            ("ppl_cache_context", "ppl (position ≥ chunk)", "{:.4f}"),
            ("ppl_delta_pct", "Δppl vs BF16", "{:+.3f}%"),
-           ("dnll_vs_bf16", "ΔNLL vs BF16 (nats/token ± SE)", _pm("dnll_vs_bf16")),
+           ("dnll_vs_bf16", "ΔNLL vs BF16 (nats/token ± SE)", mean_se_cell("dnll_vs_bf16")),
            ("ppl_all", "ppl (all tokens)", "{:.4f}"),
            ("accuracy_cache_context", "next-token acc.", "{:.4f}"),
            ("mean_abs_dlogprob_vs_bf16", "mean abs Δlogprob vs BF16", "{:.2e}"),
@@ -281,15 +290,10 @@ def write_report(out: pathlib.Path, rows: list[dict], args, train_log: dict | No
         writer.writeheader()
         writer.writerows(rows)
 
-    def cell(row, key, fmt):
-        value = row.get(key)
-        if value in (None, ""):
-            return "–"
-        return fmt(row) if callable(fmt) else fmt.format(value)
-
     lines = ["| " + " | ".join(h for _, h, _ in COLUMNS) + " |",
              "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(cell(r, k, f) for k, _, f in COLUMNS) + " |" for r in rows]
+    lines += ["| " + " | ".join(markdown_cell(r, k, f) for k, _, f in COLUMNS) + " |"
+              for r in rows]
     by_run = {r["run"]: r for r in rows}
     verdicts = []
     if {"auto", "fp8_snapmla"} <= by_run.keys():
