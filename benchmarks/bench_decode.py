@@ -42,9 +42,8 @@ SNAPMLA_KERNELS = {
     "snapmla-sm90-turns": "vllm_snapmla.sm90:snapmla_decode_sm90_turns",
 }
 # Backends that run only where a predicate ("module:function", no arguments) says so.
-SNAPMLA_AVAILABLE = {"snapmla-sm90": "vllm_snapmla.sm90:available",
-                     "snapmla-sm90-free": "vllm_snapmla.sm90:available",
-                     "snapmla-sm90-turns": "vllm_snapmla.sm90:available"}
+SNAPMLA_AVAILABLE = {name: "vllm_snapmla.sm90:available" for name in SNAPMLA_KERNELS
+                     if name.startswith("snapmla-sm90")}
 
 # (batch, heads, context, s_q)
 SHAPES = [
@@ -96,16 +95,17 @@ def _make_inputs(B, H, N, s_q, gen):
                 seq_lens=seq_lens)
 
 
-def _runners(inp, fm, scale, quantize):
-    """name -> zero-argument callable returning (out, lse)."""
+def _runners(inp, fm, scale, quantize, wanted):
+    """name -> zero-argument callable returning (out, lse), for the backends in ``wanted``."""
     runners = {}
     bt, sl = inp["block_table"], inp["seq_lens"]
     B, s_q, H, _ = inp["q_nope"].shape
-    if fm is not None:
-        q = torch.cat([inp["q_nope"], inp["q_pe"]], -1)
+    q = torch.cat([inp["q_nope"], inp["q_pe"]], -1) if fm is not None else None
+    if fm is not None and "flashmla-bf16" in wanted:
         meta, _ = fm.get_mla_metadata()
         runners["flashmla-bf16"] = lambda: fm.flash_mla_with_kvcache(
             q, inp["bf16"], bt, sl, fmt.KV_LORA_RANK, meta, softmax_scale=scale, causal=True)
+    if fm is not None and "flashmla-fp8" in wanted:
         q8 = q.to(torch.float8_e4m3fn)
         cache8 = inp["bf16"].to(torch.float8_e4m3fn)
         one = torch.ones(1, dtype=torch.float32, device="cuda")
@@ -114,6 +114,8 @@ def _runners(inp, fm, scale, quantize):
             q8, cache8, bt, sl, fmt.KV_LORA_RANK, sched, splits, softmax_scale=scale, causal=True,
             descale_q=one, descale_k=one)
     for name, spec in SNAPMLA_KERNELS.items():
+        if name not in wanted:
+            continue
         try:
             kernel = _load(spec)
             if name in SNAPMLA_AVAILABLE and not _load(SNAPMLA_AVAILABLE[name])():
@@ -229,8 +231,7 @@ def main():
     for B, H, N, s_q in (QUICK_SHAPES if args.quick else SHAPES):
         print(f"shape B={B} H={H} N={N} s_q={s_q} ...", flush=True)
         inp = _make_inputs(B, H, N, s_q, gen)
-        runners = {name: fn for name, fn in _runners(inp, fm, scale, quantize).items()
-                   if name in wanted}
+        runners = _runners(inp, fm, scale, quantize, wanted)
         base_out = runners["flashmla-bf16"]()[0].float() if "flashmla-bf16" in runners else None
         flops = 2 * B * H * s_q * N * (fmt.HEAD_SIZE + fmt.KV_LORA_RANK)
         times = {}
