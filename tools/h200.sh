@@ -3,7 +3,7 @@
 #   bash tools/h200.sh STAGE [args]        logs go to $OUT/<stage>.log
 # Stages: stash K (move .devcache/vllm-site.partK aside; carry that part with the call) |
 #         setup (unpack vLLM, build the extension) | kernels | sm90 | e2e | serve | bench | train | parity
-#         | ncu | promotion | e2e-sm90 | lease6 (after stash 2)
+#         | ncu | promotion | e2e-sm90 | bench-e2e ARGS | lease6 (after stash 2)
 # A whole lease in five calls (docs/development.md): `stash 0`, `stash 1` (each carrying its
 # part), `stash 2 && lease4` (carrying part 2), `lease5` (carrying .whl).  Each lease call packs
 # its logs and results into $OUT/<stage>.tgz (a call returns at most 8 files).
@@ -63,6 +63,10 @@ case "$stage" in
     unpack
     SNAPMLA_DECODE_KERNEL=sm90 run timeout 400 python3 -m pytest \
         tests/e2e/test_cuda_graphs_spec_decode.py -v -s -rs -p no:cacheprovider ;;
+  bench-e2e)   # vLLM decode throughput, auto vs fp8_snapmla vs fp8 (args: bench_e2e.py's)
+    unpack
+    run timeout $(left 590) python3 benchmarks/bench_e2e.py --out /root/bench_e2e "${@:2}"
+    pack /root/bench_e2e "$log" ;;
   promotion)   # the sm90 kernel with and without per-page PV promotion, up to 131072 tokens
     build
     run timeout 300 python3 benchmarks/pv_promotion_error.py --out /root/pv_promotion
@@ -73,7 +77,7 @@ case "$stage" in
     run timeout 90 python3 -m pytest tests/gpu/test_decode_sm90.py -q -x -p no:cacheprovider \
         -k "few_pages or bit_identical" || exit 1
     run timeout 200 python3 benchmarks/bench_decode.py --out /root/bench_decode \
-        --backends flashmla-bf16,flashmla-fp8,snapmla-sm90,snapmla-sm90-turns,snapmla-sm90-free
+        --backends flashmla-bf16,flashmla-fp8,snapmla-sm90,snapmla-sm90-turns
     run timeout $(left 570) python3 -m pytest tests/gpu -q -p no:cacheprovider
     pack /root/bench_decode "$log" ;;
   lease4)   # after `stash 2`: training in the background, kernel tests, CUDA-graph and serve e2e

@@ -56,10 +56,10 @@ def test_every_variant_is_built(decode_kernels):
 
 
 # Local-memory instructions allowed per kernel: none, except in the hand-over kernel
-# (kScheduleHandOver = 2), which spills a few loop values around its softmax (256 bytes, 115
-# LDL/STL in the SASS of the version that was timed; 1-7% faster than the turns kernel even
-# so).  Any growth fails.
-SPILL_BUDGET = {"decode_kernelILi2E": 115}
+# (kScheduleHandOver = 2), which spills a few values around its softmax (208 bytes, 97 LDL/STL
+# in the SASS of the version that was timed; faster than the turns kernel even so).  Any growth
+# fails.
+SPILL_BUDGET = {"decode_kernelILi2E": 97}
 
 
 def test_no_register_spills(decode_kernels):
@@ -72,8 +72,13 @@ def test_no_register_spills(decode_kernels):
 
 def test_tensor_core_instructions(decode_kernels):
     for name, body in decode_kernels.items():
-        qk = len(re.findall(r"QGMMA\.64x64x32\.F32\.E4M3\.E4M3", body))
-        pv = len(re.findall(r"QGMMA\.64x128x32\.F32\.E4M3\.E4M3", body))
+        qk = len(re.findall(r"QGMMA\.64x32x32\.F32\.E4M3\.E4M3", body))
+        pv_quarters = len(re.findall(r"QGMMA\.64x64x32\.F32\.E4M3\.E4M3", body))
+        pv_halves = len(re.findall(r"QGMMA\.64x128x32\.F32\.E4M3\.E4M3", body))
         rope = len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16", body))
-        # Content QK: 512 / 32 FP8 steps; PV: 2 halves x 64 / 32 steps; RoPE: 64 / 16 steps.
-        assert (qk, pv, rope) == (16, 4, 4), (name, qk, pv, rope)
+        # Content QK: 2 token halves x 512 / 32 FP8 steps; RoPE: 64 / 16 BF16 steps; PV: 4
+        # promoted 64-column quarters x 64 / 32 steps, or (without promotion, kPromotePv =
+        # false) 2 halves of 128 columns.
+        pv = (0, 4) if "ELb0E" in name else (8, 0)
+        assert (qk, (pv_quarters, pv_halves), rope) == (32, pv, 4), (name, qk, pv_quarters,
+                                                                   pv_halves, rope)

@@ -30,9 +30,9 @@ constexpr int kConsumerRegs = 240;
 // accumulator that is then added into the FP32 logit tile: the FP32 promotion point.  The
 // Triton kernel measured LSE errors of 2.8e-2 without promotion and 1e-3 promoting every 64
 // terms; on the H200 this kernel promoting every 128 (DeepSeek-V3's interval) missed the 1e-2
-// LSE bound on sharp softmaxes (1.12e-2, tests/gpu test_peaked_attention).  Alternating two
-// chunk accumulators (to overlap a chunk's promotion with the next chunk's WGMMAs) spilled
-// 68 bytes at 168 registers, so chunks still wait in turn.
+// LSE bound on sharp softmaxes (1.12e-2, tests/gpu test_peaked_attention).  Each chunk runs
+// as two 32-token halves (m64n32k32, 16 accumulator registers each), so one half's promotion
+// overlaps the other half's WGMMAs without more registers than one 64-token chunk.
 constexpr int kQkPromoteCols = 64;
 constexpr int kQkChunks = kKvLoraRank / kQkPromoteCols;                         // 8
 // V^T units (4 tokens x 4 columns) per consumer thread: 256 columns x 64 tokens / 16 / 128.

@@ -118,12 +118,14 @@ __device__ __forceinline__ void wgmma_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
 }
 
-__device__ __forceinline__ void wgmma_wait_all() {
-  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+// Waits until at most kPending of this warpgroup's committed WGMMA groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
 }
 
 // Pins every access to WGMMA operand registers (accumulators, register A fragments) to its side
-// of the neighbouring volatile asm: placed after wgmma_wait_all, reads of the results cannot move
+// of the neighbouring volatile asm: placed after wgmma_wait, reads of the results cannot move
 // above the wait; placed before wgmma_fence, earlier reads and writes cannot sink between the
 // fence and the WGMMA, which PTX makes undefined (CUTLASS's warpgroup_fence_operand).
 template <int N>
@@ -186,20 +188,16 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffff, x, 2);
 }
 
-// D[64x64 fp32] (+)= A[64x32 e4m3] . B[64x32 e4m3]^T, both K-major in shared memory.
-__device__ __forceinline__ void wgmma_m64n64k32_e4m3(float (&d)[32], uint64_t desc_a,
+// D[64x32 fp32] (+)= A[64x32 e4m3] . B[32x32 e4m3]^T, both K-major in shared memory.
+__device__ __forceinline__ void wgmma_m64n32k32_e4m3(float (&d)[16], uint64_t desc_a,
                                                      uint64_t desc_b, int accumulate) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n}\n"
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
         "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
-        "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-        "+f"(d[30]), "+f"(d[31])
+        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
@@ -241,6 +239,23 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3_rs(float (&d)[64], const u
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
         "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
         "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+}
+
+// D[64x64 fp32] (+)= A[64x32 e4m3, registers] . B[64x32 e4m3, K-major shared memory]^T.
+__device__ __forceinline__ void wgmma_m64n64k32_e4m3_rs(float (&d)[32], const uint32_t (&a)[4],
+                                                        uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+        "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+        "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+        "+f"(d[30]), "+f"(d[31])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
 }
 
@@ -435,6 +450,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   // (Row indices are recomputed in the epilogue rather than kept: registers are tight.)
   int visible[2];
   float row_scale[2], m[2], peak[2], amax_prev[2], l[2];
+  const auto init_row_state = [&] {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      m[h] = -INFINITY;              // running max logit (log2 units)
+      peak[h] = 0.f;                 // largest P' so far, at the current m
+      amax_prev[h] = kPScaleFloor;   // 448 * sigma_P of the last page
+      l[h] = 0.f;                    // sum of exp, unscaled (= sigma_P * L)
+    }
+  };
+  init_row_state();
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int g = row0 + 16 * warp + lane / 4 + 8 * h;
@@ -445,10 +470,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     row_scale[h] = row_ok ? p.q_scale[b * p.q_scale_stride[0] + qi * p.q_scale_stride[1] +
                                       qh * p.q_scale_stride[2]] * p.qk_scale_log2
                           : 0.f;
-    m[h] = -INFINITY;           // running max logit (log2 units)
-    peak[h] = 0.f;              // largest P' so far, at the current m
-    amax_prev[h] = kPScaleFloor;   // 448 * sigma_P of the last page
-    l[h] = 0.f;                 // sum of exp, unscaled (= sigma_P * L)
   }
   float o[2][kPvN / 2];         // O in the current sigma_P domain: two 64x128 column halves
 #pragma unroll
@@ -512,10 +533,26 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
 
   // S of page i = qpe' . kpe'^T (BF16, exact FP32 accumulation) + q8 . k8^T (FP8, promoted per
-  // chunk).
+  // chunk).  The FP8 part runs per 32-token half (s[0..15] and s[16..31] are the two halves'
+  // accumulator fragments): while one half's chunk is added into s, the other half's next chunk
+  // is in the tensor core, so the promotion no longer stalls the WGMMAs.
   const auto compute_s = [&](int i, float (&s)[32]) {
     const uint64_t stage_desc = sw128_desc(smem_base + kSmemStages + stage_of(i) * kStageBytes);
-    float part[32];
+    float part[2][16];
+    const auto issue_chunk = [&](int chunk, int half) {
+      fence_operands(part[half]);   // the previous `s += part[half]` stays above the fence
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < kQkPromoteCols / kWgmmaK8; ++k) {
+        const int col = chunk * kQkPromoteCols + k * kWgmmaK8;
+        const uint32_t offset =
+            (col / kSwizzleRowBytes) * kContentTileBytes + col % kSwizzleRowBytes;
+        wgmma_m64n32k32_e4m3(
+            part[half], desc_at(q8_desc, offset),
+            desc_at(stage_desc, kStageContent + offset + half * 32 * kSwizzleRowBytes), k);
+      }
+      wgmma_commit();
+    };
     if (kTurns) wait_turn();
     wgmma_fence();
 #pragma unroll
@@ -524,25 +561,25 @@ __global__ void __launch_bounds__(kThreads, 1)
                            desc_at(stage_desc, kStageRope + k * 32), k);
     }
     wgmma_commit();
+    issue_chunk(0, 0);
+    issue_chunk(0, 1);
 #pragma unroll
     for (int chunk = 0; chunk < kQkChunks; ++chunk) {
-      fence_operands(part);   // the previous chunk's `s += part` stays above the fence
-      wgmma_fence();
 #pragma unroll
-      for (int k = 0; k < kQkPromoteCols / kWgmmaK8; ++k) {
-        const int col = chunk * kQkPromoteCols + k * kWgmmaK8;
-        const uint32_t offset =
-            (col / kSwizzleRowBytes) * kContentTileBytes + col % kSwizzleRowBytes;
-        wgmma_m64n64k32_e4m3(part, desc_at(q8_desc, offset),
-                             desc_at(stage_desc, kStageContent + offset), k);
+      for (int half = 0; half < 2; ++half) {
+        // In flight: this (chunk, half) and the next group; the oldest must be complete.
+        if (chunk == kQkChunks - 1 && half == 1) {
+          wgmma_wait<0>();
+        } else {
+          wgmma_wait<1>();
+        }
+        fence_operands(s);
+        fence_operands(part[half]);
+#pragma unroll
+        for (int v = 0; v < 16; ++v) s[16 * half + v] += part[half][v];   // FP32 promotion
+        if (chunk + 1 < kQkChunks) issue_chunk(chunk + 1, half);
+        if (kTurns && chunk == kQkChunks - 2 && half == 1) hand_over_turn(false);   // PV next
       }
-      wgmma_commit();
-      if (kTurns && chunk == kQkChunks - 1) hand_over_turn(false);   // PV's turn comes next
-      wgmma_wait_all();
-      fence_operands(s);
-      fence_operands(part);
-#pragma unroll
-      for (int v = 0; v < 32; ++v) s[v] += part[v];   // the FP32 promotion point
     }
   };
 
@@ -641,29 +678,44 @@ __global__ void __launch_bounds__(kThreads, 1)
               desc_at(vt_desc, buf * kPageSize + half * kPvN * kSwizzleRowBytes + k * 32), 1);
         }
         wgmma_commit();
-        wgmma_wait_all();
+        wgmma_wait<0>();
         fence_operands(o[half]);
       }
       return;
     }
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float pv[kPvN / 2];
-      fence_operands(p8[0]);   // the e4m3 packing of P stays above the fence
+    // Four 64-column quarters through two accumulators: quarter q's promotion into O runs
+    // while quarter q + 1 is in the tensor core.
+    float pv[2][kPvN / 4];
+    const auto issue_quarter = [&](int q) {
+      fence_operands(pv[q & 1]);   // the quarter before it was promoted above the fence
+      fence_operands(p8[0]);       // the e4m3 packing of P stays above the fence
       fence_operands(p8[1]);
       wgmma_fence();
 #pragma unroll
       for (int k = 0; k < kPageSize / kWgmmaK8; ++k) {
-        wgmma_m64n128k32_e4m3_rs(
-            pv, p8[k], desc_at(vt_desc, buf * kPageSize + half * kPvN * kSwizzleRowBytes + k * 32),
-            k);
+        wgmma_m64n64k32_e4m3_rs(
+            pv[q & 1], p8[k],
+            desc_at(vt_desc, buf * kPageSize + q * (kPvN / 2) * kSwizzleRowBytes + k * 32), k);
       }
       wgmma_commit();
-      if (kTurns && half == 1) hand_over_turn(last_turn);
-      wgmma_wait_all();
-      fence_operands(pv);
+    };
+    issue_quarter(0);
+    issue_quarter(1);
 #pragma unroll
-      for (int v = 0; v < kPvN / 2; ++v) o[half][v] = o[half][v] * gamma[(v >> 1) & 1] + pv[v];
+    for (int q = 0; q < 4; ++q) {
+      if (q == 3) {
+        wgmma_wait<0>();
+      } else {
+        wgmma_wait<1>();
+      }
+      fence_operands(pv[q & 1]);
+#pragma unroll
+      for (int v = 0; v < kPvN / 4; ++v) {
+        float& acc = o[q / 2][(kPvN / 4) * (q % 2) + v];
+        acc = acc * gamma[(v >> 1) & 1] + pv[q & 1][v];
+      }
+      if (q + 2 < 4) issue_quarter(q + 2);
+      if (kTurns && q == 1) hand_over_turn(last_turn);   // the last quarter is issued
     }
   };
 
@@ -704,6 +756,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       return reinterpret_cast<uint32_t*>(smem + kSmemHandOver) +
              (i % kHandOverBuffers) * kHandOverWords * 128 + wg_tid;
     };
+    const auto load_handed_over_state = [&](int i) {
+      const uint32_t* x = hand_over_of(i);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        m[h] = __uint_as_float(x[(10 + h) * 128]);
+        peak[h] = __uint_as_float(x[(12 + h) * 128]);
+        amax_prev[h] = __uint_as_float(x[(14 + h) * 128]);
+        l[h] = __uint_as_float(x[(16 + h) * 128]);
+      }
+    };
     for (int own = consumer;; own += 2) {
       const int other = own - 1;
       const bool has_own = own < num_iters;
@@ -725,17 +787,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       float s[32];
       if (has_own) compute_s(own, s);
       // The state after page `other`, handed over by the other consumer, then `own`'s softmax
-      // and its hand-over.
+      // and its hand-over.  Every step sets the state afresh, so it is not live across steps
+      // (registers); the epilogue reads the final state back from the last hand-over buffer.
       if (has_other) {
         named_barrier_sync(kTurnBarrier + (other & 1), 256);
-        const uint32_t* x = hand_over_of(other);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          m[h] = __uint_as_float(x[(10 + h) * 128]);
-          peak[h] = __uint_as_float(x[(12 + h) * 128]);
-          amax_prev[h] = __uint_as_float(x[(14 + h) * 128]);
-          l[h] = __uint_as_float(x[(16 + h) * 128]);
-        }
+        load_handed_over_state(other);
+      } else {
+        init_row_state();   // page 0, consumer 0's first step
       }
       if (has_own) {
         float k_scale[16];
@@ -770,6 +828,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         apply_page(p8, gamma, i & 1, false);
       }
     }
+    // Both consumers have passed page num_iters - 1's hand-over (its owner wrote it, the other
+    // synced on it), so both read the final state.
+    if (num_iters > 0) load_handed_over_state(num_iters - 1);
   }
 
   // Epilogue: out = sigma_P O / (sigma_P L); rows that saw nothing give 0 and LSE -inf.
