@@ -9,6 +9,7 @@ from L2 rather than HBM: if the time per page drops, the kernel waits on its loa
 """
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -46,6 +47,13 @@ def main():
                                             fmt.HEAD_SIZE ** -0.5, schedule=schedule)
         launch()
         if args.time:
+            # Warm up for ~0.5 s first: timed from idle, the GPU's clocks were still ramping up
+            # (3x slower medians on 2026-12-01).
+            torch.cuda.synchronize()
+            start_s = time.perf_counter()
+            while time.perf_counter() - start_s < 0.5:
+                launch()
+                torch.cuda.synchronize()
             events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                       for _ in range(50)]
             for start, end in events:
