@@ -11,12 +11,19 @@ Each (heads, context, kv) setting runs in its own process (it owns the GPU): it 
 ``LLM`` with a fixed KV-cache budget (``--kv-cache-gib``, the same bytes for every setting, so
 a smaller format holds more tokens), reads the capacity vLLM allocated, and sizes the batch to
 fill it: B = blocks // blocks per request (context + generated tokens), at most ``--max-batch``.
-Method of /work/shared/anchors/h200-baselines.md: random-token prompts of ``context`` tokens,
-prefix caching off, ``ignore_eos``, default compilation (CUDA graphs, torch.compile); one
-``generate`` for 1 token and one for T tokens, and
+Method (after /work/shared/anchors/h200-baselines.md): random-token prompts of ``context``
+tokens, prefix caching off, ``ignore_eos``, default compilation (CUDA graphs, torch.compile);
+one ``generate`` for W tokens and one for W + T tokens, and
 
-    decode tok/s = B x (T - 1) / (time for T tokens - time for 1 token)
-    time per output token = (time for T tokens - time for 1 token) / (T - 1).
+    decode tok/s = B x T / (time for W + T tokens - time for W tokens)
+    time per output token = (time for W + T tokens - time for W tokens) / T.
+
+W (``warm_tokens``) outlasts the chunked prefill: the first requests start decoding while the
+later ones are still prefilling, so with W = 1 those mixed steps would land in the difference.
+W = 1.25 x the steps the prefill needs at most (B x context prompt tokens, at most
+max_num_batched_tokens - B of them per step) + 16.  vLLM's request timestamps check it: in the W
+run every request must still be decoding when the last one gets its first token
+(``window_ok``).
 
 Results go to ``--out``: ``results.csv`` (merged with earlier runs into the same folder, so a
 sweep can be split over several commands), ``results.md`` (table) and ``results.png`` (decode
@@ -58,8 +65,9 @@ RESULT_TAG = "BENCH_E2E_RESULT "
 _KV_TOKENS_LOG = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
 _BACKEND_LOG = re.compile(r"Using (\w+) attention backend")
 
-CSV_FIELDS = ["heads", "context", "kv", "backend", "batch", "gen_tokens", "kv_cache_tokens",
-              "log_kv_cache_tokens", "capacity_vs_bf16", "time_first_s", "time_total_s",
+CSV_FIELDS = ["heads", "context", "kv", "backend", "batch", "gen_tokens", "warm_tokens",
+              "window_ok", "kv_cache_tokens",
+              "log_kv_cache_tokens", "capacity_vs_bf16", "time_short_s", "time_long_s",
               "decode_tok_s", "tpot_ms", "speedup_vs_bf16", "error"]
 
 
@@ -77,13 +85,27 @@ def batch_to_fill(num_blocks: int, block_size: int, context: int, gen_tokens: in
     return min(num_blocks // blocks_per_request, max_batch)
 
 
-def decode_rates(batch: int, gen_tokens: int, time_first: float,
-                 time_total: float) -> tuple[float, float]:
-    """(decode tok/s, time per output token in ms) from the 1-token and T-token runs."""
-    decode_time = time_total - time_first
-    if gen_tokens < 2 or decode_time <= 0:
-        raise ValueError(f"no decode time: T={gen_tokens}, {time_first=} s, {time_total=} s")
-    steps = gen_tokens - 1
+def warm_tokens(batch: int, context: int, max_batched_tokens: int) -> int:
+    """Tokens per request that outlast the chunked prefill of ``batch`` prompts: 1.25x the steps
+    it needs at most (each step's token budget less one decode token per request) + 16."""
+    per_step = max_batched_tokens - batch
+    if per_step < 1:
+        raise ValueError(f"max_num_batched_tokens={max_batched_tokens} leaves no prefill budget "
+                         f"next to {batch} decoding requests")
+    return math.ceil(1.25 * math.ceil(batch * context / per_step)) + 16
+
+
+def decode_window_ok(first_token_ts: list[float], last_token_ts: list[float]) -> bool:
+    """Whether every request was still decoding when the last one got its first token."""
+    return max(first_token_ts) <= min(last_token_ts)
+
+
+def decode_rates(batch: int, steps: int, time_short: float,
+                 time_long: float) -> tuple[float, float]:
+    """(decode tok/s, time per output token in ms) from two runs ``steps`` tokens apart."""
+    decode_time = time_long - time_short
+    if steps < 1 or decode_time <= 0:
+        raise ValueError(f"no decode time: {steps=}, {time_short=} s, {time_long=} s")
     return batch * steps / decode_time, 1000 * decode_time / steps
 
 
@@ -140,17 +162,19 @@ def _fmt(value, digits: int = 0) -> str:
 
 def format_table(rows: list[dict]) -> str:
     """Markdown table of the rows (as in h200-baselines.md)."""
-    lines = ["| H | context | KV | backend | B | KV capacity (tokens) | capacity vs BF16 | "
-             "decode tok/s | TPOT ms | vs BF16 |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [("| H | context | KV | backend | B | W (window ok) | KV capacity (tokens) | "
+              "capacity vs BF16 | decode tok/s | TPOT ms | vs BF16 |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("error"):
             lines.append(f"| {r['heads']} | {r['context']} | {r['kv']} | failed: "
-                         f"{str(r['error'])[:80]} | | | | | | |")
+                         f"{str(r['error'])[:80]} | | | | | | | |")
             continue
+        window = {"True": "yes", "False": "**no**"}.get(str(r.get("window_ok")), "-")
         lines.append(
             f"| {r['heads']} | {r['context']} | {r['kv']} | {r.get('backend') or '-'} | "
-            f"{r['batch']} | {_fmt(r['kv_cache_tokens'])} | {_fmt(r['capacity_vs_bf16'], 3)} | "
+            f"{r['batch']} | {r.get('warm_tokens') or '-'} ({window}) | "
+            f"{_fmt(r['kv_cache_tokens'])} | {_fmt(r['capacity_vs_bf16'], 3)} | "
             f"{_fmt(r['decode_tok_s'])} | {_fmt(r['tpot_ms'], 2)} | "
             f"{_fmt(r['speedup_vs_bf16'], 2)} |")
     return "\n".join(lines) + "\n"
@@ -211,8 +235,12 @@ def write_outputs(rows: list[dict], out: Path) -> list[dict]:
 
 # --- one setting, in a child process ---------------------------------------------------------
 
+# Room for W in max_model_len (fixed before the batch, hence W, is known).
+MAX_WARM_TOKENS = 4096
+
+
 def run_setting(spec: dict) -> dict:
-    """Build the engine, fill its KV cache with a batch and time 1 vs T generated tokens."""
+    """Build the engine, fill its KV cache with a batch and time W vs W + T generated tokens."""
     import torch
     from vllm import LLM, SamplingParams
 
@@ -220,12 +248,21 @@ def run_setting(spec: dict) -> dict:
     memory = ({"kv_cache_memory_bytes": int(spec["kv_cache_gib"] * 2**30)}
               if spec["kv_cache_gib"] else {"gpu_memory_utilization": 0.9})
     llm = LLM(model=spec["model"], kv_cache_dtype=spec["kv"], load_format="dummy",
-              skip_tokenizer_init=True, dtype="bfloat16", max_model_len=context + gen,
-              enable_prefix_caching=False, max_num_seqs=spec["max_batch"], seed=0, **memory)
-    cache = llm.llm_engine.vllm_config.cache_config
+              skip_tokenizer_init=True, dtype="bfloat16",
+              max_model_len=context + MAX_WARM_TOKENS + gen, enable_prefix_caching=False,
+              max_num_seqs=spec["max_batch"], seed=0, disable_log_stats=False, **memory)
+    config = llm.llm_engine.vllm_config
+    cache = config.cache_config
+    # W depends on B and B on W: size B without W, then W from that (larger) B, then B again.
     batch = batch_to_fill(cache.num_gpu_blocks, cache.block_size, context, gen,
                           spec["max_batch"])
-    result = {"batch": batch, "kv_cache_tokens": cache.num_gpu_blocks * cache.block_size}
+    warm = warm_tokens(max(batch, 1), context, config.scheduler_config.max_num_batched_tokens)
+    batch = batch_to_fill(cache.num_gpu_blocks, cache.block_size, context, warm + gen,
+                          spec["max_batch"])
+    result = {"batch": batch, "warm_tokens": warm,
+              "kv_cache_tokens": cache.num_gpu_blocks * cache.block_size}
+    if warm > MAX_WARM_TOKENS:
+        return {**result, "error": f"prefill needs {warm} warm tokens > {MAX_WARM_TOKENS}"}
     if batch < 1:
         return {**result, "error": "KV cache holds no request of this length"}
 
@@ -234,7 +271,7 @@ def run_setting(spec: dict) -> dict:
     prompts = [{"prompt_token_ids": ids} for ids in
                torch.randint(2, vocab, (batch, context), generator=gen_ids).tolist()]
 
-    def timed(max_tokens: int, requests) -> float:
+    def timed(max_tokens: int, requests) -> tuple[float, list]:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         start = time.perf_counter()
         outputs = llm.generate(requests, params, use_tqdm=False)
@@ -242,14 +279,19 @@ def run_setting(spec: dict) -> dict:
         lengths = {len(o.outputs[0].token_ids) for o in outputs}
         if lengths != {max_tokens}:
             raise RuntimeError(f"expected {max_tokens} tokens per request, got {lengths}")
-        return elapsed
+        return elapsed, outputs
 
     timed(4, [{"prompt_token_ids": p["prompt_token_ids"][:256]} for p in prompts[:4]])
-    time_first = timed(1, prompts)
-    time_total = timed(gen, prompts)
-    tok_s, tpot_ms = decode_rates(batch, gen, time_first, time_total)
-    return {**result, "time_first_s": round(time_first, 3), "time_total_s": round(time_total, 3),
-            "decode_tok_s": round(tok_s, 1), "tpot_ms": round(tpot_ms, 3)}
+    time_short, outputs = timed(warm, prompts)
+    stats = [o.metrics for o in outputs]
+    window_ok = (decode_window_ok([m.first_token_ts for m in stats],
+                                  [m.last_token_ts for m in stats])
+                 if all(m is not None for m in stats) else "")
+    time_long, _ = timed(warm + gen, prompts)
+    tok_s, tpot_ms = decode_rates(batch, gen, time_short, time_long)
+    return {**result, "window_ok": window_ok, "time_short_s": round(time_short, 3),
+            "time_long_s": round(time_long, 3), "decode_tok_s": round(tok_s, 1),
+            "tpot_ms": round(tpot_ms, 3)}
 
 
 def _child() -> None:
@@ -289,7 +331,9 @@ def main(argv=None) -> None:
     parser.add_argument("--heads", type=int, nargs="+", help=f"default {HEADS}")
     parser.add_argument("--contexts", type=int, nargs="+", help=f"default {CONTEXTS}")
     parser.add_argument("--kv", nargs="+", default=list(KV_SETTINGS), choices=KV_SETTINGS)
-    parser.add_argument("--gen-tokens", type=int, help="T (default 513; --quick 64)")
+    parser.add_argument("--gen-tokens", type=int,
+                        help="T, the decode tokens timed after the warm-up W (default 512; "
+                             "--quick 64)")
     parser.add_argument("--kv-cache-gib", type=float,
                         help="KV-cache budget per setting (default 24; --quick 4); 0 lets "
                              "vLLM fill 90%% of the GPU")
@@ -305,7 +349,7 @@ def main(argv=None) -> None:
     quick = QUICK if args.quick else {}
     heads = args.heads or quick.get("heads", HEADS)
     contexts = args.contexts or quick.get("contexts", CONTEXTS)
-    gen = args.gen_tokens or quick.get("gen_tokens", 513)
+    gen = args.gen_tokens or quick.get("gen_tokens", 512)
     kv_gib = args.kv_cache_gib if args.kv_cache_gib is not None else quick.get("kv_cache_gib",
                                                                                24.0)
     out = Path(args.out)

@@ -30,7 +30,8 @@ def test_model_config_has_deepseek_v31_attention_and_dense_layers(tmp_path, head
     assert config["num_hidden_layers"] == 4
     # vLLM makes layer i an MoE layer only from first_k_dense_replace on: all dense here.
     assert config["first_k_dense_replace"] >= config["num_hidden_layers"]
-    assert config["max_position_embeddings"] >= max(bench.CONTEXTS) + 513
+    assert (config["max_position_embeddings"]
+            >= max(bench.CONTEXTS) + bench.MAX_WARM_TOKENS + 512)
 
 
 def test_batch_to_fill_counts_whole_pages_per_request():
@@ -50,19 +51,41 @@ def test_batch_to_fill_counts_whole_pages_per_request():
     assert 1.7 < snap / bf16 < 1.8
 
 
-def test_decode_rates_follow_the_baseline_formula():
+def test_decode_rates_divide_the_extra_tokens_by_the_extra_time():
     rng = random.Random(2)
-    batch, gen = rng.randint(1, 512), rng.randint(2, 600)
-    first = rng.uniform(1, 50)
-    total = first + rng.uniform(0.5, 30)
-    tok_s, tpot_ms = bench.decode_rates(batch, gen, first, total)
-    assert tok_s == pytest.approx(batch * (gen - 1) / (total - first))
-    assert tpot_ms == pytest.approx(1000 * (total - first) / (gen - 1))
+    batch, steps = rng.randint(1, 512), rng.randint(1, 600)
+    short = rng.uniform(1, 50)
+    long = short + rng.uniform(0.5, 30)
+    tok_s, tpot_ms = bench.decode_rates(batch, steps, short, long)
+    assert tok_s == pytest.approx(batch * steps / (long - short))
+    assert tpot_ms == pytest.approx(1000 * (long - short) / steps)
     assert tok_s * tpot_ms / 1000 == pytest.approx(batch)
     with pytest.raises(ValueError):
-        bench.decode_rates(batch, 1, first, total)
+        bench.decode_rates(batch, 0, short, long)
     with pytest.raises(ValueError):
-        bench.decode_rates(batch, gen, total, first)
+        bench.decode_rates(batch, steps, long, short)
+
+
+def test_warm_tokens_outlast_the_chunked_prefill():
+    rng = random.Random(3)
+    for _ in range(200):
+        batch, context = rng.randint(1, 512), rng.randint(1, 131072)
+        budget = rng.randint(batch + 1, 65536)
+        warm = bench.warm_tokens(batch, context, budget)
+        # Steps the prefill needs at most: every step has budget - batch prompt tokens.
+        steps = math.ceil(batch * context / (budget - batch))
+        assert steps + 16 <= warm <= math.ceil(1.25 * steps) + 16
+    # 28 requests of 32k with vLLM's default 8192-token budget: about 113 prefill steps.
+    assert bench.warm_tokens(28, 32768, 8192) == math.ceil(1.25 * 113) + 16
+    with pytest.raises(ValueError, match="no prefill budget"):
+        bench.warm_tokens(512, 16384, 512)
+
+
+def test_decode_window_needs_every_request_decoding_at_once():
+    # Request 1 finished (last token at 5.0) before request 2 got its first token (6.0).
+    assert not bench.decode_window_ok([1.0, 6.0], [5.0, 9.0])
+    assert bench.decode_window_ok([1.0, 4.0], [5.0, 9.0])
+    assert bench.decode_window_ok([2.0, 2.0], [2.0, 3.0])
 
 
 def _row(heads, context, kv, tok_s, capacity, **extra):
