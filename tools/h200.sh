@@ -53,7 +53,7 @@ case "$stage" in
     build
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
     run timeout 300 "$NCU" --clock-control none --kernel-name regex:decode_kernel --set full \
-        --import-source no -f -o /root/sm90 python3 tools/profile_sm90.py --schedules hand-over,turns
+        --import-source no -f -o /root/sm90 python3 tools/profile_sm90.py --schedules hand-over,producer-vt
     "$NCU" -i /root/sm90.ncu-rep --page details --print-details all > /root/ncu_details.txt 2>&1 ||
       "$NCU" -i /root/sm90.ncu-rep --page details > /root/ncu_details.txt 2>&1
     "$NCU" -i /root/sm90.ncu-rep --page source --csv --print-source sass > /root/ncu_sass.csv 2>&1
@@ -77,7 +77,7 @@ case "$stage" in
     run timeout 90 python3 -m pytest tests/gpu/test_decode_sm90.py -q -x -p no:cacheprovider \
         -k "few_pages or bit_identical" || exit 1
     run timeout 200 python3 benchmarks/bench_decode.py --out /root/bench_decode \
-        --backends flashmla-bf16,flashmla-fp8,snapmla-sm90,snapmla-sm90-turns
+        --backends flashmla-bf16,flashmla-fp8,snapmla-sm90,snapmla-sm90-producer-vt,snapmla-sm90-turns
     run timeout $(left 570) python3 -m pytest tests/gpu -q -p no:cacheprovider
     pack /root/bench_decode "$log" ;;
   lease4)   # after `stash 2`: training in the background, kernel tests, CUDA-graph and serve e2e

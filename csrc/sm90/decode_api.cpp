@@ -88,10 +88,12 @@ void decode_sm90(const at::Tensor& q8, const at::Tensor& q_scale, const at::Tens
   TORCH_CHECK_VALUE(num_splits >= 1 && num_splits <= 65535, kOp,
                     ": num_splits must be in [1, 65535], got ", num_splits);
   TORCH_CHECK_VALUE(schedule == sm90::kScheduleFree || schedule == sm90::kScheduleTurns ||
-                        schedule == sm90::kScheduleHandOver,
+                        schedule == sm90::kScheduleHandOver ||
+                        schedule == sm90::kScheduleProducerVt,
                     kOp, ": schedule must be ", sm90::kScheduleFree, " (free), ",
-                    sm90::kScheduleTurns, " (turns) or ", sm90::kScheduleHandOver,
-                    " (hand-over), got ", schedule);
+                    sm90::kScheduleTurns, " (turns), ", sm90::kScheduleHandOver,
+                    " (hand-over) or ", sm90::kScheduleProducerVt, " (producer-vt), got ",
+                    schedule);
   TORCH_CHECK_VALUE(promote_pv || schedule == sm90::kScheduleFree, kOp,
                     ": promote_pv=False exists only with the free schedule (", sm90::kScheduleFree,
                     "), got schedule ", schedule);

@@ -52,14 +52,15 @@ def decode_kernels() -> dict[str, str]:
 
 def test_every_variant_is_built(decode_kernels):
     # one per kSchedule, and the free schedule without PV promotion (measurement only)
-    assert len(decode_kernels) == 4, sorted(decode_kernels)
+    assert len(decode_kernels) == 5, sorted(decode_kernels)
 
 
-# Local-memory instructions allowed per kernel: none, except in the hand-over kernel
-# (kScheduleHandOver = 2), which spills a few values around its softmax (208 bytes, 97 LDL/STL
-# in the SASS of the version that was timed; faster than the turns kernel even so).  Any growth
-# fails.
-SPILL_BUDGET = {"decode_kernelILi2E": 97}
+# Local-memory instructions allowed per kernel: none, except in the hand-over kernels.
+# kScheduleHandOver (2) spills a few values around its softmax (208 bytes, 97 LDL/STL in the
+# SASS of the version that was timed; faster than the turns kernel even so).  kScheduleProducerVt
+# (3, not timed yet) spills in its consumers (67) and in the producer's transposition at 32
+# registers (60).  Any growth fails.
+SPILL_BUDGET = {"decode_kernelILi2E": 97, "decode_kernelILi3E": 127}
 
 
 def test_no_register_spills(decode_kernels):

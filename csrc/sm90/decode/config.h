@@ -16,14 +16,22 @@ constexpr int kPvN = 128;                // N of one PV WGMMA (two per warpgroup
 constexpr int kScheduleFree = 0;
 constexpr int kScheduleTurns = 1;
 constexpr int kScheduleHandOver = 2;     // Algorithm 1: each page's P from one warpgroup
+constexpr int kScheduleProducerVt = 3;   // hand-over, with V^T built by the producer warpgroup
 // Named barriers: 0 is __syncthreads, 1 the consumers' start, 2 + c consumer c's own, and
 // kTurnBarrier + c consumer c's turn (kScheduleTurns) or the hand-over of pages of parity c
 // (kScheduleHandOver).
 constexpr int kTurnBarrier = 4;
 
-// Register budgets after setmaxnreg (multiples of 8; 24*128 + 2*240*128 <= 64K registers).
+// Register budgets after setmaxnreg (multiples of 8; producer + 2 x consumer <= 512, so that
+// 128 threads each fit the 64K registers).  kScheduleProducerVt's producer warpgroup transposes
+// V, which needs more than the TMA thread's 24.
 constexpr int kProducerRegs = 24;
 constexpr int kConsumerRegs = 240;
+constexpr int kProducerVtRegs = 32;
+constexpr int kProducerVtConsumerRegs = 240;
+static_assert(kProducerRegs + 2 * kConsumerRegs <= 512 &&
+                  kProducerVtRegs + 2 * kProducerVtConsumerRegs <= 512,
+              "register budgets exceed the register file");
 
 // Hopper's FP8 WGMMA accumulates in reduced precision (about 14 mantissa bits, truncating).  The
 // content QK (K = 512) therefore runs as chunks of this many columns, each into a fresh
@@ -75,7 +83,8 @@ constexpr int kHandOverBytes = kHandOverWords * 128 * 4;                        
 constexpr int kHandOverBuffers = 4;
 constexpr int kSmemHandOver = kSmemVt + kConsumerWarpgroups * kVtBytes;
 constexpr int kSmemBarriers = kSmemHandOver + kHandOverBuffers * kHandOverBytes;
-constexpr int kSmemBytes = kSmemBarriers + 2 * kStages * 8;
+// mbarriers: full[kStages], empty[kStages], then (kScheduleProducerVt) vt_full[2], vt_free[2].
+constexpr int kSmemBytes = kSmemBarriers + 2 * kStages * 8 + 4 * 8;
 constexpr int kSmemAlloc = kSmemBytes + 1024;  // slack to align the dynamic base to 1024 bytes
 
 static_assert(kStageBytes % 1024 == 0 && kSmemQ8 % 1024 == 0 && kSmemQpe % 1024 == 0 &&

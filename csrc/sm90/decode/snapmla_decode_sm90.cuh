@@ -339,6 +339,10 @@ __device__ __forceinline__ void build_vt(const uint8_t* tile, uint8_t* vt, const
 //                      warpgroup's CUDA-core work runs while the other's WGMMAs are in flight.
 //                      A turn is handed over right after the section's last WGMMA is issued.
 //   kScheduleFree:     both compute everything, in no particular order.
+//   kScheduleProducerVt: kScheduleHandOver, with the V^T of every page built by the producer
+//                      warpgroup (all 128 threads, mbarriers vt_full / vt_free per V^T buffer)
+//                      instead of by each consumer for its columns; the consumers keep only QK,
+//                      softmax and PV.  Not timed yet.
 // kPromotePv = false (measurement only, with kScheduleFree): O is rescaled by gamma in registers
 // and each page's PV WGMMAs accumulate straight into it, so O's sum over the pages runs in the
 // tensor core's reduced-precision accumulation instead of FP32 (what the per-page promotion
@@ -355,6 +359,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t smem_base = smem_addr(smem);
   const uint32_t full_bar = smem_base + kSmemBarriers;           // + 8 * stage: page landed
   const uint32_t empty_bar = full_bar + 8 * kStages;             // + 8 * stage: slot free
+  const uint32_t vt_full_bar = empty_bar + 8 * kStages;          // + 8 * buf: V^T written
+  const uint32_t vt_free_bar = vt_full_bar + 16;                 // + 8 * buf: V^T read
+  constexpr bool kProducerVt = kSchedule == kScheduleProducerVt;
 
   const int b = blockIdx.x;
   const int row_block = blockIdx.y;
@@ -371,7 +378,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(full_bar + 8 * s, 1);
-      mbar_init(empty_bar + 8 * s, kConsumerWarpgroups * 128);
+      // Both consumers release a page; with kScheduleProducerVt the page's owner and the
+      // producer warpgroup (the other consumer reads only V^T and the hand-over buffer).
+      mbar_init(empty_bar + 8 * s, 256);
+    }
+    if constexpr (kProducerVt) {
+      for (int buf = 0; buf < 2; ++buf) {
+        mbar_init(vt_full_bar + 8 * buf, 128);   // the producer warpgroup wrote V^T buf
+        mbar_init(vt_free_bar + 8 * buf, 256);   // both consumers' PV WGMMAs read it
+      }
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -379,35 +394,92 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (warpgroup == 0) {
     // ---------------------------------------------------------------- producer
-    setmaxnreg_dec<kProducerRegs>();
-    if (threadIdx.x == 0 && num_iters > 0) {
-      prefetch_tensor_map(&content_map);
-      prefetch_tensor_map(&rope_map);
-      prefetch_tensor_map(&scale_map);
+    if constexpr (!kProducerVt) {
+      setmaxnreg_dec<kProducerRegs>();
+      if (threadIdx.x == 0 && num_iters > 0) {
+        prefetch_tensor_map(&content_map);
+        prefetch_tensor_map(&rope_map);
+        prefetch_tensor_map(&scale_map);
+        const int32_t* pages = p.block_table + b * p.block_table_stride + first_page;
+        for (int i = 0; i < num_iters; ++i) {
+          const int stage = i % kStages;
+          // A fresh barrier counts as having completed the phase before phase 0: the first
+          // pass over the ring does not wait.
+          mbar_wait(empty_bar + 8 * stage, ((i / kStages) & 1) ^ 1);
+          const int32_t block = pages[i];
+          const uint32_t dst = smem_base + kSmemStages + stage * kStageBytes;
+          const uint32_t bar = full_bar + 8 * stage;
+          mbar_arrive_expect_tx(bar, kStageTxBytes);
+#pragma unroll
+          for (int t = 0; t < kContentTiles; ++t) {
+            tma_load_page(dst + kStageContent + t * kContentTileBytes, &content_map, bar,
+                          t * kSwizzleRowBytes, block);
+          }
+          tma_load_page(dst + kStageRope, &rope_map, bar, 0, block);
+          tma_load_page(dst + kStageScale, &scale_map, bar, 0, block);
+        }
+      }
+    } else {
+      // The whole warpgroup transposes every page's V (both consumers' 256 columns) into V^T
+      // buffer i % 2, after both consumers' PV of page i - 2 has read that buffer; thread 0
+      // also issues the loads, kStages pages ahead.  Its wait for a free stage (the owner's QK
+      // of page i) holds back only its own share of the next transposition.
+      setmaxnreg_dec<kProducerVtRegs>();
       const int32_t* pages = p.block_table + b * p.block_table_stride + first_page;
-      for (int i = 0; i < num_iters; ++i) {
+      const auto load_page = [&](int i) {   // one thread
         const int stage = i % kStages;
-        // A fresh barrier counts as having completed the phase before phase 0: the first pass
-        // over the ring does not wait.
-        mbar_wait(empty_bar + 8 * stage, ((i / kStages) & 1) ^ 1);
-        const int32_t block = pages[i];
         const uint32_t dst = smem_base + kSmemStages + stage * kStageBytes;
         const uint32_t bar = full_bar + 8 * stage;
         mbar_arrive_expect_tx(bar, kStageTxBytes);
 #pragma unroll
         for (int t = 0; t < kContentTiles; ++t) {
           tma_load_page(dst + kStageContent + t * kContentTileBytes, &content_map, bar,
-                        t * kSwizzleRowBytes, block);
+                        t * kSwizzleRowBytes, pages[i]);
         }
-        tma_load_page(dst + kStageRope, &rope_map, bar, 0, block);
-        tma_load_page(dst + kStageScale, &scale_map, bar, 0, block);
+        tma_load_page(dst + kStageRope, &rope_map, bar, 0, pages[i]);
+        tma_load_page(dst + kStageScale, &scale_map, bar, 0, pages[i]);
+      };
+      if (num_iters > 0) {
+        if (threadIdx.x == 0) {
+          prefetch_tensor_map(&content_map);
+          prefetch_tensor_map(&rope_map);
+          prefetch_tensor_map(&scale_map);
+          for (int i = 0; i < min(kStages, num_iters); ++i) load_page(i);
+        }
+        const VtMap vt_map = make_vt_map(threadIdx.x / 32, threadIdx.x % 32);
+        for (int i = 0; i < num_iters; ++i) {
+          const int buf = i & 1;
+          mbar_wait(full_bar + 8 * (i % kStages), (i / kStages) & 1);
+          mbar_wait(vt_free_bar + 8 * buf, ((i / 2) & 1) ^ 1);
+          const uint8_t* content = smem + kSmemStages + (i % kStages) * kStageBytes + kStageContent;
+          const int live = min(seq_len - (first_page + i) * kPageSize, kPageSize);
+#pragma unroll 1
+          for (int c = 0; c < kConsumerWarpgroups; ++c) {   // one half at a time: 32 registers
+            const uint8_t* tile = content + c * 2 * kContentTileBytes;
+            uint8_t* vt_c = smem + kSmemVt + c * kVtBytes;
+            if (live == kPageSize) {
+              build_vt(tile, vt_c, vt_map, buf, ~0u, ~0u, ~0u, ~0u);
+            } else {   // the last page of a request: zeros for the empty slots
+              const int t0 = vt_map.token0;
+              build_vt(tile, vt_c, vt_map, buf, t0 < live ? ~0u : 0u, t0 + 1 < live ? ~0u : 0u,
+                       t0 + 8 < live ? ~0u : 0u, t0 + 9 < live ? ~0u : 0u);
+            }
+          }
+          fence_proxy_async();   // V^T becomes visible to the consumers' WGMMAs
+          mbar_arrive(vt_full_bar + 8 * buf);
+          mbar_arrive(empty_bar + 8 * (i % kStages));
+          if (threadIdx.x == 0 && i + kStages < num_iters) {
+            mbar_wait(empty_bar + 8 * (i % kStages), (i / kStages) & 1);
+            load_page(i + kStages);
+          }
+        }
       }
     }
     return;
   }
 
   // ------------------------------------------------------------------ consumers
-  setmaxnreg_inc<kConsumerRegs>();
+  setmaxnreg_inc<kProducerVt ? kProducerVtConsumerRegs : kConsumerRegs>();
   const int consumer = warpgroup - 1;           // output columns [256 * consumer, +256)
   const int consumer_tid = threadIdx.x - 128;   // 0..255 over both consumer warpgroups
   const int wg_tid = threadIdx.x % 128;
@@ -719,7 +791,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   };
 
-  if constexpr (kSchedule != kScheduleHandOver) {
+  if constexpr (kSchedule == kScheduleFree || kSchedule == kScheduleTurns) {
     // Both warpgroups compute every page's S and P8 (identical), each applies it to its columns.
     for (int i = 0; i < num_iters; ++i) {
       wait_page(i);
@@ -771,21 +843,26 @@ __global__ void __launch_bounds__(kThreads, 1)
       const bool has_own = own < num_iters;
       const bool has_other = other >= 0 && other < num_iters;
       if (!has_own && !has_other) break;
-      named_barrier_sync(wg_barrier, 128);   // every warp's previous PV WGMMAs have read vt
-      if (has_other) {
-        wait_page(other);
-        build_page_vt(other, other & 1);
-        release_page(other);   // the other consumer's stage: only its V was needed here
+      if constexpr (!kProducerVt) {
+        named_barrier_sync(wg_barrier, 128);   // every warp's previous PV WGMMAs have read vt
+        if (has_other) {
+          wait_page(other);
+          build_page_vt(other, other & 1);
+          release_page(other);   // the other consumer's stage: only its V was needed here
+        }
+        if (has_own) {
+          wait_page(own);
+          build_page_vt(own, own & 1);
+        }
+        fence_proxy_async();
+        named_barrier_sync(wg_barrier, 128);
       }
-      if (has_own) {
-        wait_page(own);
-        build_page_vt(own, own & 1);
-      }
-      fence_proxy_async();
-      named_barrier_sync(wg_barrier, 128);
 
       float s[32];
-      if (has_own) compute_s(own, s);
+      if (has_own) {
+        if constexpr (kProducerVt) wait_page(own);
+        compute_s(own, s);
+      }
       // The state after page `other`, handed over by the other consumer, then `own`'s softmax
       // and its hand-over.  Every step sets the state afresh, so it is not live across steps
       // (registers); the epilogue reads the final state back from the last hand-over buffer.
@@ -798,7 +875,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (has_own) {
         float k_scale[16];
         load_scales(own, k_scale);
-        release_page(own);   // QK, V^T and scales done
+        release_page(own);   // QK, scales (and, unless kProducerVt, V^T) done
         uint32_t p8[2][4];
         float gamma[2];
         softmax(own, s, k_scale, p8, gamma);
@@ -825,7 +902,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int w = 0; w < 8; ++w) p8[w / 4][w % 4] = x[w * 128];
 #pragma unroll
         for (int h = 0; h < 2; ++h) gamma[h] = __uint_as_float(x[(8 + h) * 128]);
+        if constexpr (kProducerVt) mbar_wait(vt_full_bar + 8 * (i & 1), (i / 2) & 1);
         apply_page(p8, gamma, i & 1, false);
+        if constexpr (kProducerVt) mbar_arrive(vt_free_bar + 8 * (i & 1));   // PV(i) has read it
       }
     }
     // Both consumers have passed page num_iters - 1's hand-over (its owner wrote it, the other
