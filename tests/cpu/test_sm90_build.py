@@ -30,6 +30,25 @@ def _cuobjdump() -> str | None:
 
 
 @pytest.fixture(scope="module")
+def launch_registers() -> dict[str, int]:
+    """Registers per thread each sm_90a ``decode_kernel`` launches with (``cuobjdump -res-usage``)."""
+    try:
+        import vllm_snapmla._C as native
+    except ImportError:
+        pytest.skip("native extension not built (SNAPMLA_SKIP_BUILD=1)")
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or triton) to read the resource usage with")
+    usage = subprocess.run([tool, "-res-usage", "-arch", "sm_90a", native.__file__],
+                           capture_output=True, text=True, timeout=300).stdout
+    found = {name: int(regs) for name, regs in
+             re.findall(r"Function (\S*decode_kernel\S*):\s*REG:(\d+)", usage)}
+    if not found:
+        pytest.skip("the extension has no sm_90a decode kernel (SNAPMLA_ARCHS without 90a)")
+    return found
+
+
+@pytest.fixture(scope="module")
 def decode_kernels() -> dict[str, str]:
     """SASS text of each sm_90a ``decode_kernel`` instantiation, by mangled name."""
     try:
@@ -58,9 +77,9 @@ def test_every_variant_is_built(decode_kernels):
 # Local-memory instructions allowed per kernel: none, except in the hand-over kernels.
 # kScheduleHandOver (2) spills a few values around its softmax (208 bytes, 97 LDL/STL in the
 # SASS of the version that was timed; faster than the turns kernel even so).  kScheduleProducerVt
-# (3, not timed yet) spills in its consumers (67) and in the producer's transposition at 32
-# registers (60).  Any growth fails.
-SPILL_BUDGET = {"decode_kernelILi2E": 97, "decode_kernelILi3E": 127}
+# (3, not timed yet) spills in its consumers (67) and in the producer's transposition at 24
+# registers (74).  Any growth fails.
+SPILL_BUDGET = {"decode_kernelILi2E": 97, "decode_kernelILi3E": 141}
 
 
 def test_no_register_spills(decode_kernels):
@@ -83,3 +102,16 @@ def test_tensor_core_instructions(decode_kernels):
         pv = (0, 4) if "ELb0E" in name else (8, 0)
         assert (qk, (pv_quarters, pv_halves), rope) == (32, pv, 4), (name, qk, pv_quarters,
                                                                    pv_halves, rope)
+
+
+def test_setmaxnreg_budgets_fit_the_register_pool(decode_kernels, launch_registers):
+    # setmaxnreg moves registers within the CTA's launch pool (3 warpgroups x the launch count):
+    # the consumers' .inc waits until the producer's .dec has freed enough, so a budget over the
+    # pool hangs every launch.  A producer-vt version with 32 + 2 x 240 > 3 x 168 would have.
+    for name, body in decode_kernels.items():
+        dealloc = [int(v, 16) for v in re.findall(r"USETMAXREG\.DEALLOC\.CTAPOOL (0x[0-9a-f]+)", body)]
+        alloc = [int(v, 16) for v in
+                 re.findall(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL \w+, (0x[0-9a-f]+)", body)]
+        assert len(dealloc) == 1 and len(alloc) == 1, (name, dealloc, alloc)
+        pool = 3 * launch_registers[name.rstrip(":")]
+        assert dealloc[0] + 2 * alloc[0] <= pool, (name, dealloc[0], alloc[0], pool)

@@ -22,16 +22,17 @@ constexpr int kScheduleProducerVt = 3;   // hand-over, with V^T built by the pro
 // (kScheduleHandOver).
 constexpr int kTurnBarrier = 4;
 
-// Register budgets after setmaxnreg (multiples of 8; producer + 2 x consumer <= 512, so that
-// 128 threads each fit the 64K registers).  kScheduleProducerVt's producer warpgroup transposes
-// V, which needs more than the TMA thread's 24.
+// Register budgets after setmaxnreg (multiples of 8).  The CTA starts with its launch budget,
+// 65536 / 384 = 168 per thread, and setmaxnreg moves registers within that pool: a consumer's
+// setmaxnreg.inc waits until the producer's .dec has freed enough, so producer + 2 x consumer
+// must not exceed 3 x 168 = 504, or the consumers wait forever.  kScheduleProducerVt's
+// producer warpgroup also transposes V in its 24 (it spills; 40 would leave the consumers 232,
+// where they spill twice as much).
+constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;                          // 168
 constexpr int kProducerRegs = 24;
 constexpr int kConsumerRegs = 240;
-constexpr int kProducerVtRegs = 32;
-constexpr int kProducerVtConsumerRegs = 240;
-static_assert(kProducerRegs + 2 * kConsumerRegs <= 512 &&
-                  kProducerVtRegs + 2 * kProducerVtConsumerRegs <= 512,
-              "register budgets exceed the register file");
+static_assert(kProducerRegs + 2 * kConsumerRegs <= 3 * kLaunchRegs,
+              "setmaxnreg budgets exceed the CTA's register pool: the consumers would hang");
 
 // Hopper's FP8 WGMMA accumulates in reduced precision (about 14 mantissa bits, truncating).  The
 // content QK (K = 512) therefore runs as chunks of this many columns, each into a fresh

@@ -423,8 +423,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       // The whole warpgroup transposes every page's V (both consumers' 256 columns) into V^T
       // buffer i % 2, after both consumers' PV of page i - 2 has read that buffer; thread 0
       // also issues the loads, kStages pages ahead.  Its wait for a free stage (the owner's QK
-      // of page i) holds back only its own share of the next transposition.
-      setmaxnreg_dec<kProducerVtRegs>();
+      // of page i) holds back warp 0's share of the next transposition (the warp reconverges
+      // after the branch).
+      setmaxnreg_dec<kProducerRegs>();
       const int32_t* pages = p.block_table + b * p.block_table_stride + first_page;
       const auto load_page = [&](int i) {   // one thread
         const int stage = i % kStages;
@@ -446,15 +447,19 @@ __global__ void __launch_bounds__(kThreads, 1)
           prefetch_tensor_map(&scale_map);
           for (int i = 0; i < min(kStages, num_iters); ++i) load_page(i);
         }
-        const VtMap vt_map = make_vt_map(threadIdx.x / 32, threadIdx.x % 32);
         for (int i = 0; i < num_iters; ++i) {
+          // The map from a fresh (volatile) read of the thread index in every page: hoisted out
+          // of the loop, its derived addresses spilled more (86 local accesses against 74).
+          uint32_t tid;
+          asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+          const VtMap vt_map = make_vt_map(tid / 32, tid % 32);
           const int buf = i & 1;
           mbar_wait(full_bar + 8 * (i % kStages), (i / kStages) & 1);
           mbar_wait(vt_free_bar + 8 * buf, ((i / 2) & 1) ^ 1);
           const uint8_t* content = smem + kSmemStages + (i % kStages) * kStageBytes + kStageContent;
           const int live = min(seq_len - (first_page + i) * kPageSize, kPageSize);
 #pragma unroll 1
-          for (int c = 0; c < kConsumerWarpgroups; ++c) {   // one half at a time: 32 registers
+          for (int c = 0; c < kConsumerWarpgroups; ++c) {   // one half at a time (registers)
             const uint8_t* tile = content + c * 2 * kContentTileBytes;
             uint8_t* vt_c = smem + kSmemVt + c * kVtBytes;
             if (live == kPageSize) {
@@ -479,7 +484,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // ------------------------------------------------------------------ consumers
-  setmaxnreg_inc<kProducerVt ? kProducerVtConsumerRegs : kConsumerRegs>();
+  setmaxnreg_inc<kConsumerRegs>();
   const int consumer = warpgroup - 1;           // output columns [256 * consumer, +256)
   const int consumer_tid = threadIdx.x - 128;   // 0..255 over both consumer warpgroups
   const int wg_tid = threadIdx.x % 128;
