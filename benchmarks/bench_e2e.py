@@ -7,10 +7,12 @@ The model has DeepSeek-V3.1's attention shapes (hidden 7168, q_lora 1536, kv_lor
 nope 128, v 128), 4 dense layers (intermediate 2048), DeepSeek's vocabulary and vLLM's dummy
 weights.  128 heads is the whole model on one GPU; 16 heads stands in for one rank of TP8.
 
-Each (heads, context, kv) setting runs in its own process (it owns the GPU): it builds an
-``LLM`` with a fixed KV-cache budget (``--kv-cache-gib``, the same bytes for every setting, so
-a smaller format holds more tokens), reads the capacity vLLM allocated, and sizes the batch to
-fill it: B = blocks // blocks per request (context + generated tokens), at most ``--max-batch``.
+Each (heads, kv) pair runs in its own process (it owns the GPU) and builds one ``LLM`` for all
+contexts (engine start-up and graph capture took most of a setting's 80-110 s when each
+(heads, context, kv) had its own).  The engine has a fixed KV-cache budget (``--kv-cache-gib``,
+the same bytes for every setting, so a smaller format holds more tokens); for each context the
+batch fills the capacity vLLM allocated: B = blocks // blocks per request (context + generated
+tokens), at most ``--max-batch``.
 Method (after /work/shared/anchors/h200-baselines.md): random-token prompts of ``context``
 tokens, prefix caching off, ``ignore_eos``, default compilation (CUDA graphs, torch.compile);
 one ``generate`` for W tokens and one for W + T tokens, and
@@ -40,6 +42,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -233,43 +236,29 @@ def write_outputs(rows: list[dict], out: Path) -> list[dict]:
     return rows
 
 
-# --- one setting, in a child process ---------------------------------------------------------
+# --- one engine per (heads, KV setting), in a child process ----------------------------------
 
 # Room for W in max_model_len (fixed before the batch, hence W, is known).
 MAX_WARM_TOKENS = 4096
 
 
-def run_setting(spec: dict) -> dict:
-    """Build the engine, fill its KV cache with a batch and time W vs W + T generated tokens."""
+def run_engine(spec: dict):
+    """Build one engine and, for each context, fill its KV cache with a batch and time W vs
+    W + T generated tokens.  Yields one result per context (with ``context``)."""
     import torch
     from vllm import LLM, SamplingParams
 
-    context, gen = spec["context"], spec["gen_tokens"]
+    gen = spec["gen_tokens"]
     memory = ({"kv_cache_memory_bytes": int(spec["kv_cache_gib"] * 2**30)}
               if spec["kv_cache_gib"] else {"gpu_memory_utilization": 0.9})
     llm = LLM(model=spec["model"], kv_cache_dtype=spec["kv"], load_format="dummy",
               skip_tokenizer_init=True, dtype="bfloat16",
-              max_model_len=context + MAX_WARM_TOKENS + gen, enable_prefix_caching=False,
-              max_num_seqs=spec["max_batch"], seed=0, disable_log_stats=False, **memory)
+              max_model_len=max(spec["contexts"]) + MAX_WARM_TOKENS + gen,
+              enable_prefix_caching=False, max_num_seqs=spec["max_batch"], seed=0,
+              disable_log_stats=False, **memory)
     config = llm.llm_engine.vllm_config
     cache = config.cache_config
-    # W depends on B and B on W: size B without W, then W from that (larger) B, then B again.
-    batch = batch_to_fill(cache.num_gpu_blocks, cache.block_size, context, gen,
-                          spec["max_batch"])
-    warm = warm_tokens(max(batch, 1), context, config.scheduler_config.max_num_batched_tokens)
-    batch = batch_to_fill(cache.num_gpu_blocks, cache.block_size, context, warm + gen,
-                          spec["max_batch"])
-    result = {"batch": batch, "warm_tokens": warm,
-              "kv_cache_tokens": cache.num_gpu_blocks * cache.block_size}
-    if warm > MAX_WARM_TOKENS:
-        return {**result, "error": f"prefill needs {warm} warm tokens > {MAX_WARM_TOKENS}"}
-    if batch < 1:
-        return {**result, "error": "KV cache holds no request of this length"}
-
-    gen_ids = torch.Generator().manual_seed(0)
-    vocab = DEEPSEEK_V31_ATTENTION["vocab_size"]
-    prompts = [{"prompt_token_ids": ids} for ids in
-               torch.randint(2, vocab, (batch, context), generator=gen_ids).tolist()]
+    capacity = cache.num_gpu_blocks * cache.block_size
 
     def timed(max_tokens: int, requests) -> tuple[float, list]:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -281,45 +270,104 @@ def run_setting(spec: dict) -> dict:
             raise RuntimeError(f"expected {max_tokens} tokens per request, got {lengths}")
         return elapsed, outputs
 
-    timed(4, [{"prompt_token_ids": p["prompt_token_ids"][:256]} for p in prompts[:4]])
-    time_short, outputs = timed(warm, prompts)
-    stats = [o.metrics for o in outputs]
-    window_ok = (decode_window_ok([m.first_token_ts for m in stats],
-                                  [m.last_token_ts for m in stats])
-                 if all(m is not None for m in stats) else "")
-    time_long, _ = timed(warm + gen, prompts)
-    tok_s, tpot_ms = decode_rates(batch, gen, time_short, time_long)
-    return {**result, "window_ok": window_ok, "time_short_s": round(time_short, 3),
-            "time_long_s": round(time_long, 3), "decode_tok_s": round(tok_s, 1),
-            "tpot_ms": round(tpot_ms, 3)}
+    gen_ids = torch.Generator().manual_seed(0)
+    vocab = DEEPSEEK_V31_ATTENTION["vocab_size"]
+    timed(4, [{"prompt_token_ids": torch.randint(2, vocab, (256,), generator=gen_ids).tolist()}
+              for _ in range(4)])
+    for context in spec["contexts"]:
+        # W depends on B and B on W: size B without W, then W from that (larger) B, then B.
+        batch = batch_to_fill(cache.num_gpu_blocks, cache.block_size, context, gen,
+                              spec["max_batch"])
+        warm = warm_tokens(max(batch, 1), context,
+                           config.scheduler_config.max_num_batched_tokens)
+        batch = batch_to_fill(cache.num_gpu_blocks, cache.block_size, context, warm + gen,
+                              spec["max_batch"])
+        result = {"context": context, "batch": batch, "warm_tokens": warm,
+                  "kv_cache_tokens": capacity}
+        if warm > MAX_WARM_TOKENS:
+            yield {**result, "error": f"prefill needs {warm} warm tokens > {MAX_WARM_TOKENS}"}
+            continue
+        if batch < 1:
+            yield {**result, "error": "KV cache holds no request of this length"}
+            continue
+        prompts = [{"prompt_token_ids": ids} for ids in
+                   torch.randint(2, vocab, (batch, context), generator=gen_ids).tolist()]
+        time_short, outputs = timed(warm, prompts)
+        stats = [o.metrics for o in outputs]
+        window_ok = (decode_window_ok([m.first_token_ts for m in stats],
+                                      [m.last_token_ts for m in stats])
+                     if all(m is not None for m in stats) else "")
+        time_long, _ = timed(warm + gen, prompts)
+        tok_s, tpot_ms = decode_rates(batch, gen, time_short, time_long)
+        yield {**result, "window_ok": window_ok, "time_short_s": round(time_short, 3),
+               "time_long_s": round(time_long, 3), "decode_tok_s": round(tok_s, 1),
+               "tpot_ms": round(tpot_ms, 3)}
 
 
 def _child() -> None:
     spec = json.loads(sys.stdin.read())
-    print(RESULT_TAG + json.dumps(run_setting(spec)), flush=True)
+    for result in run_engine(spec):
+        print(RESULT_TAG + json.dumps(result), flush=True)
 
 
-def run_in_subprocess(spec: dict, timeout: float) -> dict:
-    row = {"heads": spec["heads"], "context": spec["context"], "kv": spec["kv"],
-           "gen_tokens": spec["gen_tokens"]}
-    try:
-        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child"],
-                              input=json.dumps(spec), capture_output=True, text=True,
-                              timeout=timeout, env=subprocess_env())
-    except subprocess.TimeoutExpired:
-        return {**row, "error": f"timed out after {timeout:.0f} s"}
-    log = proc.stdout + proc.stderr
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
-    if proc.returncode != 0 or not lines:
+def parse_engine_log(spec: dict, log: str, failure: str | None) -> list[dict]:
+    """One row per context of ``spec`` from a child's output: its results, the KV capacity and
+    backend vLLM logged, and ``failure`` for the contexts that have no result."""
+    results = {}
+    for line in log.splitlines():
+        if line.startswith(RESULT_TAG):
+            result = json.loads(line[len(RESULT_TAG):])
+            results[result["context"]] = result
+    logged = _KV_TOKENS_LOG.findall(log)
+    backends = _BACKEND_LOG.findall(log)
+    rows = []
+    for context in spec["contexts"]:
+        row = {"heads": spec["heads"], "context": context, "kv": spec["kv"],
+               "gen_tokens": spec["gen_tokens"],
+               "log_kv_cache_tokens": int(logged[-1].replace(",", "")) if logged else "",
+               "backend": backends[-1] if backends else ""}
+        row.update(results.get(context) or {"error": failure or "no result"})
+        rows.append(row)
+    return rows
+
+
+def child_command() -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), "--child"]
+
+
+def run_in_subprocess(spec: dict, timeout: float, on_result=None) -> list[dict]:
+    """Run one engine in a child process; ``on_result(result)`` sees each context's result
+    as it arrives.  A crash or timeout keeps the contexts finished before it."""
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(child_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=err, text=True, env=subprocess_env())
+        proc.stdin.write(json.dumps(spec))
+        proc.stdin.close()
+        out = []
+
+        def pump():
+            for line in proc.stdout:
+                out.append(line)
+                if line.startswith(RESULT_TAG) and on_result:
+                    on_result(json.loads(line[len(RESULT_TAG):]))
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        failure = None
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            failure = f"timed out after {timeout:.0f} s"
+        reader.join(10)
+        err.seek(0)
+        log = "".join(out) + err.read()
+    if failure is None and proc.returncode != 0:
         print(log[-4000:], file=sys.stderr)
         last = [ln for ln in log.strip().splitlines() if ln.strip()][-1:] or ["no output"]
-        return {**row, "error": f"exit {proc.returncode}: {last[0][-200:]}"}
-    row.update(json.loads(lines[-1][len(RESULT_TAG):]))
-    logged = _KV_TOKENS_LOG.findall(log)
-    row["log_kv_cache_tokens"] = int(logged[-1].replace(",", "")) if logged else ""
-    backends = _BACKEND_LOG.findall(log)
-    row["backend"] = backends[-1] if backends else ""
-    return row
+        failure = f"exit {proc.returncode}: {last[0][-200:]}"
+    return parse_engine_log(spec, log, failure)
 
 
 def main(argv=None) -> None:
@@ -327,7 +375,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="out/bench_e2e", help="folder for results.csv/md/png")
     parser.add_argument("--quick", action="store_true",
                         help=f"H=128 at 16k and 64k, T={QUICK['gen_tokens']}, "
-                             f"{QUICK['kv_cache_gib']} GiB KV: 6 settings")
+                             f"{QUICK['kv_cache_gib']} GiB KV: 3 engines x 2 contexts")
     parser.add_argument("--heads", type=int, nargs="+", help=f"default {HEADS}")
     parser.add_argument("--contexts", type=int, nargs="+", help=f"default {CONTEXTS}")
     parser.add_argument("--kv", nargs="+", default=list(KV_SETTINGS), choices=KV_SETTINGS)
@@ -339,7 +387,8 @@ def main(argv=None) -> None:
                              "vLLM fill 90%% of the GPU")
     parser.add_argument("--max-batch", type=int, default=512,
                         help="cap on the batch (vLLM captures CUDA graphs up to 512)")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds per setting")
+    parser.add_argument("--timeout", type=float, default=1800,
+                        help="seconds per context (an engine gets this times its contexts)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -353,28 +402,31 @@ def main(argv=None) -> None:
     kv_gib = args.kv_cache_gib if args.kv_cache_gib is not None else quick.get("kv_cache_gib",
                                                                                24.0)
     out = Path(args.out)
-    settings = [(h, c, kv) for h in heads for c in contexts for kv in args.kv]
-    print(f"{len(settings)} settings, T={gen}, KV budget "
+    engines = [(h, kv) for h in heads for kv in args.kv]
+    print(f"{len(engines)} engines x {len(contexts)} contexts, T={gen}, KV budget "
           f"{f'{kv_gib} GiB' if kv_gib else '90% of the GPU'}, results in {out}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-e2e-") as tmp:
         models = {h: str(write_tiny_deepseek_v3(Path(tmp) / f"deepseek-v31-attn-h{h}",
                                                 **model_config(h))) for h in heads}
-        for i, (h, context, kv) in enumerate(settings, 1):
-            print(f"[{i}/{len(settings)}] H={h} context={context} kv={kv} ...", flush=True)
+        for i, (h, kv) in enumerate(engines, 1):
+            print(f"[{i}/{len(engines)}] H={h} kv={kv}, contexts {list(contexts)} ...", flush=True)
             start = time.monotonic()
-            row = run_in_subprocess({"model": models[h], "heads": h, "context": context,
-                                     "kv": kv, "gen_tokens": gen, "kv_cache_gib": kv_gib,
-                                     "max_batch": args.max_batch}, args.timeout)
-            rows.append(row)
-            if row.get("error"):
-                print(f"    failed: {row['error']}", flush=True)
-            else:
-                print(f"    {row['backend']}: B={row['batch']}, KV {row['kv_cache_tokens']:,} "
-                      f"tokens, {row['decode_tok_s']:,.0f} decode tok/s, "
-                      f"TPOT {row['tpot_ms']:.2f} ms ({time.monotonic() - start:.0f} s)",
-                      flush=True)
-            write_outputs(rows, out)   # after every setting: a cut-short sweep keeps its rows
+
+            def report(result, start=start):
+                if result.get("error"):
+                    print(f"    context {result['context']}: failed: {result['error']}",
+                          flush=True)
+                else:
+                    print(f"    context {result['context']}: B={result['batch']}, "
+                          f"W={result['warm_tokens']}, {result['decode_tok_s']:,.0f} decode "
+                          f"tok/s, TPOT {result['tpot_ms']:.2f} ms "
+                          f"({time.monotonic() - start:.0f} s)", flush=True)
+
+            spec = {"model": models[h], "heads": h, "contexts": list(contexts), "kv": kv,
+                    "gen_tokens": gen, "kv_cache_gib": kv_gib, "max_batch": args.max_batch}
+            rows += run_in_subprocess(spec, args.timeout * len(contexts), on_result=report)
+            write_outputs(rows, out)   # after every engine: a cut-short sweep keeps its rows
     print("\n" + format_table(write_outputs(rows, out)))
     if not (out / "results.png").exists():
         print("(no results.png: matplotlib is not installed; pip install matplotlib)")

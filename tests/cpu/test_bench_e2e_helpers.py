@@ -5,6 +5,7 @@ import importlib.util
 import json
 import math
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,44 @@ def test_decode_window_needs_every_request_decoding_at_once():
     assert not bench.decode_window_ok([1.0, 6.0], [5.0, 9.0])
     assert bench.decode_window_ok([1.0, 4.0], [5.0, 9.0])
     assert bench.decode_window_ok([2.0, 2.0], [2.0, 3.0])
+
+
+def test_engine_log_gives_a_row_per_context_and_keeps_finished_ones():
+    spec = {"heads": 128, "contexts": [16384, 32768, 65536], "kv": "fp8_snapmla",
+            "gen_tokens": 512}
+    result = {"context": 32768, "batch": 49, "warm_tokens": 158, "window_ok": True,
+              "kv_cache_tokens": 1636800, "decode_tok_s": 1953.0, "tpot_ms": 25.1}
+    log = ("INFO ... GPU KV cache size: 1,636,800 tokens\n"
+           "INFO ... Using SNAPMLA attention backend\n"
+           + bench.RESULT_TAG + json.dumps(result) + "\n")
+    rows = bench.parse_engine_log(spec, log, "timed out after 600 s")
+    assert [r["context"] for r in rows] == spec["contexts"]
+    assert all(r["kv"] == "fp8_snapmla" and r["heads"] == 128 for r in rows)
+    assert all(r["log_kv_cache_tokens"] == 1636800 and r["backend"] == "SNAPMLA" for r in rows)
+    finished = rows[1]
+    assert finished["decode_tok_s"] == 1953.0 and "error" not in finished
+    assert rows[0]["error"] == rows[2]["error"] == "timed out after 600 s"
+    # A clean exit that produced no result for a context still marks it as failed.
+    assert bench.parse_engine_log(spec, "", None)[0]["error"] == "no result"
+
+
+def test_engine_subprocess_streams_results_and_keeps_them_on_timeout(tmp_path, monkeypatch):
+    # A stand-in child: reads the spec, reports the first context, then hangs.
+    child = tmp_path / "child.py"
+    child.write_text(
+        "import json, sys, time\n"
+        "spec = json.loads(sys.stdin.read())\n"
+        f"print({bench.RESULT_TAG!r} + json.dumps({{'context': spec['contexts'][0], "
+        "'batch': 3, 'decode_tok_s': 10.0}), flush=True)\n"
+        "print('Using SNAPMLA attention backend', file=sys.stderr, flush=True)\n"
+        "time.sleep(60)\n")
+    monkeypatch.setattr(bench, "child_command", lambda: [sys.executable, str(child)])
+    seen = []
+    spec = {"heads": 16, "contexts": [16384, 32768], "kv": "fp8", "gen_tokens": 64}
+    rows = bench.run_in_subprocess(spec, timeout=5, on_result=seen.append)
+    assert [r["context"] for r in seen] == [16384]
+    assert rows[0]["batch"] == 3 and rows[0]["backend"] == "SNAPMLA" and "error" not in rows[0]
+    assert rows[1]["error"] == "timed out after 5 s"
 
 
 def _row(heads, context, kv, tok_s, capacity, **extra):
