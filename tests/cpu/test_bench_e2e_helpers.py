@@ -4,8 +4,10 @@ result merging and the table/CSV/plot outputs (the vLLM runs themselves need a G
 import importlib.util
 import json
 import math
+import os
 import random
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -109,11 +111,15 @@ def test_engine_log_gives_a_row_per_context_and_keeps_finished_ones():
 
 
 def test_engine_subprocess_streams_results_and_keeps_them_on_timeout(tmp_path, monkeypatch):
-    # A stand-in child: reads the spec, reports the first context, then hangs.
+    # A stand-in child: reads the spec, starts a grandchild (as vLLM starts its engine core),
+    # reports the first context, then hangs.
     child = tmp_path / "child.py"
+    pid_file = tmp_path / "grandchild.pid"
     child.write_text(
-        "import json, sys, time\n"
+        "import json, subprocess, sys, time\n"
         "spec = json.loads(sys.stdin.read())\n"
+        "core = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(core.pid))\n"
         f"print({bench.RESULT_TAG!r} + json.dumps({{'context': spec['contexts'][0], "
         "'batch': 3, 'decode_tok_s': 10.0}), flush=True)\n"
         "print('Using SNAPMLA attention backend', file=sys.stderr, flush=True)\n"
@@ -125,6 +131,18 @@ def test_engine_subprocess_streams_results_and_keeps_them_on_timeout(tmp_path, m
     assert [r["context"] for r in seen] == [16384]
     assert rows[0]["batch"] == 3 and rows[0]["backend"] == "SNAPMLA" and "error" not in rows[0]
     assert rows[1]["error"] == "timed out after 5 s"
+    # The whole session is killed: no engine process is left holding the GPU.
+    grandchild = int(pid_file.read_text())
+    for _ in range(50):
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            break
+        if open(f"/proc/{grandchild}/stat").read().split()[2] == "Z":   # reaped by init later
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"engine stand-in {grandchild} outlived the timeout")
 
 
 def _row(heads, context, kv, tok_s, capacity, **extra):
