@@ -29,43 +29,43 @@ def _cuobjdump() -> str | None:
     return bundled if os.access(bundled, os.X_OK) else None
 
 
-@pytest.fixture(scope="module")
-def launch_registers() -> dict[str, int]:
-    """Registers per thread each sm_90a ``decode_kernel`` launches with (``cuobjdump -res-usage``)."""
+def _dump(option: str, what: str) -> str:
+    """``cuobjdump OPTION -arch sm_90a`` of the built extension; skips without one or the other."""
     try:
         import vllm_snapmla._C as native
     except ImportError:
         pytest.skip("native extension not built (SNAPMLA_SKIP_BUILD=1)")
     tool = _cuobjdump()
     if tool is None:
-        pytest.skip("no cuobjdump (CUDA toolkit or triton) to read the resource usage with")
-    usage = subprocess.run([tool, "-res-usage", "-arch", "sm_90a", native.__file__],
-                           capture_output=True, text=True, timeout=300).stdout
+        pytest.skip(f"no cuobjdump (CUDA toolkit or triton) to read the {what} with")
+    return subprocess.run([tool, option, "-arch", "sm_90a", native.__file__],
+                          capture_output=True, text=True, timeout=300).stdout
+
+
+_NO_KERNEL = "the extension has no sm_90a decode kernel (SNAPMLA_ARCHS without 90a)"
+
+
+@pytest.fixture(scope="module")
+def launch_registers() -> dict[str, int]:
+    """Registers per thread each sm_90a ``decode_kernel`` launches with (``cuobjdump -res-usage``)."""
+    usage = _dump("-res-usage", "resource usage")
     found = {name: int(regs) for name, regs in
              re.findall(r"Function (\S*decode_kernel\S*):\s*REG:(\d+)", usage)}
     if not found:
-        pytest.skip("the extension has no sm_90a decode kernel (SNAPMLA_ARCHS without 90a)")
+        pytest.skip(_NO_KERNEL)
     return found
 
 
 @pytest.fixture(scope="module")
 def decode_kernels() -> dict[str, str]:
     """SASS text of each sm_90a ``decode_kernel`` instantiation, by mangled name."""
-    try:
-        import vllm_snapmla._C as native
-    except ImportError:
-        pytest.skip("native extension not built (SNAPMLA_SKIP_BUILD=1)")
-    tool = _cuobjdump()
-    if tool is None:
-        pytest.skip("no cuobjdump (CUDA toolkit or triton) to read the SASS with")
-    sass = subprocess.run([tool, "-sass", "-arch", "sm_90a", native.__file__],
-                          capture_output=True, text=True, timeout=300).stdout
+    sass = _dump("-sass", "SASS")
     kernels = {}
     for name, body in re.findall(r"Function : (\S+)\n(.*?)(?=\n\s*Function : |\Z)", sass, re.S):
         if "decode_kernel" in name:
             kernels[name] = body
     if not kernels:
-        pytest.skip("the extension has no sm_90a decode kernel (SNAPMLA_ARCHS without 90a)")
+        pytest.skip(_NO_KERNEL)
     return kernels
 
 

@@ -318,6 +318,31 @@ __device__ __forceinline__ void build_vt(const uint8_t* tile, uint8_t* vt, const
   }
 }
 
+// The calling thread's VtMap (in its 128-thread warpgroup) from a fresh (volatile) read of the
+// thread index: built per page, the compiler cannot hoist its 11 registers (or addresses
+// derived from them) out of the caller's page loop.  In the hand-over kernel that cut the spill
+// from 260 to 256 bytes, in the producer-vt producer from 86 to 74 local accesses.
+// kWarpgroup0: the caller is in warpgroup 0, whose thread index needs no % 128 (dropping it
+// there saves two spilled accesses in the 24-register producer).
+template <bool kWarpgroup0>
+__device__ __forceinline__ VtMap fresh_vt_map() {
+  uint32_t tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  return make_vt_map((kWarpgroup0 ? tid : tid % 128) / 32, tid % 32);
+}
+
+// V^T of one page of `live` tokens: zeros for the empty slots of a request's last page.
+__device__ __forceinline__ void build_page_vt(const uint8_t* tile, uint8_t* vt,
+                                              const VtMap& map, int buf, int live) {
+  if (live == kPageSize) {
+    build_vt(tile, vt, map, buf, ~0u, ~0u, ~0u, ~0u);
+  } else {
+    const int t0 = map.token0;
+    build_vt(tile, vt, map, buf, t0 < live ? ~0u : 0u, t0 + 1 < live ? ~0u : 0u,
+             t0 + 8 < live ? ~0u : 0u, t0 + 9 < live ? ~0u : 0u);
+  }
+}
+
 }  // namespace device
 #endif  // SNAPMLA_SM90_DEVICE
 
@@ -394,29 +419,32 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (warpgroup == 0) {
     // ---------------------------------------------------------------- producer
+    setmaxnreg_dec<kProducerRegs>();
+    const int32_t* pages = p.block_table + b * p.block_table_stride + first_page;
+    const auto load_page = [&](int i) {   // one thread
+      const int stage = i % kStages;
+      const int32_t block = pages[i];
+      const uint32_t dst = smem_base + kSmemStages + stage * kStageBytes;
+      const uint32_t bar = full_bar + 8 * stage;
+      mbar_arrive_expect_tx(bar, kStageTxBytes);
+#pragma unroll
+      for (int t = 0; t < kContentTiles; ++t) {
+        tma_load_page(dst + kStageContent + t * kContentTileBytes, &content_map, bar,
+                      t * kSwizzleRowBytes, block);
+      }
+      tma_load_page(dst + kStageRope, &rope_map, bar, 0, block);
+      tma_load_page(dst + kStageScale, &scale_map, bar, 0, block);
+    };
     if constexpr (!kProducerVt) {
-      setmaxnreg_dec<kProducerRegs>();
       if (threadIdx.x == 0 && num_iters > 0) {
         prefetch_tensor_map(&content_map);
         prefetch_tensor_map(&rope_map);
         prefetch_tensor_map(&scale_map);
-        const int32_t* pages = p.block_table + b * p.block_table_stride + first_page;
         for (int i = 0; i < num_iters; ++i) {
-          const int stage = i % kStages;
           // A fresh barrier counts as having completed the phase before phase 0: the first
           // pass over the ring does not wait.
-          mbar_wait(empty_bar + 8 * stage, ((i / kStages) & 1) ^ 1);
-          const int32_t block = pages[i];
-          const uint32_t dst = smem_base + kSmemStages + stage * kStageBytes;
-          const uint32_t bar = full_bar + 8 * stage;
-          mbar_arrive_expect_tx(bar, kStageTxBytes);
-#pragma unroll
-          for (int t = 0; t < kContentTiles; ++t) {
-            tma_load_page(dst + kStageContent + t * kContentTileBytes, &content_map, bar,
-                          t * kSwizzleRowBytes, block);
-          }
-          tma_load_page(dst + kStageRope, &rope_map, bar, 0, block);
-          tma_load_page(dst + kStageScale, &scale_map, bar, 0, block);
+          mbar_wait(empty_bar + 8 * (i % kStages), ((i / kStages) & 1) ^ 1);
+          load_page(i);
         }
       }
     } else {
@@ -425,21 +453,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       // also issues the loads, kStages pages ahead.  Its wait for a free stage (the owner's QK
       // of page i) holds back warp 0's share of the next transposition (the warp reconverges
       // after the branch).
-      setmaxnreg_dec<kProducerRegs>();
-      const int32_t* pages = p.block_table + b * p.block_table_stride + first_page;
-      const auto load_page = [&](int i) {   // one thread
-        const int stage = i % kStages;
-        const uint32_t dst = smem_base + kSmemStages + stage * kStageBytes;
-        const uint32_t bar = full_bar + 8 * stage;
-        mbar_arrive_expect_tx(bar, kStageTxBytes);
-#pragma unroll
-        for (int t = 0; t < kContentTiles; ++t) {
-          tma_load_page(dst + kStageContent + t * kContentTileBytes, &content_map, bar,
-                        t * kSwizzleRowBytes, pages[i]);
-        }
-        tma_load_page(dst + kStageRope, &rope_map, bar, 0, pages[i]);
-        tma_load_page(dst + kStageScale, &scale_map, bar, 0, pages[i]);
-      };
       if (num_iters > 0) {
         if (threadIdx.x == 0) {
           prefetch_tensor_map(&content_map);
@@ -448,11 +461,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           for (int i = 0; i < min(kStages, num_iters); ++i) load_page(i);
         }
         for (int i = 0; i < num_iters; ++i) {
-          // The map from a fresh (volatile) read of the thread index in every page: hoisted out
-          // of the loop, its derived addresses spilled more (86 local accesses against 74).
-          uint32_t tid;
-          asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
-          const VtMap vt_map = make_vt_map(tid / 32, tid % 32);
+          const VtMap vt_map = fresh_vt_map<true>();
           const int buf = i & 1;
           mbar_wait(full_bar + 8 * (i % kStages), (i / kStages) & 1);
           mbar_wait(vt_free_bar + 8 * buf, ((i / 2) & 1) ^ 1);
@@ -460,15 +469,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int live = min(seq_len - (first_page + i) * kPageSize, kPageSize);
 #pragma unroll 1
           for (int c = 0; c < kConsumerWarpgroups; ++c) {   // one half at a time (registers)
-            const uint8_t* tile = content + c * 2 * kContentTileBytes;
-            uint8_t* vt_c = smem + kSmemVt + c * kVtBytes;
-            if (live == kPageSize) {
-              build_vt(tile, vt_c, vt_map, buf, ~0u, ~0u, ~0u, ~0u);
-            } else {   // the last page of a request: zeros for the empty slots
-              const int t0 = vt_map.token0;
-              build_vt(tile, vt_c, vt_map, buf, t0 < live ? ~0u : 0u, t0 + 1 < live ? ~0u : 0u,
-                       t0 + 8 < live ? ~0u : 0u, t0 + 9 < live ? ~0u : 0u);
-            }
+            build_page_vt(content + c * 2 * kContentTileBytes, smem + kSmemVt + c * kVtBytes,
+                          vt_map, buf, live);
           }
           fence_proxy_async();   // V^T becomes visible to the consumers' WGMMAs
           mbar_arrive(vt_full_bar + 8 * buf);
@@ -590,23 +592,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   // constant.  The lanes of every load and every store hit 32 different banks.  Callers put a
   // warpgroup barrier before (the PV reading the buffer is done) and fence_proxy_async and a
   // warpgroup barrier after (the WGMMA sees the stores).
-  const auto build_page_vt = [&](int i, int buf) {
-    const uint8_t* tile = smem + kSmemStages + stage_of(i) * kStageBytes + kStageContent +
-                          consumer * 2 * kContentTileBytes;
-    // The map is rebuilt per page from a fresh read of the thread index (volatile, so the
-    // compiler cannot hoist it out of the loop), to keep its 11 registers out of the loop's
-    // live set; in the hand-over kernel this cut the spill only from 260 to 256 bytes.
-    uint32_t tid;
-    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
-    const VtMap vt_map = make_vt_map((tid % 128) / 32, tid % 32);
-    const int live = live_of(i);
-    if (live == kPageSize) {
-      build_vt(tile, vt, vt_map, buf, ~0u, ~0u, ~0u, ~0u);
-    } else {   // the last page of a request: zeros for the empty slots
-      const int t0 = vt_map.token0;
-      build_vt(tile, vt, vt_map, buf, t0 < live ? ~0u : 0u, t0 + 1 < live ? ~0u : 0u,
-               t0 + 8 < live ? ~0u : 0u, t0 + 9 < live ? ~0u : 0u);
-    }
+  const auto build_own_vt = [&](int i, int buf) {
+    build_page_vt(smem + kSmemStages + stage_of(i) * kStageBytes + kStageContent +
+                      consumer * 2 * kContentTileBytes,
+                  vt, fresh_vt_map<false>(), buf, live_of(i));
   };
 
   // S of page i = qpe' . kpe'^T (BF16, exact FP32 accumulation) + q8 . k8^T (FP8, promoted per
@@ -801,7 +790,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < num_iters; ++i) {
       wait_page(i);
       named_barrier_sync(wg_barrier, 128);   // every warp's previous PV WGMMA has read vt
-      build_page_vt(i, 0);
+      build_own_vt(i, 0);
       fence_proxy_async();   // V^T becomes visible to the WGMMA (async) proxy
       named_barrier_sync(wg_barrier, 128);
       uint32_t p8[2][4];
@@ -852,12 +841,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         named_barrier_sync(wg_barrier, 128);   // every warp's previous PV WGMMAs have read vt
         if (has_other) {
           wait_page(other);
-          build_page_vt(other, other & 1);
+          build_own_vt(other, other & 1);
           release_page(other);   // the other consumer's stage: only its V was needed here
         }
         if (has_own) {
           wait_page(own);
-          build_page_vt(own, own & 1);
+          build_own_vt(own, own & 1);
         }
         fence_proxy_async();
         named_barrier_sync(wg_barrier, 128);
