@@ -40,7 +40,7 @@ SNAPMLA_KERNELS = {
     "snapmla-sm90": "vllm_snapmla.sm90:snapmla_decode_sm90",
     "snapmla-sm90-free": "vllm_snapmla.sm90:snapmla_decode_sm90_free",
     "snapmla-sm90-turns": "vllm_snapmla.sm90:snapmla_decode_sm90_turns",
-    "snapmla-sm90-producer-vt": "vllm_snapmla.sm90:snapmla_decode_sm90_producer_vt",
+    "snapmla-sm90-hand-over": "vllm_snapmla.sm90:snapmla_decode_sm90_hand_over",
 }
 # Backends that run only where a predicate ("module:function", no arguments) says so.
 SNAPMLA_AVAILABLE = {name: "vllm_snapmla.sm90:available" for name in SNAPMLA_KERNELS

@@ -3,7 +3,7 @@
 #   bash tools/h200.sh STAGE [args]        logs go to $OUT/<stage>.log
 # Stages: stash K (move .devcache/vllm-site.partK aside; carry that part with the call) |
 #         setup (unpack vLLM, build the extension) | kernels | sm90 | e2e | serve | bench | train | parity
-#         | ncu | promotion | e2e-sm90 | bench-e2e ARGS | lease6 (after stash 2)
+#         | ncu [SCHEDULES] | promotion | e2e-sm90 | bench-e2e ARGS | iter | lease6, quick (after stash 2)
 # A whole lease in five calls (docs/development.md): `stash 0`, `stash 1` (each carrying its
 # part), `stash 2 && lease4` (carrying part 2), `lease5` (carrying .whl).  Each lease call packs
 # its logs and results into $OUT/<stage>.tgz (a call returns at most 8 files).
@@ -49,11 +49,12 @@ case "$stage" in
   train)  run timeout 590 "${TRAIN_TINY[@]}" && cp /root/tiny-mla/train_log.json "$OUT/" ;;
   parity) run timeout 590 python3 eval/parity_tiny.py --model /root/tiny-mla --out /root/parity-tiny &&
           cp -r /root/parity-tiny "$OUT/" ;;
-  ncu)      # Nsight Compute on one launch of two sm90 schedules (no vLLM needed)
+  ncu)      # Nsight Compute on one launch of sm90 schedules (arg: schedules; no vLLM needed)
     build
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
     run timeout 300 "$NCU" --clock-control none --kernel-name regex:decode_kernel --set full \
-        --import-source no -f -o /root/sm90 python3 tools/profile_sm90.py --schedules hand-over,producer-vt
+        --import-source no -f -o /root/sm90 python3 tools/profile_sm90.py \
+        --schedules "${2:-hand-over,split-roles}"
     "$NCU" -i /root/sm90.ncu-rep --page details --print-details all > /root/ncu_details.txt 2>&1 ||
       "$NCU" -i /root/sm90.ncu-rep --page details > /root/ncu_details.txt 2>&1
     "$NCU" -i /root/sm90.ncu-rep --page source --csv --print-source sass > /root/ncu_sass.csv 2>&1
@@ -77,9 +78,22 @@ case "$stage" in
     run timeout 90 python3 -m pytest tests/gpu/test_decode_sm90.py -q -x -p no:cacheprovider \
         -k "few_pages or bit_identical" || exit 1
     run timeout 200 python3 benchmarks/bench_decode.py --out /root/bench_decode \
-        --backends flashmla-bf16,flashmla-fp8,snapmla-sm90,snapmla-sm90-producer-vt,snapmla-sm90-turns
+        --backends flashmla-bf16,flashmla-fp8,snapmla-sm90,snapmla-sm90-hand-over
     run timeout $(left 570) python3 -m pytest tests/gpu -q -p no:cacheprovider
     pack /root/bench_decode "$log" ;;
+  quick)    # after `stash 2`: lease6 without the full test run (a kernel change, timed)
+    unpack; build
+    run timeout 90 python3 -m pytest tests/gpu/test_decode_sm90.py -q -x -p no:cacheprovider \
+        -k "few_pages or bit_identical" || exit 1
+    run timeout 200 python3 benchmarks/bench_decode.py --out /root/bench_decode \
+        --backends flashmla-bf16,flashmla-fp8,snapmla-sm90,snapmla-sm90-hand-over
+    pack /root/bench_decode "$log" ;;
+  iter)     # a kernel change against the hand-over schedule, no vLLM (no FlashMLA columns)
+    build
+    run timeout 90 python3 -m pytest tests/gpu/test_decode_sm90.py -q -x -p no:cacheprovider \
+        -k "few_pages or bit_identical" || exit 1
+    run timeout 200 python3 benchmarks/bench_decode.py --out /root/bench_decode \
+        --backends snapmla-sm90,snapmla-sm90-hand-over ;;
   lease4)   # after `stash 2`: training in the background, kernel tests, CUDA-graph and serve e2e
     unpack
     setsid nohup "${TRAIN_TINY[@]}" > /root/train.log 2>&1 < /dev/null &

@@ -18,10 +18,10 @@ from vllm_snapmla.triton.decode import _combine_kernel, _device_limits, num_spli
 
 _BLOCK_ROWS = 64   # query rows per CTA (csrc/sm90/decode/config.h kBlockRows)
 # How the two consumer warpgroups order their tensor-core sections (config.h kSchedule*).
-SCHEDULES = {"free": 0, "turns": 1, "hand-over": 2, "producer-vt": 3}
-# 1.05-1.13x as fast as "turns" on the H200 (benchmarks/RESULTS.md, sixth run); "producer-vt" is
-# not measured yet.
-DEFAULT_SCHEDULE = "hand-over"
+SCHEDULES = {"free": 0, "turns": 1, "hand-over": 2, "split-roles": 3}
+# "split-roles" is 1.13-1.19x as fast as "hand-over" on the H200 (benchmarks/RESULTS.md, seventh
+# run), which is 1.05-1.13x as fast as "turns" (sixth run).
+DEFAULT_SCHEDULE = "split-roles"
 # csrc/sm90/decode/config.h hard-codes these (kPScaleRange, kPScaleFloor).
 assert fmt.P_SCALE_RANGE == 2.0 ** -32 and fmt.P_SCALE_FLOOR == 2.0 ** -126
 
@@ -49,9 +49,9 @@ def snapmla_decode_sm90(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: to
     ``SCHEDULES``) orders the two consumer warpgroups' work: ``turns`` (both compute every page's
     P; their QK and PV sections alternate), ``free`` (the same without turns) or ``hand-over``
     (paper Algorithm 1: each page's P is computed by one warpgroup and handed to the other) or
-    ``producer-vt`` (hand-over, with V^T built by the producer warpgroup instead of the
-    consumers); the arithmetic is the same, so is the result, bit for bit.  ``promote_pv=False`` (measurement
-    only; with ``schedule="free"``) accumulates every page's PV straight into O in the tensor
+    ``split-roles`` (one warpgroup computes every page's P, the other builds every page's V^T);
+    the arithmetic is the same, so is the result, bit for bit.  ``promote_pv=False``
+    (measurement only; with ``schedule="free"``) accumulates every page's PV straight into O in the tensor
     core instead of promoting each page's sum into FP32 O.
     """
     if schedule not in SCHEDULES:
@@ -114,4 +114,4 @@ def schedule_variant(schedule: str):
 
 snapmla_decode_sm90_free = schedule_variant("free")
 snapmla_decode_sm90_turns = schedule_variant("turns")
-snapmla_decode_sm90_producer_vt = schedule_variant("producer-vt")
+snapmla_decode_sm90_hand_over = schedule_variant("hand-over")

@@ -89,10 +89,10 @@ void decode_sm90(const at::Tensor& q8, const at::Tensor& q_scale, const at::Tens
                     ": num_splits must be in [1, 65535], got ", num_splits);
   TORCH_CHECK_VALUE(schedule == sm90::kScheduleFree || schedule == sm90::kScheduleTurns ||
                         schedule == sm90::kScheduleHandOver ||
-                        schedule == sm90::kScheduleProducerVt,
+                        schedule == sm90::kScheduleSplitRoles,
                     kOp, ": schedule must be ", sm90::kScheduleFree, " (free), ",
                     sm90::kScheduleTurns, " (turns), ", sm90::kScheduleHandOver,
-                    " (hand-over) or ", sm90::kScheduleProducerVt, " (producer-vt), got ",
+                    " (hand-over) or ", sm90::kScheduleSplitRoles, " (split-roles), got ",
                     schedule);
   TORCH_CHECK_VALUE(promote_pv || schedule == sm90::kScheduleFree, kOp,
                     ": promote_pv=False exists only with the free schedule (", sm90::kScheduleFree,

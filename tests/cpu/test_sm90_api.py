@@ -21,7 +21,7 @@ def test_unknown_schedule_is_refused():
         sm90.snapmla_decode_sm90(*_inputs(), 0.1, schedule="fast")
 
 
-@pytest.mark.parametrize("schedule", ["turns", "hand-over", "producer-vt"])
+@pytest.mark.parametrize("schedule", ["turns", "hand-over", "split-roles"])
 def test_unpromoted_pv_only_with_the_free_schedule(schedule):
     with pytest.raises(ValueError, match="promote_pv=False exists only"):
         sm90.snapmla_decode_sm90(*_inputs(), 0.1, schedule=schedule, promote_pv=False)

@@ -32,7 +32,7 @@ _NEEDS_SM90 = [pytest.mark.hopper, pytest.mark.skipif(
     pytest.param("sm90", marks=_NEEDS_SM90),
     pytest.param("sm90-free", marks=_NEEDS_SM90),
     pytest.param("sm90-turns", marks=_NEEDS_SM90),
-    pytest.param("sm90-producer-vt", marks=_NEEDS_SM90),
+    pytest.param("sm90-hand-over", marks=_NEEDS_SM90),
 ])
 def decode(request):
     """Each decode kernel, with the signature of ``triton.decode.snapmla_decode``."""

@@ -102,7 +102,7 @@ def test_matches_triton_kernel(H, s_q, num_splits):
     ([3000, 200], 64, 1, 3, 8.0),               # sharp softmax: P scales jump between pages
     ([131072], 128, 1, 4, 1.0),
 ])
-@pytest.mark.parametrize("schedule", ["turns", "hand-over", "producer-vt"])
+@pytest.mark.parametrize("schedule", ["turns", "hand-over", "split-roles"])
 def test_schedules_are_bit_identical(schedule, seq_lens, H, s_q, num_splits, q_std):
     """The schedules reorder whole sections between the warpgroups or hand a page's P8, gamma and
     row state from one to the other, never change an operation: output and LSE must equal the

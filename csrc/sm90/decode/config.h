@@ -16,23 +16,36 @@ constexpr int kPvN = 128;                // N of one PV WGMMA (two per warpgroup
 constexpr int kScheduleFree = 0;
 constexpr int kScheduleTurns = 1;
 constexpr int kScheduleHandOver = 2;     // Algorithm 1: each page's P from one warpgroup
-constexpr int kScheduleProducerVt = 3;   // hand-over, with V^T built by the producer warpgroup
+constexpr int kScheduleSplitRoles = 3;   // WG1: S, softmax and P8 of every page; WG2: V^T
 // Named barriers: 0 is __syncthreads, 1 the consumers' start, 2 + c consumer c's own, and
 // kTurnBarrier + c consumer c's turn (kScheduleTurns) or the hand-over of pages of parity c
-// (kScheduleHandOver).
+// (kScheduleHandOver).  kScheduleSplitRoles: kPageBarrier the two consumers' meeting per page,
+// kVtFreeBarrier + page parity WG1's release of a V^T buffer.
 constexpr int kTurnBarrier = 4;
+constexpr int kPageBarrier = 4;
+constexpr int kVtFreeBarrier = 5;
 
 // Register budgets after setmaxnreg (multiples of 8).  The CTA starts with its launch budget,
 // 65536 / 384 = 168 per thread, and setmaxnreg moves registers within that pool: a consumer's
 // setmaxnreg.inc waits until the producer's .dec has freed enough, so producer + 2 x consumer
-// must not exceed 3 x 168 = 504, or the consumers wait forever.  kScheduleProducerVt's
-// producer warpgroup also transposes V in its 24 (it spills; 40 would leave the consumers 232,
-// where they spill twice as much).
+// must not exceed 3 x 168 = 504, or the consumers wait forever.
 constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;                          // 168
 constexpr int kProducerRegs = 24;
 constexpr int kConsumerRegs = 240;
 static_assert(kProducerRegs + 2 * kConsumerRegs <= 3 * kLaunchRegs,
               "setmaxnreg budgets exceed the CTA's register pool: the consumers would hang");
+// kScheduleSplitRoles: the QK warpgroup (WG1) keeps O for kQkWarpgroupCols output columns (96
+// registers) beside kSplitQkParts 64-token QK accumulators; the V^T warpgroup (WG2) keeps O for
+// the other 320 (160 registers); both have kConsumerRegs (a larger budget for WG2 would not
+// help: ptxas allocated the whole kernel for the smallest setmaxnreg of its branches, 224 of
+// 224/256).  Alternatives: 128 columns in WG1 spill 50 LDL/STL (WG2's 192-register O), three
+// QK accumulators in WG1 39; 160 columns in 32-column pieces with three QK accumulators (13)
+// timed within 2% of this on the H200 (benchmarks/RESULTS.md, seventh run).
+constexpr int kQkWarpgroupCols = 192;
+constexpr int kQkPieceCols = 64;          // WG1's PV pieces (m64n32 or m64n64 WGMMAs)
+constexpr int kSplitQkParts = 2;
+static_assert(kQkWarpgroupCols % kQkPieceCols == 0 && (kKvLoraRank - kQkWarpgroupCols) % 32 == 0,
+              "the split-roles PV runs in kQkPieceCols- (WG1) and 32-column (WG2) pieces");
 
 // Hopper's FP8 WGMMA accumulates in reduced precision (about 14 mantissa bits, truncating).  The
 // content QK (K = 512) therefore runs as chunks of this many columns, each into a fresh
@@ -84,8 +97,8 @@ constexpr int kHandOverBytes = kHandOverWords * 128 * 4;                        
 constexpr int kHandOverBuffers = 4;
 constexpr int kSmemHandOver = kSmemVt + kConsumerWarpgroups * kVtBytes;
 constexpr int kSmemBarriers = kSmemHandOver + kHandOverBuffers * kHandOverBytes;
-// mbarriers: full[kStages], empty[kStages], then (kScheduleProducerVt) vt_full[2], vt_free[2].
-constexpr int kSmemBytes = kSmemBarriers + 2 * kStages * 8 + 4 * 8;
+// mbarriers: full[kStages], empty[kStages].
+constexpr int kSmemBytes = kSmemBarriers + 2 * kStages * 8;
 constexpr int kSmemAlloc = kSmemBytes + 1024;  // slack to align the dynamic base to 1024 bytes
 
 static_assert(kStageBytes % 1024 == 0 && kSmemQ8 % 1024 == 0 && kSmemQpe % 1024 == 0 &&

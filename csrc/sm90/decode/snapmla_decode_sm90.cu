@@ -54,8 +54,8 @@ const char* launch_decode_sm90(const DecodeParams& params, const uint8_t* kv_cac
   const auto kernel = !params.promote_pv                      ? decode_kernel<kScheduleFree, false>
                       : params.schedule == kScheduleTurns     ? decode_kernel<kScheduleTurns>
                       : params.schedule == kScheduleHandOver  ? decode_kernel<kScheduleHandOver>
-                      : params.schedule == kScheduleProducerVt
-                          ? decode_kernel<kScheduleProducerVt>
+                      : params.schedule == kScheduleSplitRoles
+                          ? decode_kernel<kScheduleSplitRoles>
                                                               : decode_kernel<kScheduleFree>;
   // The kernel body exists only in sm_90a code; compute_89 PTX JIT-compiled for this GPU would
   // run an empty kernel.

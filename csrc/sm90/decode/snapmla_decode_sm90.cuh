@@ -4,11 +4,12 @@
 //   WG0      producer: one thread streams the split's 64-token pages with TMA into a 2-stage
 //            ring (content as four 64x128 e4m3 tiles, RoPE as one 64x64 bf16 tile, both with the
 //            128-byte swizzle WGMMA reads; the fp32 scales as a 64x16-byte box).
-//   WG1, WG2 consumers: each applies every page's P8 . V8 to its own 256 of the 512 output
-//            columns.  With the default schedule (kScheduleHandOver, the paper's Algorithm 1)
-//            page i's logit tile S[64 rows, 64 tokens], softmax and P quantization are computed
-//            by consumer i % 2 and handed to the other through shared memory; the other
-//            schedules compute them in both consumers (identical, deterministic results).
+//   WG1, WG2 consumers: each applies every page's P8 . V8 to its own output columns.  With the
+//            default schedule (kScheduleSplitRoles) WG1 computes every page's logit tile
+//            S[64 rows, 64 tokens], softmax and P quantization and hands P8 to WG2 through
+//            shared memory, WG2 transposes every page's V, and the columns are split 192 / 320;
+//            the other schedules split the columns 256 / 256 and share the S and V^T work
+//            differently (identical, deterministic results).
 // Per page and row the math is exactly the Triton kernel's (vllm_snapmla/triton/decode.py) and
 // reference.decode_quantized's: see docs/format.md "Decode".
 //
@@ -201,6 +202,23 @@ __device__ __forceinline__ void wgmma_m64n32k32_e4m3(float (&d)[16], uint64_t de
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
+// D[64x64 fp32] (+)= A[64x32 e4m3] . B[64x32 e4m3]^T, both K-major in shared memory.
+__device__ __forceinline__ void wgmma_m64n64k32_e4m3(float (&d)[32], uint64_t desc_a,
+                                                     uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+        "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+        "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+        "+f"(d[30]), "+f"(d[31])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
 // D[64x64 fp32] (+)= A[64x16 bf16] . B[64x16 bf16]^T, both K-major in shared memory.
 __device__ __forceinline__ void wgmma_m64n64k16_bf16(float (&d)[32], uint64_t desc_a,
                                                      uint64_t desc_b, int accumulate) {
@@ -239,6 +257,19 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3_rs(float (&d)[64], const u
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
         "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
         "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+}
+
+// D[64x32 fp32] (+)= A[64x32 e4m3, registers] . B[32x32 e4m3, K-major shared memory]^T.
+__device__ __forceinline__ void wgmma_m64n32k32_e4m3_rs(float (&d)[16], const uint32_t (&a)[4],
+                                                        uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+        "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
 }
 
@@ -295,23 +326,36 @@ __device__ __forceinline__ VtMap make_vt_map(int warp, int lane) {
 }
 
 // `tile`: the stage's first content tile of this warpgroup's columns; `keep_t`: all-ones for
-// tokens token0, +1, +8, +9 that hold data, zero for empty slots.
+// tokens token0, +1, +8, +9 that hold data, zero for empty slots.  kLoadsFirst: all 32 loads
+// are issued before the first store.  The compiler cannot tell that the stores (V^T) never
+// alias the loads (the stage), so otherwise each unit's loads wait for the unit before it to
+// be stored, and every unit pays a whole shared-memory latency (32 more registers).
+template <bool kLoadsFirst>
 __device__ __forceinline__ void build_vt(const uint8_t* tile, uint8_t* vt, const VtMap& map,
                                          int buf, uint32_t keep0, uint32_t keep1, uint32_t keep8,
                                          uint32_t keep9) {
-#pragma unroll
-  for (int j = 0; j < kVtUnits; ++j) {
+  uint32_t w[kLoadsFirst ? kVtUnits : 1][4];
+  const auto load_unit = [&](int j, uint32_t (&u)[4]) {
     const uint8_t* t0 = tile + (j / 4) * kContentTileBytes + (map.load[0] ^ (32 * (j % 4)));
     const uint8_t* t1 = tile + (j / 4) * kContentTileBytes + (map.load[1] ^ (32 * (j % 4)));
-    const uint32_t w0 = *reinterpret_cast<const uint32_t*>(t0) & keep0;
-    const uint32_t w1 = *reinterpret_cast<const uint32_t*>(t1) & keep1;
-    const uint32_t w8 = *reinterpret_cast<const uint32_t*>(t0 + 8 * kSwizzleRowBytes) & keep8;
-    const uint32_t w9 = *reinterpret_cast<const uint32_t*>(t1 + 8 * kSwizzleRowBytes) & keep9;
+    u[0] = *reinterpret_cast<const uint32_t*>(t0) & keep0;
+    u[1] = *reinterpret_cast<const uint32_t*>(t1) & keep1;
+    u[2] = *reinterpret_cast<const uint32_t*>(t0 + 8 * kSwizzleRowBytes) & keep8;
+    u[3] = *reinterpret_cast<const uint32_t*>(t1 + 8 * kSwizzleRowBytes) & keep9;
+  };
+  if constexpr (kLoadsFirst) {
+#pragma unroll
+    for (int j = 0; j < kVtUnits; ++j) load_unit(j, w[j]);
+  }
+#pragma unroll
+  for (int j = 0; j < kVtUnits; ++j) {
+    uint32_t(&u)[4] = w[kLoadsFirst ? j : 0];
+    if constexpr (!kLoadsFirst) load_unit(j, u);
 #pragma unroll
     for (int step = 0; step < 4; ++step) {
       // Bytes (w0[c], w1[c], w8[c], w9[c]): column c of the 4 tokens, in A-position order.
-      const uint32_t lo = __byte_perm(w0, w1, map.select[step]);
-      const uint32_t hi = __byte_perm(w8, w9, map.select[step]);
+      const uint32_t lo = __byte_perm(u[0], u[1], map.select[step]);
+      const uint32_t hi = __byte_perm(u[2], u[3], map.select[step]);
       const uint32_t offset = (map.store[step] ^ (64 * buf)) + j * 32 * kSwizzleRowBytes;
       *reinterpret_cast<uint32_t*>(vt + offset) = __byte_perm(lo, hi, 0x5410);
     }
@@ -321,25 +365,23 @@ __device__ __forceinline__ void build_vt(const uint8_t* tile, uint8_t* vt, const
 // The calling thread's VtMap (in its 128-thread warpgroup) from a fresh (volatile) read of the
 // thread index: built per page, the compiler cannot hoist its 11 registers (or addresses
 // derived from them) out of the caller's page loop.  In the hand-over kernel that cut the spill
-// from 260 to 256 bytes, in the producer-vt producer from 86 to 74 local accesses.
-// kWarpgroup0: the caller is in warpgroup 0, whose thread index needs no % 128 (dropping it
-// there saves two spilled accesses in the 24-register producer).
-template <bool kWarpgroup0>
+// from 260 to 256 bytes.
 __device__ __forceinline__ VtMap fresh_vt_map() {
   uint32_t tid;
   asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
-  return make_vt_map((kWarpgroup0 ? tid : tid % 128) / 32, tid % 32);
+  return make_vt_map(tid % 128 / 32, tid % 32);
 }
 
 // V^T of one page of `live` tokens: zeros for the empty slots of a request's last page.
+template <bool kLoadsFirst>
 __device__ __forceinline__ void build_page_vt(const uint8_t* tile, uint8_t* vt,
                                               const VtMap& map, int buf, int live) {
   if (live == kPageSize) {
-    build_vt(tile, vt, map, buf, ~0u, ~0u, ~0u, ~0u);
+    build_vt<kLoadsFirst>(tile, vt, map, buf, ~0u, ~0u, ~0u, ~0u);
   } else {
     const int t0 = map.token0;
-    build_vt(tile, vt, map, buf, t0 < live ? ~0u : 0u, t0 + 1 < live ? ~0u : 0u,
-             t0 + 8 < live ? ~0u : 0u, t0 + 9 < live ? ~0u : 0u);
+    build_vt<kLoadsFirst>(tile, vt, map, buf, t0 < live ? ~0u : 0u, t0 + 1 < live ? ~0u : 0u,
+                          t0 + 8 < live ? ~0u : 0u, t0 + 9 < live ? ~0u : 0u);
   }
 }
 
@@ -358,16 +400,16 @@ __device__ __forceinline__ void build_page_vt(const uint8_t* tile, uint8_t* vt,
 // kSchedule divides the work between the consumer warpgroups (same arithmetic, bit-identical
 // results; timings in benchmarks/RESULTS.md):
 //   kScheduleHandOver: page i's S, softmax and P8 by consumer i % 2 only, handed over (see the
-//                      loop).  1-7% faster than kScheduleTurns.
+//                      loop; the paper's Algorithm 1).  1-7% faster than kScheduleTurns.
 //   kScheduleTurns:    both consumers compute every page's S and P8; their QK and PV sections
 //                      alternate (QK of WG1, QK of WG2, PV of WG1, PV of WG2, per page), so one
 //                      warpgroup's CUDA-core work runs while the other's WGMMAs are in flight.
 //                      A turn is handed over right after the section's last WGMMA is issued.
 //   kScheduleFree:     both compute everything, in no particular order.
-//   kScheduleProducerVt: kScheduleHandOver, with the V^T of every page built by the producer
-//                      warpgroup (all 128 threads, mbarriers vt_full / vt_free per V^T buffer)
-//                      instead of by each consumer for its columns; the consumers keep only QK,
-//                      softmax and PV.  Not timed yet.
+//   kScheduleSplitRoles: WG1 computes every page's S, softmax and P8 (its row state stays in
+//                      registers); WG2 builds every page's V^T, all 512 columns; then both apply
+//                      the page to their own columns, 192 and 320 (see the loop).  1.22-1.31x
+//                      as fast as kScheduleHandOver (the default).
 // kPromotePv = false (measurement only, with kScheduleFree): O is rescaled by gamma in registers
 // and each page's PV WGMMAs accumulate straight into it, so O's sum over the pages runs in the
 // tensor core's reduced-precision accumulation instead of FP32 (what the per-page promotion
@@ -384,9 +426,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t smem_base = smem_addr(smem);
   const uint32_t full_bar = smem_base + kSmemBarriers;           // + 8 * stage: page landed
   const uint32_t empty_bar = full_bar + 8 * kStages;             // + 8 * stage: slot free
-  const uint32_t vt_full_bar = empty_bar + 8 * kStages;          // + 8 * buf: V^T written
-  const uint32_t vt_free_bar = vt_full_bar + 16;                 // + 8 * buf: V^T read
-  constexpr bool kProducerVt = kSchedule == kScheduleProducerVt;
 
   const int b = blockIdx.x;
   const int row_block = blockIdx.y;
@@ -403,15 +442,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(full_bar + 8 * s, 1);
-      // Both consumers release a page; with kScheduleProducerVt the page's owner and the
-      // producer warpgroup (the other consumer reads only V^T and the hand-over buffer).
-      mbar_init(empty_bar + 8 * s, 256);
-    }
-    if constexpr (kProducerVt) {
-      for (int buf = 0; buf < 2; ++buf) {
-        mbar_init(vt_full_bar + 8 * buf, 128);   // the producer warpgroup wrote V^T buf
-        mbar_init(vt_free_bar + 8 * buf, 256);   // both consumers' PV WGMMAs read it
-      }
+      mbar_init(empty_bar + 8 * s, 256);   // every thread of both consumers releases a page
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -435,51 +466,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       tma_load_page(dst + kStageRope, &rope_map, bar, 0, block);
       tma_load_page(dst + kStageScale, &scale_map, bar, 0, block);
     };
-    if constexpr (!kProducerVt) {
-      if (threadIdx.x == 0 && num_iters > 0) {
-        prefetch_tensor_map(&content_map);
-        prefetch_tensor_map(&rope_map);
-        prefetch_tensor_map(&scale_map);
-        for (int i = 0; i < num_iters; ++i) {
-          // A fresh barrier counts as having completed the phase before phase 0: the first
-          // pass over the ring does not wait.
-          mbar_wait(empty_bar + 8 * (i % kStages), ((i / kStages) & 1) ^ 1);
-          load_page(i);
-        }
-      }
-    } else {
-      // The whole warpgroup transposes every page's V (both consumers' 256 columns) into V^T
-      // buffer i % 2, after both consumers' PV of page i - 2 has read that buffer; thread 0
-      // also issues the loads, kStages pages ahead.  Its wait for a free stage (the owner's QK
-      // of page i) holds back warp 0's share of the next transposition (the warp reconverges
-      // after the branch).
-      if (num_iters > 0) {
-        if (threadIdx.x == 0) {
-          prefetch_tensor_map(&content_map);
-          prefetch_tensor_map(&rope_map);
-          prefetch_tensor_map(&scale_map);
-          for (int i = 0; i < min(kStages, num_iters); ++i) load_page(i);
-        }
-        for (int i = 0; i < num_iters; ++i) {
-          const VtMap vt_map = fresh_vt_map<true>();
-          const int buf = i & 1;
-          mbar_wait(full_bar + 8 * (i % kStages), (i / kStages) & 1);
-          mbar_wait(vt_free_bar + 8 * buf, ((i / 2) & 1) ^ 1);
-          const uint8_t* content = smem + kSmemStages + (i % kStages) * kStageBytes + kStageContent;
-          const int live = min(seq_len - (first_page + i) * kPageSize, kPageSize);
-#pragma unroll 1
-          for (int c = 0; c < kConsumerWarpgroups; ++c) {   // one half at a time (registers)
-            build_page_vt(content + c * 2 * kContentTileBytes, smem + kSmemVt + c * kVtBytes,
-                          vt_map, buf, live);
-          }
-          fence_proxy_async();   // V^T becomes visible to the consumers' WGMMAs
-          mbar_arrive(vt_full_bar + 8 * buf);
-          mbar_arrive(empty_bar + 8 * (i % kStages));
-          if (threadIdx.x == 0 && i + kStages < num_iters) {
-            mbar_wait(empty_bar + 8 * (i % kStages), (i / kStages) & 1);
-            load_page(i + kStages);
-          }
-        }
+    if (threadIdx.x == 0 && num_iters > 0) {
+      prefetch_tensor_map(&content_map);
+      prefetch_tensor_map(&rope_map);
+      prefetch_tensor_map(&scale_map);
+      for (int i = 0; i < num_iters; ++i) {
+        // A fresh barrier counts as having completed the phase before phase 0: the first pass
+        // over the ring does not wait.
+        mbar_wait(empty_bar + 8 * (i % kStages), ((i / kStages) & 1) ^ 1);
+        load_page(i);
       }
     }
     return;
@@ -487,7 +482,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // ------------------------------------------------------------------ consumers
   setmaxnreg_inc<kConsumerRegs>();
-  const int consumer = warpgroup - 1;           // output columns [256 * consumer, +256)
+  const int consumer = warpgroup - 1;   // output columns [256 * consumer, +256), but see below
   const int consumer_tid = threadIdx.x - 128;   // 0..255 over both consumer warpgroups
   const int wg_tid = threadIdx.x % 128;
   const int warp = wg_tid / 32;
@@ -567,6 +562,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   // page.  A warpgroup cannot hand over twice before the other has waited once (it would first
   // have to wait for its own next turn), so the barriers' rounds never mix.
   constexpr bool kTurns = kSchedule == kScheduleTurns;
+  // compute_s's group width and accumulators in flight: kScheduleSplitRoles's QK warpgroup has
+  // the registers for two 64-token groups (Q8 read once per chunk, not once per 32-token half):
+  // it keeps O for fewer columns and builds no V^T.
+  constexpr bool kSplitRoles = kSchedule == kScheduleSplitRoles;
+  constexpr int kQkN = kSplitRoles ? 64 : 32;
+  constexpr int kQkParts = kSplitRoles ? kSplitQkParts : 2;
+  static_assert(kQkParts >= 2 && kQkParts <= 3, "compute_s waits with at most 2 groups pending");
   const auto wait_turn = [&] { named_barrier_sync(kTurnBarrier + consumer, 256); };
   const auto hand_over_turn = [&](bool last_section) {
     if (!(consumer == 1 && last_section)) named_barrier_arrive(kTurnBarrier + 1 - consumer, 256);
@@ -593,29 +595,37 @@ __global__ void __launch_bounds__(kThreads, 1)
   // warpgroup barrier before (the PV reading the buffer is done) and fence_proxy_async and a
   // warpgroup barrier after (the WGMMA sees the stores).
   const auto build_own_vt = [&](int i, int buf) {
-    build_page_vt(smem + kSmemStages + stage_of(i) * kStageBytes + kStageContent +
+    build_page_vt<false>(smem + kSmemStages + stage_of(i) * kStageBytes + kStageContent +
                       consumer * 2 * kContentTileBytes,
-                  vt, fresh_vt_map<false>(), buf, live_of(i));
+                  vt, fresh_vt_map(), buf, live_of(i));
   };
 
   // S of page i = qpe' . kpe'^T (BF16, exact FP32 accumulation) + q8 . k8^T (FP8, promoted per
-  // chunk).  The FP8 part runs per 32-token half (s[0..15] and s[16..31] are the two halves'
-  // accumulator fragments): while one half's chunk is added into s, the other half's next chunk
-  // is in the tensor core, so the promotion no longer stalls the WGMMAs.
+  // chunk).  The FP8 part runs as groups of one chunk and kQkN tokens (two WGMMAs): group g
+  // (chunk g / kQkHalves, tokens kQkN (g % kQkHalves) on) goes into accumulator
+  // part[g % kQkParts] and is then added into its tokens' values of s.  kQkParts - 1 groups
+  // stay in the tensor core while one is promoted, so a wait rarely costs a whole WGMMA latency.
   const auto compute_s = [&](int i, float (&s)[32]) {
     const uint64_t stage_desc = sw128_desc(smem_base + kSmemStages + stage_of(i) * kStageBytes);
-    float part[2][16];
-    const auto issue_chunk = [&](int chunk, int half) {
-      fence_operands(part[half]);   // the previous `s += part[half]` stays above the fence
+    constexpr int kQkHalves = kPageSize / kQkN;
+    constexpr int kGroups = kQkHalves * kQkChunks;
+    float part[kQkParts][kQkN / 2];
+    const auto issue_group = [&](int g) {
+      float(&acc)[kQkN / 2] = part[g % kQkParts];
+      fence_operands(acc);   // the previous `s += acc` stays above the fence
       wgmma_fence();
 #pragma unroll
       for (int k = 0; k < kQkPromoteCols / kWgmmaK8; ++k) {
-        const int col = chunk * kQkPromoteCols + k * kWgmmaK8;
+        const int col = (g / kQkHalves) * kQkPromoteCols + k * kWgmmaK8;
         const uint32_t offset =
             (col / kSwizzleRowBytes) * kContentTileBytes + col % kSwizzleRowBytes;
-        wgmma_m64n32k32_e4m3(
-            part[half], desc_at(q8_desc, offset),
-            desc_at(stage_desc, kStageContent + offset + half * 32 * kSwizzleRowBytes), k);
+        const uint64_t desc_b = desc_at(
+            stage_desc, kStageContent + offset + (g % kQkHalves) * kQkN * kSwizzleRowBytes);
+        if constexpr (kQkN == 64) {
+          wgmma_m64n64k32_e4m3(acc, desc_at(q8_desc, offset), desc_b, k);
+        } else {
+          wgmma_m64n32k32_e4m3(acc, desc_at(q8_desc, offset), desc_b, k);
+        }
       }
       wgmma_commit();
     };
@@ -627,25 +637,27 @@ __global__ void __launch_bounds__(kThreads, 1)
                            desc_at(stage_desc, kStageRope + k * 32), k);
     }
     wgmma_commit();
-    issue_chunk(0, 0);
-    issue_chunk(0, 1);
 #pragma unroll
-    for (int chunk = 0; chunk < kQkChunks; ++chunk) {
+    for (int g = 0; g < kQkParts; ++g) issue_group(g);
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        // In flight: this (chunk, half) and the next group; the oldest must be complete.
-        if (chunk == kQkChunks - 1 && half == 1) {
-          wgmma_wait<0>();
-        } else {
-          wgmma_wait<1>();
-        }
-        fence_operands(s);
-        fence_operands(part[half]);
-#pragma unroll
-        for (int v = 0; v < 16; ++v) s[16 * half + v] += part[half][v];   // FP32 promotion
-        if (chunk + 1 < kQkChunks) issue_chunk(chunk + 1, half);
-        if (kTurns && chunk == kQkChunks - 2 && half == 1) hand_over_turn(false);   // PV next
+    for (int g = 0; g < kGroups; ++g) {
+      // Groups g + 1 .. min(g + kQkParts - 1, last) may stay in flight (the RoPE group, the
+      // oldest, is complete with group 0).
+      const int pending = min(g + kQkParts - 1, kGroups - 1) - g;
+      if (pending >= 2) {
+        wgmma_wait<2>();
+      } else if (pending == 1) {
+        wgmma_wait<1>();
+      } else {
+        wgmma_wait<0>();
       }
+      float(&acc)[kQkN / 2] = part[g % kQkParts];
+      fence_operands(s);
+      fence_operands(acc);
+#pragma unroll
+      for (int v = 0; v < kQkN / 2; ++v) s[(kQkN / 2) * (g % kQkHalves) + v] += acc[v];
+      if (g + kQkParts < kGroups) issue_group(g + kQkParts);
+      if (kTurns && g == kGroups - 3) hand_over_turn(false);   // PV next
     }
   };
 
@@ -785,6 +797,139 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   };
 
+  // kScheduleSplitRoles's PV: O = gamma O + P8 . V8 for the columns of `o`, kPieces pieces of
+  // kPieceN columns from the V^T rows at `vt_cols` (descriptor), through kAccs accumulators:
+  // piece q's promotion into O runs while piece q + 1 is in the tensor core.
+  const auto apply_page_to = [&](auto& o_pieces, uint32_t (&p8)[2][4], const float (&gamma)[2],
+                                 uint64_t vt_cols, int buf) {
+    constexpr int kAccs = 2;
+    constexpr int kPieces = sizeof(o_pieces) / sizeof(o_pieces[0]);
+    constexpr int kVals = sizeof(o_pieces[0]) / sizeof(float);   // kPieceN / 2 per thread
+    constexpr int kPieceN = 2 * kVals;
+    static_assert(kPieceN == 32 || kPieceN == 64, "PV pieces are m64n32 or m64n64 WGMMAs");
+    float pv[kAccs][kVals];
+    const auto issue_piece = [&](int q) {
+      fence_operands(pv[q % kAccs]);   // the piece before it was promoted above the fence
+      fence_operands(p8[0]);       // the e4m3 packing of P stays above the fence
+      fence_operands(p8[1]);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < kPageSize / kWgmmaK8; ++k) {
+        const uint64_t desc = desc_at(vt_cols, buf * kPageSize + q * kPieceN * kSwizzleRowBytes +
+                                                   k * kWgmmaK8);
+        if constexpr (kPieceN == 64) {
+          wgmma_m64n64k32_e4m3_rs(pv[q % kAccs], p8[k], desc, k);
+        } else {
+          wgmma_m64n32k32_e4m3_rs(pv[q % kAccs], p8[k], desc, k);
+        }
+      }
+      wgmma_commit();
+    };
+#pragma unroll
+    for (int q = 0; q < kAccs && q < kPieces; ++q) issue_piece(q);
+#pragma unroll
+    for (int q = 0; q < kPieces; ++q) {
+      if (q + 1 < kPieces) {
+        wgmma_wait<1>();
+      } else {
+        wgmma_wait<0>();
+      }
+      fence_operands(pv[q % kAccs]);
+#pragma unroll
+      for (int v = 0; v < kVals; ++v) {
+        o_pieces[q][v] = o_pieces[q][v] * gamma[(v >> 1) & 1] + pv[q % kAccs][v];
+      }
+      if (q + kAccs < kPieces) issue_piece(q + kAccs);
+    }
+  };
+
+  // Epilogue: out = sigma_P O / (sigma_P L) for the columns of `o` from col0 on (pieces of any
+  // width, each an accumulator fragment); rows that saw nothing give 0 and LSE -inf.
+  const auto write_output = [&](auto& o_pieces, int col0) {
+    constexpr int kPieces = sizeof(o_pieces) / sizeof(o_pieces[0]);
+    constexpr int kPieceN = 2 * (sizeof(o_pieces[0]) / sizeof(float));
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int g = row0 + 16 * warp + lane / 4 + 8 * h;
+      if (g >= p.num_rows) continue;
+      const bool seen_any = l[h] > 0.f;
+      const float norm = seen_any ? amax_prev[h] / (kFp8Max * l[h]) : 0.f;
+      const float lse = seen_any ? (m[h] + log2f(l[h])) * kLn2 : -INFINITY;
+      const bool writes_lse = consumer == 0 && quad == 0;
+      if (p.num_splits == 1) {
+        __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.out) +
+                             (static_cast<int64_t>(b) * p.num_rows + g) * kKvLoraRank + col0;
+#pragma unroll
+        for (int q = 0; q < kPieces; ++q)
+#pragma unroll
+          for (int j = 0; j < kPieceN / 8; ++j) {
+            const int v = 4 * j + 2 * h;
+            *reinterpret_cast<__nv_bfloat162*>(dst + q * kPieceN + 8 * j + 2 * quad) =
+                __floats2bfloat162_rn(o_pieces[q][v] * norm, o_pieces[q][v + 1] * norm);
+          }
+        if (writes_lse) {
+          p.lse[(static_cast<int64_t>(b) * p.num_heads + g % p.num_heads) * p.s_q +
+                g / p.num_heads] = lse;
+        }
+      } else {
+        const int64_t part_row =
+            (static_cast<int64_t>(b) * p.num_splits + split) * p.num_rows + g;
+        if (writes_lse) p.lse[part_row] = lse;
+        if (!seen_any) continue;   // the combine skips splits with LSE -inf: no O needed
+        float* dst = static_cast<float*>(p.out) + part_row * kKvLoraRank + col0;
+#pragma unroll
+        for (int q = 0; q < kPieces; ++q)
+#pragma unroll
+          for (int j = 0; j < kPieceN / 8; ++j) {
+            const int v = 4 * j + 2 * h;
+            *reinterpret_cast<float2*>(dst + q * kPieceN + 8 * j + 2 * quad) =
+                make_float2(o_pieces[q][v] * norm, o_pieces[q][v + 1] * norm);
+          }
+      }
+    }
+  };
+
+  // Hand-over buffer of page i (kScheduleHandOver, kScheduleSplitRoles), this thread's words:
+  // P8 (words 0-7), gamma (8-9), then the row state after the page, m, peak, amax, l (10-17).
+  const auto hand_over_of = [&](int i) {
+    return reinterpret_cast<uint32_t*>(smem + kSmemHandOver) +
+           (i % kHandOverBuffers) * kHandOverWords * 128 + wg_tid;
+  };
+  const auto store_hand_over = [&](int i, const uint32_t (&p8)[2][4], const float (&gamma)[2]) {
+    uint32_t* x = hand_over_of(i);
+#pragma unroll
+    for (int w = 0; w < 8; ++w) x[w * 128] = p8[w / 4][w % 4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) x[(8 + h) * 128] = __float_as_uint(gamma[h]);
+  };
+  const auto store_row_state = [&](int i) {
+    uint32_t* x = hand_over_of(i);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      x[(10 + h) * 128] = __float_as_uint(m[h]);
+      x[(12 + h) * 128] = __float_as_uint(peak[h]);
+      x[(14 + h) * 128] = __float_as_uint(amax_prev[h]);
+      x[(16 + h) * 128] = __float_as_uint(l[h]);
+    }
+  };
+  const auto load_handed_over_state = [&](int i) {
+    const uint32_t* x = hand_over_of(i);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      m[h] = __uint_as_float(x[(10 + h) * 128]);
+      peak[h] = __uint_as_float(x[(12 + h) * 128]);
+      amax_prev[h] = __uint_as_float(x[(14 + h) * 128]);
+      l[h] = __uint_as_float(x[(16 + h) * 128]);
+    }
+  };
+  const auto load_hand_over = [&](int i, uint32_t (&p8)[2][4], float (&gamma)[2]) {
+    const uint32_t* x = hand_over_of(i);
+#pragma unroll
+    for (int w = 0; w < 8; ++w) p8[w / 4][w % 4] = x[w * 128];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) gamma[h] = __uint_as_float(x[(8 + h) * 128]);
+  };
+
   if constexpr (kSchedule == kScheduleFree || kSchedule == kScheduleTurns) {
     // Both warpgroups compute every page's S and P8 (identical), each applies it to its columns.
     for (int i = 0; i < num_iters; ++i) {
@@ -804,7 +949,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       apply_page(p8, gamma, 0, i == num_iters - 1);
     }
-  } else {
+  } else if constexpr (kSchedule == kScheduleHandOver) {
     // Paper Algorithm 1: page i's S and P8 are computed by consumer i % 2 only, which hands P8,
     // gamma and the row state after the page to the other consumer through shared memory
     // (named barrier kTurnBarrier + i % 2); both apply every page to their own columns in
@@ -815,48 +960,29 @@ __global__ void __launch_bounds__(kThreads, 1)
     // after i - 1) is the only serial part.  The chain also makes each named barrier's rounds
     // alternate strictly (page i + 2's arrive comes after page i + 1's state was received, which
     // the other consumer hands over after its wait for page i).
-    // Page i's hand-over buffer is i % 4 (this thread's words): its owner rewrites it for page
-    // i + 4 only after receiving page i + 3's state, which the other consumer hands over in the
-    // step after the one in which it applied page i.
-    const auto hand_over_of = [&](int i) {
-      return reinterpret_cast<uint32_t*>(smem + kSmemHandOver) +
-             (i % kHandOverBuffers) * kHandOverWords * 128 + wg_tid;
-    };
-    const auto load_handed_over_state = [&](int i) {
-      const uint32_t* x = hand_over_of(i);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        m[h] = __uint_as_float(x[(10 + h) * 128]);
-        peak[h] = __uint_as_float(x[(12 + h) * 128]);
-        amax_prev[h] = __uint_as_float(x[(14 + h) * 128]);
-        l[h] = __uint_as_float(x[(16 + h) * 128]);
-      }
-    };
+    // Page i's hand-over buffer is i % 4: its owner rewrites it for page i + 4 only after
+    // receiving page i + 3's state, which the other consumer hands over in the step after the
+    // one in which it applied page i.
     for (int own = consumer;; own += 2) {
       const int other = own - 1;
       const bool has_own = own < num_iters;
       const bool has_other = other >= 0 && other < num_iters;
       if (!has_own && !has_other) break;
-      if constexpr (!kProducerVt) {
-        named_barrier_sync(wg_barrier, 128);   // every warp's previous PV WGMMAs have read vt
-        if (has_other) {
-          wait_page(other);
-          build_own_vt(other, other & 1);
-          release_page(other);   // the other consumer's stage: only its V was needed here
-        }
-        if (has_own) {
-          wait_page(own);
-          build_own_vt(own, own & 1);
-        }
-        fence_proxy_async();
-        named_barrier_sync(wg_barrier, 128);
+      named_barrier_sync(wg_barrier, 128);   // every warp's previous PV WGMMAs have read vt
+      if (has_other) {
+        wait_page(other);
+        build_own_vt(other, other & 1);
+        release_page(other);   // the other consumer's stage: only its V was needed here
       }
+      if (has_own) {
+        wait_page(own);
+        build_own_vt(own, own & 1);
+      }
+      fence_proxy_async();
+      named_barrier_sync(wg_barrier, 128);
 
       float s[32];
-      if (has_own) {
-        if constexpr (kProducerVt) wait_page(own);
-        compute_s(own, s);
-      }
+      if (has_own) compute_s(own, s);
       // The state after page `other`, handed over by the other consumer, then `own`'s softmax
       // and its hand-over.  Every step sets the state afresh, so it is not live across steps
       // (registers); the epilogue reads the final state back from the last hand-over buffer.
@@ -869,84 +995,99 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (has_own) {
         float k_scale[16];
         load_scales(own, k_scale);
-        release_page(own);   // QK, scales (and, unless kProducerVt, V^T) done
+        release_page(own);   // QK, scales and V^T done
         uint32_t p8[2][4];
         float gamma[2];
         softmax(own, s, k_scale, p8, gamma);
-        uint32_t* x = hand_over_of(own);
-#pragma unroll
-        for (int w = 0; w < 8; ++w) x[w * 128] = p8[w / 4][w % 4];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          x[(8 + h) * 128] = __float_as_uint(gamma[h]);
-          x[(10 + h) * 128] = __float_as_uint(m[h]);
-          x[(12 + h) * 128] = __float_as_uint(peak[h]);
-          x[(14 + h) * 128] = __float_as_uint(amax_prev[h]);
-          x[(16 + h) * 128] = __float_as_uint(l[h]);
-        }
+        store_hand_over(own, p8, gamma);
+        store_row_state(own);
         named_barrier_arrive(kTurnBarrier + (own & 1), 256);
       }
       // PV of `other`, then of `own`, with P8 and gamma from the hand-over buffers (one call
       // site: two kept the second page's P8 live across the first PV and spilled).
       for (int i = has_other ? other : own; i <= (has_own ? own : other); ++i) {
-        const uint32_t* x = hand_over_of(i);
         uint32_t p8[2][4];
         float gamma[2];
-#pragma unroll
-        for (int w = 0; w < 8; ++w) p8[w / 4][w % 4] = x[w * 128];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) gamma[h] = __uint_as_float(x[(8 + h) * 128]);
-        if constexpr (kProducerVt) mbar_wait(vt_full_bar + 8 * (i & 1), (i / 2) & 1);
+        load_hand_over(i, p8, gamma);
         apply_page(p8, gamma, i & 1, false);
-        if constexpr (kProducerVt) mbar_arrive(vt_free_bar + 8 * (i & 1));   // PV(i) has read it
       }
     }
     // Both consumers have passed page num_iters - 1's hand-over (its owner wrote it, the other
     // synced on it), so both read the final state.
     if (num_iters > 0) load_handed_over_state(num_iters - 1);
-  }
-
-  // Epilogue: out = sigma_P O / (sigma_P L); rows that saw nothing give 0 and LSE -inf.
+  } else {
+    // kScheduleSplitRoles.  Page i: WG1 computes S(i), the softmax and P8(i), puts P8(i) and
+    // gamma in hand-over buffer i % 4 and applies the page to output columns
+    // [0, kQkWarpgroupCols); WG2 builds V^T(i) of all 512 columns into V^T buffer i % 2 and
+    // applies the page to the other columns with the handed-over P8.  WG1's chain (QK, softmax,
+    // PV) is the longer one, hence its smaller share of the columns: its registers go to the QK
+    // accumulators instead (compute_s), and the PV time moves to WG2.  They meet at barrier kPageBarrier (a bar.sync of all 256) before their PVs, so while
+    // WG1 computes S(i + 1) and its softmax, WG2 builds V^T(i + 1).  WG2 rewrites V^T buffer
+    // i % 2 for page i + 2 after WG1's arrival at kVtFreeBarrier + i % 2 past its PV(i) (the
+    // same bar.sync holds WG2's warps until all are past their own PV(i)).  Rounds never mix:
+    // every thread leaves a rendezvous only once it is complete, and WG1's arrivals for pages
+    // i and i + 2 at kVtFreeBarrier + i % 2 are separated by page i + 2's rendezvous, which WG2
+    // reaches only after its sync for page i.  WG1 rewrites hand-over buffer i % 4 for page
+    // i + 4 after page i + 3's rendezvous; WG2 read it before page i + 1's.
+    const uint64_t vt_cols0 = sw128_desc(smem_base + kSmemVt);   // V^T row of output column 0
+    if (consumer == 0) {
+      float o_qk[kQkWarpgroupCols / kQkPieceCols][kQkPieceCols / 2];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int g = row0 + 16 * warp + lane / 4 + 8 * h;
-    if (g >= p.num_rows) continue;
-    const bool seen_any = l[h] > 0.f;
-    const float norm = seen_any ? amax_prev[h] / (kFp8Max * l[h]) : 0.f;
-    const float lse = seen_any ? (m[h] + log2f(l[h])) * kLn2 : -INFINITY;
-    const bool writes_lse = consumer == 0 && quad == 0;
-    if (p.num_splits == 1) {
-      __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.out) +
-                           (static_cast<int64_t>(b) * p.num_rows + g) * kKvLoraRank +
-                           consumer * kOutColsPerWarpgroup;
+      for (int q = 0; q < kQkWarpgroupCols / kQkPieceCols; ++q)
 #pragma unroll
-      for (int half = 0; half < 2; ++half)
-#pragma unroll
-        for (int j = 0; j < kPvN / 8; ++j) {
-          const int v = 4 * j + 2 * h;
-          *reinterpret_cast<__nv_bfloat162*>(dst + half * kPvN + 8 * j + 2 * quad) =
-              __floats2bfloat162_rn(o[half][v] * norm, o[half][v + 1] * norm);
+        for (int v = 0; v < kQkPieceCols / 2; ++v) o_qk[q][v] = 0.f;
+      for (int i = 0; i < num_iters; ++i) {
+        uint32_t p8[2][4];
+        float gamma[2];
+        {
+          float s[32], k_scale[16];
+          wait_page(i);
+          compute_s(i, s);
+          load_scales(i, k_scale);
+          release_page(i);   // QK and scales done (WG2 releases it after its V^T)
+          softmax(i, s, k_scale, p8, gamma);
         }
-      if (writes_lse) {
-        p.lse[(static_cast<int64_t>(b) * p.num_heads + g % p.num_heads) * p.s_q + g / p.num_heads] =
-            lse;
+        store_hand_over(i, p8, gamma);
+        named_barrier_sync(kPageBarrier, 256);
+        apply_page_to(o_qk, p8, gamma, vt_cols0, i & 1);
+        if (i + 2 < num_iters) named_barrier_arrive(kVtFreeBarrier + (i & 1), 256);
       }
+      if (num_iters > 0) store_row_state(num_iters - 1);   // for WG2's epilogue
+      named_barrier_sync(kPageBarrier, 256);
+      write_output(o_qk, 0);
     } else {
-      const int64_t part_row = (static_cast<int64_t>(b) * p.num_splits + split) * p.num_rows + g;
-      if (writes_lse) p.lse[part_row] = lse;
-      if (!seen_any) continue;   // the combine skips splits with LSE -inf: no O needed
-      float* dst = static_cast<float*>(p.out) + part_row * kKvLoraRank +
-                   consumer * kOutColsPerWarpgroup;
+      constexpr int kCols = kKvLoraRank - kQkWarpgroupCols;
+      float o_vt[kCols / 32][16];   // 32-column pieces: two accumulators fit beside them
 #pragma unroll
-      for (int half = 0; half < 2; ++half)
+      for (int q = 0; q < kCols / 32; ++q)
 #pragma unroll
-        for (int j = 0; j < kPvN / 8; ++j) {
-          const int v = 4 * j + 2 * h;
-          *reinterpret_cast<float2*>(dst + half * kPvN + 8 * j + 2 * quad) =
-              make_float2(o[half][v] * norm, o[half][v + 1] * norm);
+        for (int v = 0; v < 16; ++v) o_vt[q][v] = 0.f;
+      for (int i = 0; i < num_iters; ++i) {
+        if (i >= 2) named_barrier_sync(kVtFreeBarrier + (i & 1), 256);
+        wait_page(i);
+        const VtMap vt_map = fresh_vt_map();
+        const uint8_t* content = smem + kSmemStages + stage_of(i) * kStageBytes + kStageContent;
+#pragma unroll 1
+        for (int c = 0; c < kConsumerWarpgroups; ++c) {   // one half at a time (registers)
+          build_page_vt<true>(content + c * 2 * kContentTileBytes,
+                              smem + kSmemVt + c * kVtBytes, vt_map, i & 1, live_of(i));
         }
+        fence_proxy_async();   // V^T becomes visible to both warpgroups' WGMMAs
+        release_page(i);
+        named_barrier_sync(kPageBarrier, 256);
+        uint32_t p8[2][4];
+        float gamma[2];
+        load_hand_over(i, p8, gamma);
+        apply_page_to(o_vt, p8, gamma, desc_at(vt_cols0, kQkWarpgroupCols * kSwizzleRowBytes),
+                      i & 1);
+      }
+      named_barrier_sync(kPageBarrier, 256);
+      if (num_iters > 0) load_handed_over_state(num_iters - 1);
+      write_output(o_vt, kQkWarpgroupCols);
     }
   }
+
+  if constexpr (!kSplitRoles) write_output(o, consumer * kOutColsPerWarpgroup);
 #elif defined(__CUDA_ARCH__)
   // Not sm_90a (e.g. a plain sm_90 build): fail loudly rather than return garbage.  The launcher
   // never starts this on the sm_89 build.
