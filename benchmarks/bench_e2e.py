@@ -20,6 +20,14 @@ one ``generate`` for W tokens and one for W + T tokens, and
     decode tok/s = B x T / (time for W + T tokens - time for W tokens)
     time per output token = (time for W + T tokens - time for W tokens) / T.
 
+Both runs include the whole prefill (B x context tokens, seconds at long contexts), so a
+run-to-run change of the prefill time lands in the difference.  Each pair of runs is therefore
+repeated (``--repeats``, default 2; the medians are used) and the spread of the repeats is
+reported (``noise_s``): ``timing_ok`` is false when it exceeds a tenth of the decode time, and
+such a row is not a measurement of decode speed (raise T).  On 2026-12-01 T = 64 after a
+0.9M-token prefill gave a decode window of 90 ms in 11.6 s runs, below what the attention
+kernels alone need.
+
 W (``warm_tokens``) outlasts the chunked prefill: the first requests start decoding while the
 later ones are still prefilling, so with W = 1 those mixed steps would land in the difference.
 W = 1.25 x the steps the prefill needs at most (B x context prompt tokens, at most
@@ -41,6 +49,7 @@ import math
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -56,7 +65,8 @@ KV_SETTINGS = ("auto", "fp8_snapmla", "fp8")
 BASELINE_KV = "auto"
 HEADS = (128, 16)
 CONTEXTS = (16384, 32768, 65536, 131072)
-QUICK = {"heads": (128,), "contexts": (16384, 65536), "gen_tokens": 64, "kv_cache_gib": 4.0}
+QUICK = {"heads": (128,), "contexts": (16384, 65536), "gen_tokens": 256, "kv_cache_gib": 4.0}
+NOISE_FRACTION = 0.1   # largest spread of the repeated runs, as a fraction of the decode time
 
 # DeepSeek-V3.1 attention; 4 dense layers keep the non-attention work small, as in the baseline.
 DEEPSEEK_V31_ATTENTION = {
@@ -71,7 +81,7 @@ _KV_TOKENS_LOG = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
 _BACKEND_LOG = re.compile(r"Using (\w+) attention backend")
 
 CSV_FIELDS = ["heads", "context", "kv", "backend", "batch", "gen_tokens", "warm_tokens",
-              "window_ok", "kv_cache_tokens",
+              "window_ok", "repeats", "noise_s", "timing_ok", "kv_cache_tokens",
               "log_kv_cache_tokens", "capacity_vs_bf16", "time_short_s", "time_long_s",
               "decode_tok_s", "tpot_ms", "speedup_vs_bf16", "error"]
 
@@ -112,6 +122,19 @@ def decode_rates(batch: int, steps: int, time_short: float,
     if steps < 1 or decode_time <= 0:
         raise ValueError(f"no decode time: {steps=}, {time_short=} s, {time_long=} s")
     return batch * steps / decode_time, 1000 * decode_time / steps
+
+
+def repeated_times(shorts: list[float], longs: list[float]) -> tuple[float, float, float, object]:
+    """(median W time, median W + T time, spread, timing_ok) of repeated runs.  The spread is
+    the larger max - min of the two; timing_ok is "" (unknown) with one run each, otherwise
+    whether the spread is at most NOISE_FRACTION of the decode time."""
+    if not shorts or len(shorts) != len(longs):
+        raise ValueError(f"need as many W as W + T runs, got {len(shorts)} and {len(longs)}")
+    time_short, time_long = statistics.median(shorts), statistics.median(longs)
+    spread = max(max(shorts) - min(shorts), max(longs) - min(longs))
+    if len(shorts) < 2:
+        return time_short, time_long, spread, ""
+    return time_short, time_long, spread, spread <= NOISE_FRACTION * (time_long - time_short)
 
 
 def _key(row: dict) -> tuple[int, int, str]:
@@ -167,18 +190,21 @@ def _fmt(value, digits: int = 0) -> str:
 
 def format_table(rows: list[dict]) -> str:
     """Markdown table of the rows (as in h200-baselines.md)."""
-    lines = [("| H | context | KV | backend | B | W (window ok) | KV capacity (tokens) | "
-              "capacity vs BF16 | decode tok/s | TPOT ms | vs BF16 |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [("| H | context | KV | backend | B | W (window ok) | timing (spread) | "
+              "KV capacity (tokens) | capacity vs BF16 | decode tok/s | TPOT ms | vs BF16 |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("error"):
             lines.append(f"| {r['heads']} | {r['context']} | {r['kv']} | failed: "
-                         f"{str(r['error'])[:80]} | | | | | | | |")
+                         f"{str(r['error'])[:80]} | | | | | | | | |")
             continue
         window = {"True": "yes", "False": "**no**"}.get(str(r.get("window_ok")), "-")
+        timing = {"True": "ok", "False": "**noisy**"}.get(str(r.get("timing_ok")), "-")
+        spread = _num(r.get("noise_s"))
+        timing += f" ({spread:.2f} s)" if spread is not None else ""
         lines.append(
             f"| {r['heads']} | {r['context']} | {r['kv']} | {r.get('backend') or '-'} | "
-            f"{r['batch']} | {r.get('warm_tokens') or '-'} ({window}) | "
+            f"{r['batch']} | {r.get('warm_tokens') or '-'} ({window}) | {timing} | "
             f"{_fmt(r['kv_cache_tokens'])} | {_fmt(r['capacity_vs_bf16'], 3)} | "
             f"{_fmt(r['decode_tok_s'])} | {_fmt(r['tpot_ms'], 2)} | "
             f"{_fmt(r['speedup_vs_bf16'], 2)} |")
@@ -298,17 +324,25 @@ def run_engine(spec: dict):
                        torch.randint(2, vocab, (batch, context), generator=gen_ids).tolist()]
             # The shapes' first run (JIT compiles, tuning) would land in the short run only.
             timed(2, prompts)
-            time_short, outputs = timed(warm, prompts)
-            stats = [o.metrics for o in outputs]
-            window_ok = (decode_window_ok([m.first_token_ts for m in stats],
-                                          [m.last_token_ts for m in stats])
-                         if all(m is not None for m in stats) else "")
-            time_long, _ = timed(warm + gen, prompts)
+            shorts, longs, window_ok = [], [], True
+            for _ in range(spec["repeats"]):
+                time_short, outputs = timed(warm, prompts)
+                stats = [o.metrics for o in outputs]
+                if window_ok is True:
+                    window_ok = (decode_window_ok([m.first_token_ts for m in stats],
+                                                  [m.last_token_ts for m in stats])
+                                 if all(m is not None for m in stats) else "")
+                time_long, _ = timed(warm + gen, prompts)
+                shorts.append(time_short)
+                longs.append(time_long)
+            time_short, time_long, noise, timing_ok = repeated_times(shorts, longs)
             tok_s, tpot_ms = decode_rates(batch, gen, time_short, time_long)
         except (RuntimeError, ValueError) as exc:   # this context fails; the next ones run
             yield {**result, "error": f"{type(exc).__name__}: {exc}"[:300]}
             continue
-        yield {**result, "window_ok": window_ok, "time_short_s": round(time_short, 3),
+        yield {**result, "window_ok": window_ok, "repeats": spec["repeats"],
+               "noise_s": round(noise, 3), "timing_ok": timing_ok,
+               "time_short_s": round(time_short, 3),
                "time_long_s": round(time_long, 3), "decode_tok_s": round(tok_s, 1),
                "tpot_ms": round(tpot_ms, 3)}
 
@@ -397,12 +431,16 @@ def main(argv=None) -> None:
     parser.add_argument("--kv-cache-gib", type=float,
                         help="KV-cache budget per setting (default 24; --quick 4); 0 lets "
                              "vLLM fill 90%% of the GPU")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="runs of each of W and W + T (medians; their spread is reported)")
     parser.add_argument("--max-batch", type=int, default=512,
                         help="cap on the batch (vLLM captures CUDA graphs up to 512)")
     parser.add_argument("--timeout", type=float, default=1800,
                         help="seconds per context (an engine gets this times its contexts)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.child:
         _child()
         return
@@ -432,11 +470,14 @@ def main(argv=None) -> None:
                 else:
                     print(f"    context {result['context']}: B={result['batch']}, "
                           f"W={result['warm_tokens']}, {result['decode_tok_s']:,.0f} decode "
-                          f"tok/s, TPOT {result['tpot_ms']:.2f} ms "
+                          f"tok/s, TPOT {result['tpot_ms']:.2f} ms, spread of the repeats "
+                          f"{result['noise_s']:.2f} s"
+                          f"{' (too noisy: raise T)' if result['timing_ok'] is False else ''} "
                           f"({time.monotonic() - start:.0f} s)", flush=True)
 
             spec = {"model": models[h], "heads": h, "contexts": list(contexts), "kv": kv,
-                    "gen_tokens": gen, "kv_cache_gib": kv_gib, "max_batch": args.max_batch}
+                    "gen_tokens": gen, "kv_cache_gib": kv_gib, "max_batch": args.max_batch,
+                    "repeats": args.repeats}
             rows += run_in_subprocess(spec, args.timeout * len(contexts), on_result=report)
             write_outputs(rows, out)   # after every engine: a cut-short sweep keeps its rows
     print("\n" + format_table(write_outputs(rows, out)))

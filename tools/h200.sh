@@ -60,7 +60,7 @@ case "$stage" in
     "$NCU" -i /root/sm90.ncu-rep --page source --csv --print-source sass > /root/ncu_sass.csv 2>&1
     pack /root/ncu_details.txt /root/ncu_sass.csv "$log" ;;
   e2e-sm90)    # FULL CUDA graphs and n-gram speculation in vLLM with the sm90 kernel forced (the
-               # tiny model's 16 heads would pick Triton); needs the unpacked vLLM bundle
+               # tiny model's 16 heads used to pick Triton); needs the unpacked vLLM bundle
     unpack
     SNAPMLA_DECODE_KERNEL=sm90 run timeout 400 python3 -m pytest \
         tests/e2e/test_cuda_graphs_spec_decode.py -v -s -rs -p no:cacheprovider ;;

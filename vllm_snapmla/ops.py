@@ -7,7 +7,7 @@ Every function takes CPU or CUDA tensors.  CPU tensors run the exact PyTorch ref
 results within the tolerances the tests state.
 
 ``SNAPMLA_DECODE_KERNEL`` picks the decode kernel: ``auto`` (default: sm90 where it is built, the
-GPU is sm_90 and a request has at least 32 query rows (s_q x heads), Triton otherwise), ``sm90``
+GPU is sm_90 and a request has at least 16 query rows (s_q x heads), Triton otherwise), ``sm90``
 (always; refuse to run without it) or ``triton``.
 """
 
@@ -141,10 +141,10 @@ def quantize_q(q_nope: torch.Tensor, q_pe: torch.Tensor):
 
 
 DECODE_KERNELS = ("auto", "sm90", "triton")
-# The sm90 kernel computes 64 query rows (s_q x heads) per CTA and pads fewer.  On the H200
-# (benchmarks/RESULTS.md, 2026-12-01, second run) it beat the Triton kernel from 32 rows (H=32:
-# 286 vs 313 us) but not at 16 (H=16: 536 vs 408 us).
-SM90_MIN_ROWS = 32
+# The sm90 kernel computes 64 query rows (s_q x heads) per CTA and pads fewer.  On the H200 it
+# runs 1.09-1.17x BF16 FlashMLA's speed at 16 rows (H=16, benchmarks/RESULTS.md seventh run),
+# where the Triton kernel ran 0.78-0.81x (second to sixth runs); below 16 rows it is untimed.
+SM90_MIN_ROWS = 16
 
 
 @functools.cache

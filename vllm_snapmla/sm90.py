@@ -4,7 +4,7 @@ Same inputs, outputs and split contract as ``vllm_snapmla.triton.decode.snapmla_
 is the CUDA kernel (one CTA per request, 64-row block of ``(s_q, head)`` rows and KV split; TMA
 page ring, FP8/BF16 WGMMA); with several splits, stage 2 is the Triton combine kernel.
 ``vllm_snapmla.ops.decode`` uses it on sm_90 GPUs for requests of at least ``ops.SM90_MIN_ROWS``
-query rows (``SNAPMLA_DECODE_KERNEL`` overrides that).
+(16) query rows (``SNAPMLA_DECODE_KERNEL`` overrides that).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from vllm_snapmla.triton.decode import _combine_kernel, _device_limits, num_spli
 _BLOCK_ROWS = 64   # query rows per CTA (csrc/sm90/decode/config.h kBlockRows)
 # How the two consumer warpgroups order their tensor-core sections (config.h kSchedule*).
 SCHEDULES = {"free": 0, "turns": 1, "hand-over": 2, "split-roles": 3}
-# "split-roles" is 1.13-1.19x as fast as "hand-over" on the H200 (benchmarks/RESULTS.md, seventh
+# "split-roles" is 1.22-1.30x as fast as "hand-over" on the H200 (benchmarks/RESULTS.md, seventh
 # run), which is 1.05-1.13x as fast as "turns" (sixth run).
 DEFAULT_SCHEDULE = "split-roles"
 # csrc/sm90/decode/config.h hard-codes these (kPScaleRange, kPScaleFloor).

@@ -207,3 +207,19 @@ def test_plot_writes_a_png(tmp_path):
     rows = bench.add_relative_columns(_sweep(random.Random(5)))
     assert bench.plot(rows, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_repeated_runs_use_medians_and_flag_a_spread_above_a_tenth_of_the_decode_time():
+    rng = random.Random(5)
+    shorts = [rng.uniform(10, 12) for _ in range(3)]
+    longs = [s + rng.uniform(2, 3) for s in shorts]
+    time_short, time_long, spread, ok = bench.repeated_times(shorts, longs)
+    assert time_short == sorted(shorts)[1] and time_long == sorted(longs)[1]
+    assert spread == pytest.approx(max(max(shorts) - min(shorts), max(longs) - min(longs)))
+    assert ok is (spread <= bench.NOISE_FRACTION * (time_long - time_short))
+    # The 2026-12-01 case: a 90 ms decode window in 11.6 s runs that vary by 0.1 s.
+    assert bench.repeated_times([11.55, 11.65], [11.64, 11.74])[3] is False
+    assert bench.repeated_times([11.55, 11.56], [13.0, 13.02])[3] is True
+    assert bench.repeated_times([11.55], [11.64])[3] == ""   # one run: unknown
+    with pytest.raises(ValueError):
+        bench.repeated_times([1.0, 2.0], [3.0])

@@ -408,7 +408,7 @@ __device__ __forceinline__ void build_page_vt(const uint8_t* tile, uint8_t* vt,
 //   kScheduleFree:     both compute everything, in no particular order.
 //   kScheduleSplitRoles: WG1 computes every page's S, softmax and P8 (its row state stays in
 //                      registers); WG2 builds every page's V^T, all 512 columns; then both apply
-//                      the page to their own columns, 192 and 320 (see the loop).  1.22-1.31x
+//                      the page to their own columns, 192 and 320 (see the loop).  1.22-1.30x
 //                      as fast as kScheduleHandOver (the default).
 // kPromotePv = false (measurement only, with kScheduleFree): O is rescaled by gamma in registers
 // and each page's PV WGMMAs accumulate straight into it, so O's sum over the pages runs in the
