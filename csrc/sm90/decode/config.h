@@ -6,11 +6,13 @@
 namespace snapmla::sm90 {
 
 constexpr int kBlockRows = 64;           // query rows (s_q x head pairs) per CTA: one WGMMA M tile
-constexpr int kConsumerWarpgroups = 2;   // WG1, WG2: each owns half of the 512 output columns
+constexpr int kConsumerWarpgroups = 2;   // WG1, WG2: each owns output columns (see kSchedule*)
 constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);   // WG0 is the TMA producer
 constexpr int kStages = 2;               // pages in flight in the shared-memory ring
+// The even split of the output columns (all schedules but kScheduleSplitRoles, whose split is
+// kQkWarpgroupCols below).
 constexpr int kOutColsPerWarpgroup = kKvLoraRank / kConsumerWarpgroups;   // 256
-constexpr int kPvN = 128;                // N of one PV WGMMA (two per warpgroup; 64 accum regs)
+constexpr int kPvN = 128;                // O's pieces in the even split (two; 64 registers each)
 
 // How the consumer warpgroups order their tensor-core sections (snapmla_decode_sm90.cuh).
 constexpr int kScheduleFree = 0;
@@ -57,7 +59,7 @@ static_assert(kQkWarpgroupCols % kQkPieceCols == 0 && (kKvLoraRank - kQkWarpgrou
 // overlaps the other half's WGMMAs without more registers than one 64-token chunk.
 constexpr int kQkPromoteCols = 64;
 constexpr int kQkChunks = kKvLoraRank / kQkPromoteCols;                         // 8
-// V^T units (4 tokens x 4 columns) per consumer thread: 256 columns x 64 tokens / 16 / 128.
+// V^T units (4 tokens x 4 columns) per thread and 256-column half: 256 x 64 tokens / 16 / 128.
 constexpr int kVtUnits = (kKvLoraRank / kConsumerWarpgroups) * kPageSize / 16 / 128;  // 8
 static_assert(kVtUnits == 8, "the V^T unit mapping covers 4 warps x 8 units x 32 lanes");
 constexpr int kWgmmaK8 = 32;             // K of one e4m3 WGMMA (32 bytes of a 128-byte row)
@@ -86,12 +88,14 @@ constexpr int kStageTxBytes = kStageBytes;     // bytes the TMA delivers per pag
 constexpr int kSmemStages = 0;
 constexpr int kSmemQ8 = kSmemStages + kStages * kStageBytes;
 constexpr int kSmemQpe = kSmemQ8 + kContentTiles * kBlockRows * kSwizzleRowBytes;
-// V^T of one warpgroup: 256 rows (output columns) x 64 tokens, padded to 128-byte swizzled rows.
+// V^T of 256 output columns (one per row) x 64 tokens, padded to 128-byte swizzled rows; two of
+// them hold all 512 columns, contiguously.
 constexpr int kVtBytes = kOutColsPerWarpgroup * kSwizzleRowBytes;               // 32 KB
 constexpr int kSmemVt = kSmemQpe + kBlockRows * kSwizzleRowBytes;
-// The kScheduleHandOver kernel: per page, its owner hands the other consumer's thread wg_tid the
-// e4m3 P fragment (8 words), gamma (2) and the row state m, peak, amax, l (2 each), stored
-// word-major ([word][thread]) so a warp's accesses hit 32 banks; four buffers, by page mod 4.
+// kScheduleHandOver and kScheduleSplitRoles: per page, the consumer that computed its P hands the
+// other consumer's thread wg_tid the e4m3 P fragment (8 words), gamma (2) and (hand-over) the row
+// state m, peak, amax, l (2 each), stored word-major ([word][thread]) so a warp's accesses hit
+// 32 banks; four buffers, by page mod 4.
 constexpr int kHandOverWords = 8 + 2 + 8;
 constexpr int kHandOverBytes = kHandOverWords * 128 * 4;                          // 9 KB
 constexpr int kHandOverBuffers = 4;

@@ -1021,8 +1021,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     // [0, kQkWarpgroupCols); WG2 builds V^T(i) of all 512 columns into V^T buffer i % 2 and
     // applies the page to the other columns with the handed-over P8.  WG1's chain (QK, softmax,
     // PV) is the longer one, hence its smaller share of the columns: its registers go to the QK
-    // accumulators instead (compute_s), and the PV time moves to WG2.  They meet at barrier kPageBarrier (a bar.sync of all 256) before their PVs, so while
-    // WG1 computes S(i + 1) and its softmax, WG2 builds V^T(i + 1).  WG2 rewrites V^T buffer
+    // accumulators instead (compute_s), and the PV time moves to WG2.  They meet at barrier
+    // kPageBarrier (a bar.sync of all 256) before their PVs, so while WG1 computes S(i + 1) and
+    // its softmax, WG2 builds V^T(i + 1).  WG2 rewrites V^T buffer
     // i % 2 for page i + 2 after WG1's arrival at kVtFreeBarrier + i % 2 past its PV(i) (the
     // same bar.sync holds WG2's warps until all are past their own PV(i)).  Rounds never mix:
     // every thread leaves a rendezvous only once it is complete, and WG1's arrivals for pages
