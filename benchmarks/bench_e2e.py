@@ -13,27 +13,24 @@ contexts (engine start-up and graph capture took most of a setting's 80-110 s wh
 the same bytes for every setting, so a smaller format holds more tokens); for each context the
 batch fills the capacity vLLM allocated: B = blocks // blocks per request (context + generated
 tokens), at most ``--max-batch``.
-Method (after /work/shared/anchors/h200-baselines.md): random-token prompts of ``context``
-tokens, prefix caching off, ``ignore_eos``, default compilation (CUDA graphs, torch.compile);
-one ``generate`` for W tokens and one for W + T tokens, and
+Method: random-token prompts of ``context`` tokens, prefix caching off, ``ignore_eos``, default
+compilation (CUDA graphs, torch.compile).  The B requests go into the engine at once, and it is
+stepped (``LLMEngine.step``, the loop inside ``LLM.generate``) until every request has its
+first token, that is until the chunked prefill is over, and SETTLE_STEPS steps more.  Then
+``--windows`` consecutive windows of T steps are timed, and the requests are aborted.
 
-    decode tok/s = B x T / (time for W + T tokens - time for W tokens)
-    time per output token = (time for W + T tokens - time for W tokens) / T.
+    time per output token = median over the windows of (window time / T)
+    decode tok/s = B / time per output token
 
-Both runs include the whole prefill (B x context tokens, seconds at long contexts), so a
-run-to-run change of the prefill time lands in the difference.  Each pair of runs is therefore
-repeated (``--repeats``, default 2; the medians are used) and the spread of the repeats is
-reported (``noise_s``): ``timing_ok`` is false when it exceeds a tenth of the decode time, and
-such a row is not a measurement of decode speed (raise T).  On 2026-12-01 T = 64 after a
-0.9M-token prefill gave a decode window of 90 ms in 11.6 s runs, below what the attention
-kernels alone need.
+``lock_step``: in every timed step every request produced exactly one token (none preempted,
+none finished).  ``spread_pct``: the windows' max - min over their median; ``timing_ok`` when it
+is at most NOISE_FRACTION.  The requests' max_tokens outlast the prefill (``warm_tokens``: 1.25x
+the steps it needs at most, + 16) plus the windows.
 
-W (``warm_tokens``) outlasts the chunked prefill: the first requests start decoding while the
-later ones are still prefilling, so with W = 1 those mixed steps would land in the difference.
-W = 1.25 x the steps the prefill needs at most (B x context prompt tokens, at most
-max_num_batched_tokens - B of them per step) + 16.  vLLM's request timestamps check it: in the W
-run every request must still be decoding when the last one gets its first token
-(``window_ok``).
+An earlier method timed two ``generate`` calls, of W and of W + T tokens, and divided by the
+difference.  Both calls included the whole prefill, so its run-to-run jitter landed in the
+difference.  On 2026-12-01, T = 64 after a 0.9M-token prefill gave a 90 ms window in 11.6 s runs,
+below what the attention kernels alone need.
 
 Results go to ``--out``: ``results.csv`` (merged with earlier runs into the same folder, so a
 sweep can be split over several commands), ``results.md`` (table) and ``results.png`` (decode
@@ -65,8 +62,9 @@ KV_SETTINGS = ("auto", "fp8_snapmla", "fp8")
 BASELINE_KV = "auto"
 HEADS = (128, 16)
 CONTEXTS = (16384, 32768, 65536, 131072)
-QUICK = {"heads": (128,), "contexts": (16384, 65536), "gen_tokens": 256, "kv_cache_gib": 4.0}
-NOISE_FRACTION = 0.1   # largest spread of the repeated runs, as a fraction of the decode time
+QUICK = {"heads": (128,), "contexts": (16384, 65536), "gen_tokens": 128, "kv_cache_gib": 4.0}
+NOISE_FRACTION = 0.05   # largest spread of the timed windows, as a fraction of their median
+SETTLE_STEPS = 4        # decode steps of all requests before the first timed window
 
 # DeepSeek-V3.1 attention; 4 dense layers keep the non-attention work small, as in the baseline.
 DEEPSEEK_V31_ATTENTION = {
@@ -80,10 +78,10 @@ RESULT_TAG = "BENCH_E2E_RESULT "
 _KV_TOKENS_LOG = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
 _BACKEND_LOG = re.compile(r"Using (\w+) attention backend")
 
-CSV_FIELDS = ["heads", "context", "kv", "backend", "batch", "gen_tokens", "warm_tokens",
-              "window_ok", "repeats", "noise_s", "timing_ok", "kv_cache_tokens",
-              "log_kv_cache_tokens", "capacity_vs_bf16", "time_short_s", "time_long_s",
-              "decode_tok_s", "tpot_ms", "speedup_vs_bf16", "error"]
+CSV_FIELDS = ["heads", "context", "kv", "backend", "batch", "gen_tokens", "windows",
+              "max_tokens", "prefill_steps", "lock_step", "spread_pct", "timing_ok",
+              "kv_cache_tokens", "log_kv_cache_tokens", "capacity_vs_bf16", "decode_tok_s",
+              "tpot_ms", "speedup_vs_bf16", "error"]
 
 
 # --- pure helpers (unit-tested on CPU) -----------------------------------------------------
@@ -110,31 +108,59 @@ def warm_tokens(batch: int, context: int, max_batched_tokens: int) -> int:
     return math.ceil(1.25 * math.ceil(batch * context / per_step)) + 16
 
 
-def decode_window_ok(first_token_ts: list[float], last_token_ts: list[float]) -> bool:
-    """Whether every request was still decoding when the last one got its first token."""
-    return max(first_token_ts) <= min(last_token_ts)
+def timed_decode_windows(engine, prompts: list, params, steps: int, windows: int,
+                         clock=time.perf_counter) -> tuple[list[float], bool, int]:
+    """Seconds per step of ``windows`` consecutive windows of ``steps`` engine steps in which
+    every request decodes; whether every request gained exactly one token per timed step; and
+    the steps until every request had its first token (the prefill).
+
+    ``engine`` is a vLLM ``LLMEngine`` (``add_request``, ``step``, ``abort_request``,
+    ``has_unfinished_requests``); ``params`` must return deltas (``RequestOutputKind.DELTA``) and
+    leave room for the prefill, SETTLE_STEPS and the windows.  The requests are aborted after
+    the last window."""
+    ids = [f"bench-e2e-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(request_id, prompt, params)
+    tokens = dict.fromkeys(ids, 0)
+
+    def step() -> None:
+        for output in engine.step():
+            tokens[output.request_id] += len(output.outputs[0].token_ids)
+
+    try:
+        prefill_steps = 0
+        while min(tokens.values()) == 0:
+            if not engine.has_unfinished_requests():
+                raise RuntimeError("requests finished before all of them had a token")
+            step()
+            prefill_steps += 1
+        for _ in range(SETTLE_STEPS):
+            step()
+        seconds, lock_step = [], True
+        for _ in range(windows):
+            before = dict(tokens)
+            start = clock()
+            for _ in range(steps):
+                step()
+            seconds.append((clock() - start) / steps)
+            lock_step &= all(tokens[i] - before[i] == steps for i in ids)
+    finally:
+        engine.abort_request(ids)
+        while engine.has_unfinished_requests():
+            engine.step()
+    return seconds, lock_step, prefill_steps
 
 
-def decode_rates(batch: int, steps: int, time_short: float,
-                 time_long: float) -> tuple[float, float]:
-    """(decode tok/s, time per output token in ms) from two runs ``steps`` tokens apart."""
-    decode_time = time_long - time_short
-    if steps < 1 or decode_time <= 0:
-        raise ValueError(f"no decode time: {steps=}, {time_short=} s, {time_long=} s")
-    return batch * steps / decode_time, 1000 * decode_time / steps
-
-
-def repeated_times(shorts: list[float], longs: list[float]) -> tuple[float, float, float, object]:
-    """(median W time, median W + T time, spread, timing_ok) of repeated runs.  The spread is
-    the larger max - min of the two; timing_ok is "" (unknown) with one run each, otherwise
-    whether the spread is at most NOISE_FRACTION of the decode time."""
-    if not shorts or len(shorts) != len(longs):
-        raise ValueError(f"need as many W as W + T runs, got {len(shorts)} and {len(longs)}")
-    time_short, time_long = statistics.median(shorts), statistics.median(longs)
-    spread = max(max(shorts) - min(shorts), max(longs) - min(longs))
-    if len(shorts) < 2:
-        return time_short, time_long, spread, ""
-    return time_short, time_long, spread, spread <= NOISE_FRACTION * (time_long - time_short)
+def summarize_windows(batch: int, seconds_per_step: list[float]) -> dict:
+    """decode tok/s, time per output token (ms), the windows' spread (% of the median) and
+    timing_ok ("" with one window) of the windows of ``timed_decode_windows``."""
+    if batch < 1 or not seconds_per_step or min(seconds_per_step) <= 0:
+        raise ValueError(f"no decode time: {batch=}, {seconds_per_step=}")
+    step_s = statistics.median(seconds_per_step)
+    spread = (max(seconds_per_step) - min(seconds_per_step)) / step_s
+    return {"decode_tok_s": round(batch / step_s, 1), "tpot_ms": round(1000 * step_s, 3),
+            "spread_pct": round(100 * spread, 2),
+            "timing_ok": spread <= NOISE_FRACTION if len(seconds_per_step) > 1 else ""}
 
 
 def _key(row: dict) -> tuple[int, int, str]:
@@ -190,21 +216,21 @@ def _fmt(value, digits: int = 0) -> str:
 
 def format_table(rows: list[dict]) -> str:
     """Markdown table of the rows (as in h200-baselines.md)."""
-    lines = [("| H | context | KV | backend | B | W (window ok) | timing (spread) | "
+    lines = [("| H | context | KV | backend | B | prefill steps | lock-step | timing (spread) | "
               "KV capacity (tokens) | capacity vs BF16 | decode tok/s | TPOT ms | vs BF16 |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("error"):
             lines.append(f"| {r['heads']} | {r['context']} | {r['kv']} | failed: "
-                         f"{str(r['error'])[:80]} | | | | | | | | |")
+                         f"{str(r['error'])[:80]} | | | | | | | | | |")
             continue
-        window = {"True": "yes", "False": "**no**"}.get(str(r.get("window_ok")), "-")
+        lock_step = {"True": "yes", "False": "**no**"}.get(str(r.get("lock_step")), "-")
         timing = {"True": "ok", "False": "**noisy**"}.get(str(r.get("timing_ok")), "-")
-        spread = _num(r.get("noise_s"))
-        timing += f" ({spread:.2f} s)" if spread is not None else ""
+        spread = _num(r.get("spread_pct"))
+        timing += f" ({spread:.1f}%)" if spread is not None else ""
         lines.append(
             f"| {r['heads']} | {r['context']} | {r['kv']} | {r.get('backend') or '-'} | "
-            f"{r['batch']} | {r.get('warm_tokens') or '-'} ({window}) | {timing} | "
+            f"{r['batch']} | {r.get('prefill_steps') or '-'} | {lock_step} | {timing} | "
             f"{_fmt(r['kv_cache_tokens'])} | {_fmt(r['capacity_vs_bf16'], 3)} | "
             f"{_fmt(r['decode_tok_s'])} | {_fmt(r['tpot_ms'], 2)} | "
             f"{_fmt(r['speedup_vs_bf16'], 2)} |")
@@ -271,48 +297,44 @@ MAX_WARM_TOKENS = 4096
 
 
 def run_engine(spec: dict):
-    """Build one engine and, for each context, fill its KV cache with a batch and time W vs
-    W + T generated tokens.  Yields one result per context (with ``context``)."""
+    """Build one engine and, for each context, fill its KV cache with a batch and time its decode
+    steps (``timed_decode_windows``).  Yields one result per context (with ``context``)."""
     import torch
     from vllm import LLM, SamplingParams
+    from vllm.sampling_params import RequestOutputKind
 
-    gen = spec["gen_tokens"]
+    gen, windows = spec["gen_tokens"], spec["windows"]
+    timed_tokens = SETTLE_STEPS + windows * gen
     memory = ({"kv_cache_memory_bytes": int(spec["kv_cache_gib"] * 2**30)}
               if spec["kv_cache_gib"] else {"gpu_memory_utilization": 0.9})
     llm = LLM(model=spec["model"], kv_cache_dtype=spec["kv"], load_format="dummy",
               skip_tokenizer_init=True, dtype="bfloat16",
-              max_model_len=max(spec["contexts"]) + MAX_WARM_TOKENS + gen,
+              max_model_len=max(spec["contexts"]) + MAX_WARM_TOKENS + timed_tokens,
               enable_prefix_caching=False, max_num_seqs=spec["max_batch"], seed=0,
               disable_log_stats=False, **memory)
     config = llm.llm_engine.vllm_config
     cache = config.cache_config
     capacity = cache.num_gpu_blocks * cache.block_size
 
-    def timed(max_tokens: int, requests) -> tuple[float, list]:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        start = time.perf_counter()
-        outputs = llm.generate(requests, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        lengths = {len(o.outputs[0].token_ids) for o in outputs}
-        if lengths != {max_tokens}:
-            raise RuntimeError(f"expected {max_tokens} tokens per request, got {lengths}")
-        return elapsed, outputs
-
     gen_ids = torch.Generator().manual_seed(0)
     vocab = DEEPSEEK_V31_ATTENTION["vocab_size"]
-    timed(4, [{"prompt_token_ids": torch.randint(2, vocab, (256,), generator=gen_ids).tolist()}
-              for _ in range(4)])
+    llm.generate([{"prompt_token_ids": torch.randint(2, vocab, (256,), generator=gen_ids).tolist()}
+                  for _ in range(4)],
+                 SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     # Block 0 is vLLM's null block: a batch sized on all blocks could be preempted.
     usable_blocks = cache.num_gpu_blocks - 1
     for context in spec["contexts"]:
-        # W depends on B and B on W: size B without W, then W from that (larger) B, then B.
-        batch = batch_to_fill(usable_blocks, cache.block_size, context, gen, spec["max_batch"])
+        # The prefill's steps depend on B and B on them: size B without them, bound the steps
+        # for that (larger) B, then size B again.
+        batch = batch_to_fill(usable_blocks, cache.block_size, context, timed_tokens,
+                              spec["max_batch"])
         warm = warm_tokens(max(batch, 1), context,
                            config.scheduler_config.max_num_batched_tokens)
-        batch = batch_to_fill(usable_blocks, cache.block_size, context, warm + gen,
+        max_tokens = warm + timed_tokens
+        batch = batch_to_fill(usable_blocks, cache.block_size, context, max_tokens,
                               spec["max_batch"])
-        result = {"context": context, "batch": batch, "warm_tokens": warm,
-                  "kv_cache_tokens": capacity}
+        result = {"context": context, "batch": batch, "windows": windows,
+                  "max_tokens": max_tokens, "kv_cache_tokens": capacity}
         if warm > MAX_WARM_TOKENS:
             yield {**result, "error": f"prefill needs {warm} warm tokens > {MAX_WARM_TOKENS}"}
             continue
@@ -322,29 +344,15 @@ def run_engine(spec: dict):
         try:
             prompts = [{"prompt_token_ids": ids} for ids in
                        torch.randint(2, vocab, (batch, context), generator=gen_ids).tolist()]
-            # The shapes' first run (JIT compiles, tuning) would land in the short run only.
-            timed(2, prompts)
-            shorts, longs, window_ok = [], [], True
-            for _ in range(spec["repeats"]):
-                time_short, outputs = timed(warm, prompts)
-                stats = [o.metrics for o in outputs]
-                if window_ok is True:
-                    window_ok = (decode_window_ok([m.first_token_ts for m in stats],
-                                                  [m.last_token_ts for m in stats])
-                                 if all(m is not None for m in stats) else "")
-                time_long, _ = timed(warm + gen, prompts)
-                shorts.append(time_short)
-                longs.append(time_long)
-            time_short, time_long, noise, timing_ok = repeated_times(shorts, longs)
-            tok_s, tpot_ms = decode_rates(batch, gen, time_short, time_long)
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                    output_kind=RequestOutputKind.DELTA)
+            seconds, lock_step, prefill_steps = timed_decode_windows(
+                llm.llm_engine, prompts, params, gen, windows)
+            summary = summarize_windows(batch, seconds)
         except (RuntimeError, ValueError) as exc:   # this context fails; the next ones run
             yield {**result, "error": f"{type(exc).__name__}: {exc}"[:300]}
             continue
-        yield {**result, "window_ok": window_ok, "repeats": spec["repeats"],
-               "noise_s": round(noise, 3), "timing_ok": timing_ok,
-               "time_short_s": round(time_short, 3),
-               "time_long_s": round(time_long, 3), "decode_tok_s": round(tok_s, 1),
-               "tpot_ms": round(tpot_ms, 3)}
+        yield {**result, **summary, "lock_step": lock_step, "prefill_steps": prefill_steps}
 
 
 def _child() -> None:
@@ -426,21 +434,21 @@ def main(argv=None) -> None:
     parser.add_argument("--contexts", type=int, nargs="+", help=f"default {CONTEXTS}")
     parser.add_argument("--kv", nargs="+", default=list(KV_SETTINGS), choices=KV_SETTINGS)
     parser.add_argument("--gen-tokens", type=int,
-                        help="T, the decode tokens timed after the warm-up W (default 512; "
-                             "--quick 64)")
+                        help="T, the decode steps of one timed window (default 512; "
+                             f"--quick {QUICK['gen_tokens']})")
     parser.add_argument("--kv-cache-gib", type=float,
                         help="KV-cache budget per setting (default 24; --quick 4); 0 lets "
                              "vLLM fill 90%% of the GPU")
-    parser.add_argument("--repeats", type=int, default=2,
-                        help="runs of each of W and W + T (medians; their spread is reported)")
+    parser.add_argument("--windows", type=int, default=2,
+                        help="timed windows of T steps per context (median; spread reported)")
     parser.add_argument("--max-batch", type=int, default=512,
                         help="cap on the batch (vLLM captures CUDA graphs up to 512)")
     parser.add_argument("--timeout", type=float, default=1800,
                         help="seconds per context (an engine gets this times its contexts)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.repeats < 1:
-        parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.windows < 1:
+        parser.error(f"--windows must be at least 1, got {args.windows}")
     if args.child:
         _child()
         return
@@ -468,16 +476,18 @@ def main(argv=None) -> None:
                     print(f"    context {result['context']}: failed: {result['error']}",
                           flush=True)
                 else:
+                    flags = "".join(
+                        [" NOT LOCK-STEP" if not result["lock_step"] else "",
+                         " NOISY" if result["timing_ok"] is False else ""])
                     print(f"    context {result['context']}: B={result['batch']}, "
-                          f"W={result['warm_tokens']}, {result['decode_tok_s']:,.0f} decode "
-                          f"tok/s, TPOT {result['tpot_ms']:.2f} ms, spread of the repeats "
-                          f"{result['noise_s']:.2f} s"
-                          f"{' (too noisy: raise T)' if result['timing_ok'] is False else ''} "
-                          f"({time.monotonic() - start:.0f} s)", flush=True)
+                          f"prefill {result['prefill_steps']} steps, "
+                          f"{result['decode_tok_s']:,.0f} decode tok/s, TPOT "
+                          f"{result['tpot_ms']:.2f} ms, windows {result['spread_pct']:.1f}% "
+                          f"apart{flags} ({time.monotonic() - start:.0f} s)", flush=True)
 
             spec = {"model": models[h], "heads": h, "contexts": list(contexts), "kv": kv,
                     "gen_tokens": gen, "kv_cache_gib": kv_gib, "max_batch": args.max_batch,
-                    "repeats": args.repeats}
+                    "windows": args.windows}
             rows += run_in_subprocess(spec, args.timeout * len(contexts), on_result=report)
             write_outputs(rows, out)   # after every engine: a cut-short sweep keeps its rows
     print("\n" + format_table(write_outputs(rows, out)))

@@ -1,5 +1,6 @@
-"""The pure-Python parts of benchmarks/bench_e2e.py: model shapes, batch sizing, decode rates,
-result merging and the table/CSV/plot outputs (the vLLM runs themselves need a GPU)."""
+"""The pure-Python parts of benchmarks/bench_e2e.py: model shapes, batch sizing, the decode
+timing against a stand-in engine, result merging and the table/CSV/plot outputs (the vLLM runs
+themselves need a GPU)."""
 
 import importlib.util
 import json
@@ -54,21 +55,6 @@ def test_batch_to_fill_counts_whole_pages_per_request():
     assert 1.7 < snap / bf16 < 1.8
 
 
-def test_decode_rates_divide_the_extra_tokens_by_the_extra_time():
-    rng = random.Random(2)
-    batch, steps = rng.randint(1, 512), rng.randint(1, 600)
-    short = rng.uniform(1, 50)
-    long = short + rng.uniform(0.5, 30)
-    tok_s, tpot_ms = bench.decode_rates(batch, steps, short, long)
-    assert tok_s == pytest.approx(batch * steps / (long - short))
-    assert tpot_ms == pytest.approx(1000 * (long - short) / steps)
-    assert tok_s * tpot_ms / 1000 == pytest.approx(batch)
-    with pytest.raises(ValueError):
-        bench.decode_rates(batch, 0, short, long)
-    with pytest.raises(ValueError):
-        bench.decode_rates(batch, steps, long, short)
-
-
 def test_warm_tokens_outlast_the_chunked_prefill():
     rng = random.Random(3)
     for _ in range(200):
@@ -84,17 +70,10 @@ def test_warm_tokens_outlast_the_chunked_prefill():
         bench.warm_tokens(512, 16384, 512)
 
 
-def test_decode_window_needs_every_request_decoding_at_once():
-    # Request 1 finished (last token at 5.0) before request 2 got its first token (6.0).
-    assert not bench.decode_window_ok([1.0, 6.0], [5.0, 9.0])
-    assert bench.decode_window_ok([1.0, 4.0], [5.0, 9.0])
-    assert bench.decode_window_ok([2.0, 2.0], [2.0, 3.0])
-
-
 def test_engine_log_gives_a_row_per_context_and_keeps_finished_ones():
     spec = {"heads": 128, "contexts": [16384, 32768, 65536], "kv": "fp8_snapmla",
             "gen_tokens": 512}
-    result = {"context": 32768, "batch": 49, "warm_tokens": 158, "window_ok": True,
+    result = {"context": 32768, "batch": 49, "prefill_steps": 158, "lock_step": True,
               "kv_cache_tokens": 1636800, "decode_tok_s": 1953.0, "tpot_ms": 25.1}
     log = ("INFO ... GPU KV cache size: 1,636,800 tokens\n"
            "INFO ... Using SNAPMLA attention backend\n"
@@ -209,17 +188,94 @@ def test_plot_writes_a_png(tmp_path):
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_repeated_runs_use_medians_and_flag_a_spread_above_a_tenth_of_the_decode_time():
-    rng = random.Random(5)
-    shorts = [rng.uniform(10, 12) for _ in range(3)]
-    longs = [s + rng.uniform(2, 3) for s in shorts]
-    time_short, time_long, spread, ok = bench.repeated_times(shorts, longs)
-    assert time_short == sorted(shorts)[1] and time_long == sorted(longs)[1]
-    assert spread == pytest.approx(max(max(shorts) - min(shorts), max(longs) - min(longs)))
-    assert ok is (spread <= bench.NOISE_FRACTION * (time_long - time_short))
-    # The 2026-12-01 case: a 90 ms decode window in 11.6 s runs that vary by 0.1 s.
-    assert bench.repeated_times([11.55, 11.65], [11.64, 11.74])[3] is False
-    assert bench.repeated_times([11.55, 11.56], [13.0, 13.02])[3] is True
-    assert bench.repeated_times([11.55], [11.64])[3] == ""   # one run: unknown
+class _Output:
+    def __init__(self, request_id, new_tokens):
+        self.request_id = request_id
+        self.outputs = [type("Completion", (), {"token_ids": [7] * new_tokens})()]
+
+
+class _FakeEngine:
+    """vLLM's LLMEngine as bench_e2e drives it: chunked prefill (request i gets its first token
+    at step first_token[i]), then one token per step, DELTA outputs, and a clock that a step
+    advances by `decode_s` when every request decodes and by `mixed_s` otherwise.  `skip`:
+    (step, request) pairs in which that request produces nothing (as if preempted)."""
+
+    def __init__(self, first_token, max_tokens, decode_s, mixed_s, skip=()):
+        self.first_token, self.max_tokens = first_token, max_tokens
+        self.decode_s, self.mixed_s, self.skip = decode_s, mixed_s, set(skip)
+        self.now, self.steps, self.requests, self.aborted = 0.0, 0, {}, []
+
+    def clock(self):
+        return self.now
+
+    def add_request(self, request_id, prompt, params):
+        assert params == "delta-params"
+        self.requests[request_id] = 0
+
+    def has_unfinished_requests(self):
+        return any(n < self.max_tokens for n in self.requests.values())
+
+    def step(self):
+        live = [r for r, n in self.requests.items() if n < self.max_tokens]
+        decoding = all(self.steps >= self.first_token[i] for i in range(len(self.requests)))
+        self.now += self.decode_s if decoding else self.mixed_s
+        outputs = []
+        for i, r in enumerate(self.requests):
+            if r in live and self.steps >= self.first_token[i] and (self.steps, i) not in self.skip:
+                self.requests[r] += 1
+                outputs.append(_Output(r, 1))
+        self.steps += 1
+        return outputs
+
+    def abort_request(self, ids):
+        self.aborted += ids
+        for r in ids:
+            self.requests[r] = self.max_tokens
+
+
+def test_decode_windows_time_only_steps_in_which_every_request_decodes():
+    rng = random.Random(6)
+    batch = rng.randint(2, 40)
+    first_token = sorted(rng.randint(0, 30) for _ in range(batch))
+    steps, windows = rng.randint(5, 50), 3
+    engine = _FakeEngine(first_token, max_tokens=10_000, decode_s=0.0123, mixed_s=5.0)
+    seconds, lock_step, prefill_steps = bench.timed_decode_windows(
+        engine, [{}] * batch, "delta-params", steps, windows, clock=engine.clock)
+    assert seconds == [pytest.approx(0.0123)] * windows   # no mixed (prefill) step timed
+    assert lock_step and prefill_steps == first_token[-1] + 1
+    assert len(engine.aborted) == batch and not engine.has_unfinished_requests()
+    summary = bench.summarize_windows(batch, seconds)
+    assert summary["tpot_ms"] == pytest.approx(12.3)
+    assert summary["decode_tok_s"] == pytest.approx(batch / 0.0123, rel=1e-4)
+    assert summary["spread_pct"] == 0 and summary["timing_ok"] is True
+
+
+def test_decode_windows_flag_a_request_that_skips_a_timed_step():
+    engine = _FakeEngine([0, 3, 5], max_tokens=10_000, decode_s=0.01, mixed_s=1.0,
+                         skip=[(5 + 1 + bench.SETTLE_STEPS + 4, 1)])
+    _, lock_step, _ = bench.timed_decode_windows(engine, [{}] * 3, "delta-params", 8, 2,
+                                                 clock=engine.clock)
+    assert not lock_step
+    # Requests that finish inside the windows (max_tokens too small) are flagged the same way.
+    engine = _FakeEngine([0, 3, 5], max_tokens=12, decode_s=0.01, mixed_s=1.0)
+    _, lock_step, _ = bench.timed_decode_windows(engine, [{}] * 3, "delta-params", 8, 2,
+                                                 clock=engine.clock)
+    assert not lock_step
+
+
+def test_decode_windows_stop_when_the_engine_drops_requests_before_their_first_token():
+    # An engine with nothing left to run while some request has no token would otherwise be
+    # stepped forever.
+    engine = _FakeEngine([0, 50], max_tokens=0, decode_s=0.01, mixed_s=1.0)
+    with pytest.raises(RuntimeError, match="before all of them"):
+        bench.timed_decode_windows(engine, [{}] * 2, "delta-params", 4, 1, clock=engine.clock)
+    assert engine.aborted   # cleaned up all the same
+
+
+def test_window_summary_flags_windows_that_disagree():
+    assert bench.summarize_windows(10, [0.010, 0.0104])["timing_ok"] is True
+    noisy = bench.summarize_windows(10, [0.010, 0.012, 0.011])
+    assert noisy["timing_ok"] is False and noisy["spread_pct"] == pytest.approx(100 * 0.002 / 0.011, abs=0.01)
+    assert bench.summarize_windows(10, [0.010])["timing_ok"] == ""   # one window: unknown
     with pytest.raises(ValueError):
-        bench.repeated_times([1.0, 2.0], [3.0])
+        bench.summarize_windows(10, [])
