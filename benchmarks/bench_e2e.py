@@ -17,7 +17,8 @@ Method: random-token prompts of ``context`` tokens, prefix caching off, ``ignore
 compilation (CUDA graphs, torch.compile).  The B requests go into the engine at once, and it is
 stepped (``LLMEngine.step``, the loop inside ``LLM.generate``) until every request has its
 first token, that is until the chunked prefill is over, and SETTLE_STEPS steps more.  Then
-``--windows`` consecutive windows of T steps are timed, and the requests are aborted.
+``--windows`` consecutive windows of T steps are timed with the engine core's own timestamps of
+its steps (``timer``), and the requests are aborted.
 
     time per output token = median over the windows of (window time / T)
     decode tok/s = B / time per output token
@@ -79,7 +80,7 @@ _KV_TOKENS_LOG = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
 _BACKEND_LOG = re.compile(r"Using (\w+) attention backend")
 
 CSV_FIELDS = ["heads", "context", "kv", "backend", "batch", "gen_tokens", "windows",
-              "max_tokens", "prefill_steps", "lock_step", "spread_pct", "timing_ok",
+              "max_tokens", "prefill_steps", "lock_step", "timer", "spread_pct", "timing_ok",
               "kv_cache_tokens", "log_kv_cache_tokens", "capacity_vs_bf16", "decode_tok_s",
               "tpot_ms", "speedup_vs_bf16", "error"]
 
@@ -109,23 +110,33 @@ def warm_tokens(batch: int, context: int, max_batched_tokens: int) -> int:
 
 
 def timed_decode_windows(engine, prompts: list, params, steps: int, windows: int,
-                         clock=time.perf_counter) -> tuple[list[float], bool, int]:
+                         clock=time.perf_counter) -> tuple[list[float], bool, int, str]:
     """Seconds per step of ``windows`` consecutive windows of ``steps`` engine steps in which
-    every request decodes; whether every request gained exactly one token per timed step; and
-    the steps until every request had its first token (the prefill).
+    every request decodes; whether every request gained exactly one token per timed step; the
+    engine steps until every request had its first token (the prefill; it may include a few
+    empty steps left over from the previous call's aborted requests); and the timer used.
 
     ``engine`` is a vLLM ``LLMEngine`` (``add_request``, ``step``, ``abort_request``,
     ``has_unfinished_requests``); ``params`` must return deltas (``RequestOutputKind.DELTA``) and
-    leave room for the prefill, SETTLE_STEPS and the windows.  The requests are aborted after
-    the last window."""
+    leave room for the prefill, SETTLE_STEPS and the windows.  The engine core runs ahead of
+    ``step()`` in its own process, so the windows are timed with the core's timestamps of its
+    steps (``RequestOutput.metrics.last_token_ts``, with stats logging on): a front end that
+    falls behind would otherwise time its own output processing.  Without them ``clock`` times
+    the ``step()`` calls.  The requests are aborted after the last window."""
     ids = [f"bench-e2e-{i}" for i in range(len(prompts))]
     for request_id, prompt in zip(ids, prompts):
         engine.add_request(request_id, prompt, params)
     tokens = dict.fromkeys(ids, 0)
 
-    def step() -> None:
+    def step() -> float | None:
+        """One engine step; the core's timestamp of it, if its outputs carry one."""
+        stamps = []
         for output in engine.step():
             tokens[output.request_id] += len(output.outputs[0].token_ids)
+            stamp = getattr(getattr(output, "metrics", None), "last_token_ts", None)
+            if stamp:
+                stamps.append(stamp)
+        return max(stamps) if stamps else None
 
     try:
         prefill_steps = 0
@@ -135,20 +146,26 @@ def timed_decode_windows(engine, prompts: list, params, steps: int, windows: int
             step()
             prefill_steps += 1
         for _ in range(SETTLE_STEPS):
-            step()
-        seconds, lock_step = [], True
+            stamp = step()
+        seconds, lock_step, timers = [], True, set()
         for _ in range(windows):
             before = dict(tokens)
-            start = clock()
+            start_stamp, start = stamp, clock()
             for _ in range(steps):
-                step()
-            seconds.append((clock() - start) / steps)
+                stamp = step()
+            end = clock()
+            if start_stamp is not None and stamp is not None:
+                seconds.append((stamp - start_stamp) / steps)
+                timers.add("engine core")
+            else:
+                seconds.append((end - start) / steps)
+                timers.add("step() calls")
             lock_step &= all(tokens[i] - before[i] == steps for i in ids)
     finally:
         engine.abort_request(ids)
         while engine.has_unfinished_requests():
             engine.step()
-    return seconds, lock_step, prefill_steps
+    return seconds, lock_step, prefill_steps, " + ".join(sorted(timers))
 
 
 def summarize_windows(batch: int, seconds_per_step: list[float]) -> dict:
@@ -346,13 +363,14 @@ def run_engine(spec: dict):
                        torch.randint(2, vocab, (batch, context), generator=gen_ids).tolist()]
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                                     output_kind=RequestOutputKind.DELTA)
-            seconds, lock_step, prefill_steps = timed_decode_windows(
+            seconds, lock_step, prefill_steps, timer = timed_decode_windows(
                 llm.llm_engine, prompts, params, gen, windows)
             summary = summarize_windows(batch, seconds)
         except (RuntimeError, ValueError) as exc:   # this context fails; the next ones run
             yield {**result, "error": f"{type(exc).__name__}: {exc}"[:300]}
             continue
-        yield {**result, **summary, "lock_step": lock_step, "prefill_steps": prefill_steps}
+        yield {**result, **summary, "lock_step": lock_step, "prefill_steps": prefill_steps,
+               "timer": timer}
 
 
 def _child() -> None:

@@ -189,21 +189,26 @@ def test_plot_writes_a_png(tmp_path):
 
 
 class _Output:
-    def __init__(self, request_id, new_tokens):
+    def __init__(self, request_id, new_tokens, core_ts):
         self.request_id = request_id
         self.outputs = [type("Completion", (), {"token_ids": [7] * new_tokens})()]
+        self.metrics = None if core_ts is None else type("Stats", (), {"last_token_ts": core_ts})()
 
 
 class _FakeEngine:
     """vLLM's LLMEngine as bench_e2e drives it: chunked prefill (request i gets its first token
-    at step first_token[i]), then one token per step, DELTA outputs, and a clock that a step
-    advances by `decode_s` when every request decodes and by `mixed_s` otherwise.  `skip`:
+    at step first_token[i]), then one token per step, DELTA outputs.  The core's clock (the
+    outputs' metrics.last_token_ts, or none with `core_stamps=False`) advances by `decode_s` a
+    step when every request decodes and by `mixed_s` otherwise; the front end's clock, `clock()`,
+    by that plus a random lag of up to `lag_s` (output processing that falls behind).  `skip`:
     (step, request) pairs in which that request produces nothing (as if preempted)."""
 
-    def __init__(self, first_token, max_tokens, decode_s, mixed_s, skip=()):
+    def __init__(self, first_token, max_tokens, decode_s, mixed_s, skip=(), lag_s=0.0,
+                 core_stamps=True, seed=0):
         self.first_token, self.max_tokens = first_token, max_tokens
         self.decode_s, self.mixed_s, self.skip = decode_s, mixed_s, set(skip)
-        self.now, self.steps, self.requests, self.aborted = 0.0, 0, {}, []
+        self.lag_s, self.core_stamps, self.rng = lag_s, core_stamps, random.Random(seed)
+        self.core_now, self.now, self.steps, self.requests, self.aborted = 1.0, 0.0, 0, {}, []
 
     def clock(self):
         return self.now
@@ -218,12 +223,14 @@ class _FakeEngine:
     def step(self):
         live = [r for r, n in self.requests.items() if n < self.max_tokens]
         decoding = all(self.steps >= self.first_token[i] for i in range(len(self.requests)))
-        self.now += self.decode_s if decoding else self.mixed_s
+        step_s = self.decode_s if decoding else self.mixed_s
+        self.core_now += step_s
+        self.now += step_s + self.rng.uniform(0, self.lag_s)
         outputs = []
         for i, r in enumerate(self.requests):
             if r in live and self.steps >= self.first_token[i] and (self.steps, i) not in self.skip:
                 self.requests[r] += 1
-                outputs.append(_Output(r, 1))
+                outputs.append(_Output(r, 1, self.core_now if self.core_stamps else None))
         self.steps += 1
         return outputs
 
@@ -238,28 +245,37 @@ def test_decode_windows_time_only_steps_in_which_every_request_decodes():
     batch = rng.randint(2, 40)
     first_token = sorted(rng.randint(0, 30) for _ in range(batch))
     steps, windows = rng.randint(5, 50), 3
-    engine = _FakeEngine(first_token, max_tokens=10_000, decode_s=0.0123, mixed_s=5.0)
-    seconds, lock_step, prefill_steps = bench.timed_decode_windows(
+    # The front end lags the core by up to 5 ms a step: the core's timestamps still give the
+    # core's step time.
+    engine = _FakeEngine(first_token, max_tokens=10_000, decode_s=0.0123, mixed_s=5.0,
+                         lag_s=0.005)
+    seconds, lock_step, prefill_steps, timer = bench.timed_decode_windows(
         engine, [{}] * batch, "delta-params", steps, windows, clock=engine.clock)
     assert seconds == [pytest.approx(0.0123)] * windows   # no mixed (prefill) step timed
-    assert lock_step and prefill_steps == first_token[-1] + 1
+    assert lock_step and prefill_steps == first_token[-1] + 1 and timer == "engine core"
     assert len(engine.aborted) == batch and not engine.has_unfinished_requests()
     summary = bench.summarize_windows(batch, seconds)
     assert summary["tpot_ms"] == pytest.approx(12.3)
     assert summary["decode_tok_s"] == pytest.approx(batch / 0.0123, rel=1e-4)
-    assert summary["spread_pct"] == 0 and summary["timing_ok"] is True
+    assert summary["spread_pct"] == pytest.approx(0, abs=1e-6) and summary["timing_ok"] is True
+    # Without core timestamps (stats off) the step() calls are timed instead.
+    engine = _FakeEngine(first_token, max_tokens=10_000, decode_s=0.0123, mixed_s=5.0,
+                         core_stamps=False)
+    seconds, _, _, timer = bench.timed_decode_windows(
+        engine, [{}] * batch, "delta-params", steps, windows, clock=engine.clock)
+    assert seconds == [pytest.approx(0.0123)] * windows and timer == "step() calls"
 
 
 def test_decode_windows_flag_a_request_that_skips_a_timed_step():
     engine = _FakeEngine([0, 3, 5], max_tokens=10_000, decode_s=0.01, mixed_s=1.0,
                          skip=[(5 + 1 + bench.SETTLE_STEPS + 4, 1)])
-    _, lock_step, _ = bench.timed_decode_windows(engine, [{}] * 3, "delta-params", 8, 2,
-                                                 clock=engine.clock)
+    _, lock_step, _, _ = bench.timed_decode_windows(engine, [{}] * 3, "delta-params", 8, 2,
+                                                    clock=engine.clock)
     assert not lock_step
     # Requests that finish inside the windows (max_tokens too small) are flagged the same way.
     engine = _FakeEngine([0, 3, 5], max_tokens=12, decode_s=0.01, mixed_s=1.0)
-    _, lock_step, _ = bench.timed_decode_windows(engine, [{}] * 3, "delta-params", 8, 2,
-                                                 clock=engine.clock)
+    _, lock_step, _, _ = bench.timed_decode_windows(engine, [{}] * 3, "delta-params", 8, 2,
+                                                    clock=engine.clock)
     assert not lock_step
 
 
