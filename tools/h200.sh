@@ -58,7 +58,8 @@ case "$stage" in
     "$NCU" -i /root/sm90.ncu-rep --page details --print-details all > /root/ncu_details.txt 2>&1 ||
       "$NCU" -i /root/sm90.ncu-rep --page details > /root/ncu_details.txt 2>&1
     "$NCU" -i /root/sm90.ncu-rep --page source --csv --print-source sass > /root/ncu_sass.csv 2>&1
-    pack /root/ncu_details.txt /root/ncu_sass.csv "$log" ;;
+    python3 tools/ncu_sass_summary.py /root/ncu_sass.csv > /root/ncu_summary.txt 2>&1
+    pack /root/ncu_details.txt /root/ncu_sass.csv /root/ncu_summary.txt "$log" ;;
   e2e-sm90)    # FULL CUDA graphs and n-gram speculation in vLLM with the sm90 kernel forced (the
                # tiny model's 16 heads used to pick Triton); needs the unpacked vLLM bundle
     unpack
