@@ -189,6 +189,23 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffff, x, 2);
 }
 
+// Accumulator operand lists of the WGMMA wrappers below: "+f"(d[0]) .. "+f"(d[N - 1]).
+#define SNAPMLA_ACC16(d)                                                                      \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),         \
+      "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), \
+      "+f"(d[14]), "+f"(d[15])
+#define SNAPMLA_ACC32(d)                                                                      \
+  SNAPMLA_ACC16(d), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),          \
+      "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]),           \
+      "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define SNAPMLA_ACC64(d)                                                                      \
+  SNAPMLA_ACC32(d), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),          \
+      "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]),           \
+      "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),           \
+      "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]),           \
+      "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]),           \
+      "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+
 // D[64x32 fp32] (+)= A[64x32 e4m3] . B[32x32 e4m3]^T, both K-major in shared memory.
 __device__ __forceinline__ void wgmma_m64n32k32_e4m3(float (&d)[16], uint64_t desc_a,
                                                      uint64_t desc_b, int accumulate) {
@@ -196,9 +213,7 @@ __device__ __forceinline__ void wgmma_m64n32k32_e4m3(float (&d)[16], uint64_t de
       "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {"
       "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-        "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : SNAPMLA_ACC16(d)
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
@@ -210,12 +225,7 @@ __device__ __forceinline__ void wgmma_m64n64k32_e4m3(float (&d)[32], uint64_t de
       "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {"
       "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-        "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
-        "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-        "+f"(d[30]), "+f"(d[31])
+      : SNAPMLA_ACC32(d)
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
@@ -227,12 +237,7 @@ __device__ __forceinline__ void wgmma_m64n64k16_bf16(float (&d)[32], uint64_t de
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
       "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-        "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
-        "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-        "+f"(d[30]), "+f"(d[31])
+      : SNAPMLA_ACC32(d)
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
@@ -246,17 +251,7 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3_rs(float (&d)[64], const u
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
       "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
       "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-        "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
-        "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-        "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
-        "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
-        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
-        "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
-        "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : SNAPMLA_ACC64(d)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
 }
 
@@ -267,9 +262,7 @@ __device__ __forceinline__ void wgmma_m64n32k32_e4m3_rs(float (&d)[16], const ui
       "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {"
       "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-        "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : SNAPMLA_ACC16(d)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
 }
 
@@ -281,14 +274,13 @@ __device__ __forceinline__ void wgmma_m64n64k32_e4m3_rs(float (&d)[32], const ui
       "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {"
       "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-        "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
-        "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-        "+f"(d[30]), "+f"(d[31])
+      : SNAPMLA_ACC32(d)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
 }
+
+#undef SNAPMLA_ACC64
+#undef SNAPMLA_ACC32
+#undef SNAPMLA_ACC16
 
 // V^T of one page, for one consumer thread.  The thread's kVtUnits units are the output columns
 // 32 j + 4 (lane / 4) .. + 3 of its warpgroup (j = 0..7), always of the tokens token0, +1, +8,
@@ -735,73 +727,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
   };
 
-  // O = gamma O + P8 . V8 (V^T buffer `buf`), one 64x128 half at a time; each page's sum is
-  // promoted into FP32 O.
-  const auto apply_page = [&](uint32_t (&p8)[2][4], const float (&gamma)[2], int buf,
-                              bool last_turn) {
-    if (kTurns) wait_turn();
-    if constexpr (!kPromotePv) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-#pragma unroll
-        for (int v = 0; v < kPvN / 2; ++v) o[half][v] *= gamma[(v >> 1) & 1];
-        fence_operands(o[half]);
-        fence_operands(p8[0]);
-        fence_operands(p8[1]);
-        wgmma_fence();
-#pragma unroll
-        for (int k = 0; k < kPageSize / kWgmmaK8; ++k) {
-          wgmma_m64n128k32_e4m3_rs(
-              o[half], p8[k],
-              desc_at(vt_desc, buf * kPageSize + half * kPvN * kSwizzleRowBytes + k * 32), 1);
-        }
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_operands(o[half]);
-      }
-      return;
-    }
-    // Four 64-column quarters through two accumulators: quarter q's promotion into O runs
-    // while quarter q + 1 is in the tensor core.
-    float pv[2][kPvN / 4];
-    const auto issue_quarter = [&](int q) {
-      fence_operands(pv[q & 1]);   // the quarter before it was promoted above the fence
-      fence_operands(p8[0]);       // the e4m3 packing of P stays above the fence
-      fence_operands(p8[1]);
-      wgmma_fence();
-#pragma unroll
-      for (int k = 0; k < kPageSize / kWgmmaK8; ++k) {
-        wgmma_m64n64k32_e4m3_rs(
-            pv[q & 1], p8[k],
-            desc_at(vt_desc, buf * kPageSize + q * (kPvN / 2) * kSwizzleRowBytes + k * 32), k);
-      }
-      wgmma_commit();
-    };
-    issue_quarter(0);
-    issue_quarter(1);
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      if (q == 3) {
-        wgmma_wait<0>();
-      } else {
-        wgmma_wait<1>();
-      }
-      fence_operands(pv[q & 1]);
-#pragma unroll
-      for (int v = 0; v < kPvN / 4; ++v) {
-        float& acc = o[q / 2][(kPvN / 4) * (q % 2) + v];
-        acc = acc * gamma[(v >> 1) & 1] + pv[q & 1][v];
-      }
-      if (q + 2 < 4) issue_quarter(q + 2);
-      if (kTurns && q == 1) hand_over_turn(last_turn);   // the last quarter is issued
-    }
-  };
-
-  // kScheduleSplitRoles's PV: O = gamma O + P8 . V8 for the columns of `o`, kPieces pieces of
-  // kPieceN columns from the V^T rows at `vt_cols` (descriptor), through kAccs accumulators:
-  // piece q's promotion into O runs while piece q + 1 is in the tensor core.
+  // PV: O = gamma O + P8 . V8 for the columns of `o_pieces`, kPieces pieces of kPieceN columns
+  // from the V^T rows at `vt_cols` (descriptor), through kAccs accumulators: each page's piece
+  // goes into a fresh accumulator (promoted into FP32 O), and piece q's promotion runs while
+  // piece q + 1 is in the tensor core.  `after_last_issue` runs once the last piece's WGMMAs
+  // are issued (kScheduleTurns hands its turn over there).
   const auto apply_page_to = [&](auto& o_pieces, uint32_t (&p8)[2][4], const float (&gamma)[2],
-                                 uint64_t vt_cols, int buf) {
+                                 uint64_t vt_cols, int buf, auto after_last_issue) {
     constexpr int kAccs = 2;
     constexpr int kPieces = sizeof(o_pieces) / sizeof(o_pieces[0]);
     constexpr int kVals = sizeof(o_pieces[0]) / sizeof(float);   // kPieceN / 2 per thread
@@ -827,6 +759,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     };
 #pragma unroll
     for (int q = 0; q < kAccs && q < kPieces; ++q) issue_piece(q);
+    if (kPieces <= kAccs) after_last_issue();
 #pragma unroll
     for (int q = 0; q < kPieces; ++q) {
       if (q + 1 < kPieces) {
@@ -839,8 +772,43 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int v = 0; v < kVals; ++v) {
         o_pieces[q][v] = o_pieces[q][v] * gamma[(v >> 1) & 1] + pv[q % kAccs][v];
       }
-      if (q + kAccs < kPieces) issue_piece(q + kAccs);
+      if (q + kAccs < kPieces) {
+        issue_piece(q + kAccs);
+        if (q + kAccs == kPieces - 1) after_last_issue();
+      }
     }
+  };
+
+  // O = gamma O + P8 . V8 (V^T buffer `buf`) for this warpgroup's 256 columns (all schedules
+  // but kScheduleSplitRoles); without kPromotePv one 64x128 half at a time straight into O.
+  const auto apply_page = [&](uint32_t (&p8)[2][4], const float (&gamma)[2], int buf,
+                              bool last_turn) {
+    if (kTurns) wait_turn();
+    if constexpr (!kPromotePv) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+#pragma unroll
+        for (int v = 0; v < kPvN / 2; ++v) o[half][v] *= gamma[(v >> 1) & 1];
+        fence_operands(o[half]);
+        fence_operands(p8[0]);
+        fence_operands(p8[1]);
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < kPageSize / kWgmmaK8; ++k) {
+          wgmma_m64n128k32_e4m3_rs(
+              o[half], p8[k],
+              desc_at(vt_desc, buf * kPageSize + half * kPvN * kSwizzleRowBytes + k * 32), 1);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_operands(o[half]);
+      }
+      return;
+    }
+    // Four 64-column quarters of O (the same registers, viewed as pieces).
+    apply_page_to(reinterpret_cast<float(&)[4][kPvN / 4]>(o), p8, gamma, vt_desc, buf, [&] {
+      if (kTurns) hand_over_turn(last_turn);
+    });
   };
 
   // Epilogue: out = sigma_P O / (sigma_P L) for the columns of `o` from col0 on (pieces of any
@@ -1050,7 +1018,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         store_hand_over(i, p8, gamma);
         named_barrier_sync(kPageBarrier, 256);
-        apply_page_to(o_qk, p8, gamma, vt_cols0, i & 1);
+        apply_page_to(o_qk, p8, gamma, vt_cols0, i & 1, [] {});
         if (i + 2 < num_iters) named_barrier_arrive(kVtFreeBarrier + (i & 1), 256);
       }
       if (num_iters > 0) store_row_state(num_iters - 1);   // for WG2's epilogue
@@ -1080,7 +1048,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         float gamma[2];
         load_hand_over(i, p8, gamma);
         apply_page_to(o_vt, p8, gamma, desc_at(vt_cols0, kQkWarpgroupCols * kSwizzleRowBytes),
-                      i & 1);
+                      i & 1, [] {});
       }
       named_barrier_sync(kPageBarrier, 256);
       if (num_iters > 0) load_handed_over_state(num_iters - 1);
