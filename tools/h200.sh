@@ -73,28 +73,17 @@ case "$stage" in
     build
     run timeout 300 python3 benchmarks/pv_promotion_error.py --out /root/pv_promotion
     pack /root/pv_promotion "$log" ;;
-  lease6)   # after `stash 2`: the sm90 kernel's schedules, tested (bit-identity first, with a
-            # short timeout: a missed hand-over hangs) and timed against FlashMLA
-    unpack; build
+  lease6|quick|iter)
+    # lease6 (after `stash 2`): the sm90 kernel's schedules, tested (bit-identity first, with a
+    # short timeout: a missed hand-over hangs), timed against FlashMLA, then all of tests/gpu.
+    # quick: lease6 without tests/gpu.  iter: quick without vLLM (no FlashMLA columns).
+    backends=snapmla-sm90,snapmla-sm90-hand-over
+    if [ "$stage" = iter ]; then build; else unpack; build; backends=flashmla-bf16,flashmla-fp8,$backends; fi
     run timeout 90 python3 -m pytest tests/gpu/test_decode_sm90.py -q -x -p no:cacheprovider \
         -k "few_pages or bit_identical" || exit 1
-    run timeout 200 python3 benchmarks/bench_decode.py --out /root/bench_decode \
-        --backends flashmla-bf16,flashmla-fp8,snapmla-sm90,snapmla-sm90-hand-over
-    run timeout $(left 570) python3 -m pytest tests/gpu -q -p no:cacheprovider
-    pack /root/bench_decode "$log" ;;
-  quick)    # after `stash 2`: lease6 without the full test run (a kernel change, timed)
-    unpack; build
-    run timeout 90 python3 -m pytest tests/gpu/test_decode_sm90.py -q -x -p no:cacheprovider \
-        -k "few_pages or bit_identical" || exit 1
-    run timeout 200 python3 benchmarks/bench_decode.py --out /root/bench_decode \
-        --backends flashmla-bf16,flashmla-fp8,snapmla-sm90,snapmla-sm90-hand-over
-    pack /root/bench_decode "$log" ;;
-  iter)     # a kernel change against the hand-over schedule, no vLLM (no FlashMLA columns)
-    build
-    run timeout 90 python3 -m pytest tests/gpu/test_decode_sm90.py -q -x -p no:cacheprovider \
-        -k "few_pages or bit_identical" || exit 1
-    run timeout 200 python3 benchmarks/bench_decode.py --out /root/bench_decode \
-        --backends snapmla-sm90,snapmla-sm90-hand-over ;;
+    run timeout 200 python3 benchmarks/bench_decode.py --out /root/bench_decode --backends "$backends"
+    [ "$stage" = lease6 ] && run timeout $(left 570) python3 -m pytest tests/gpu -q -p no:cacheprovider
+    [ "$stage" = iter ] || pack /root/bench_decode "$log" ;;
   lease4)   # after `stash 2`: training in the background, kernel tests, CUDA-graph and serve e2e
     unpack
     setsid nohup "${TRAIN_TINY[@]}" > /root/train.log 2>&1 < /dev/null &

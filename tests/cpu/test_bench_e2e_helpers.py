@@ -35,7 +35,7 @@ def test_model_config_has_deepseek_v31_attention_and_dense_layers(tmp_path, head
     # vLLM makes layer i an MoE layer only from first_k_dense_replace on: all dense here.
     assert config["first_k_dense_replace"] >= config["num_hidden_layers"]
     assert (config["max_position_embeddings"]
-            >= max(bench.CONTEXTS) + bench.MAX_WARM_TOKENS + 512)
+            >= max(bench.CONTEXTS) + bench.MAX_WARM_TOKENS + bench.SETTLE_STEPS + 2 * 512)
 
 
 def test_batch_to_fill_counts_whole_pages_per_request():
