@@ -3,7 +3,8 @@
 #   bash tools/h200.sh STAGE [args]        logs go to $OUT/<stage>.log
 # Stages: stash K (move .devcache/vllm-site.partK aside; carry that part with the call) |
 #         setup (unpack vLLM, build the extension) | kernels | sm90 | e2e | serve | bench | train | parity
-#         | ncu [SCHEDULES] | promotion | e2e-sm90 | bench-e2e ARGS | iter | lease6, quick (after stash 2)
+#         | ncu [SCHEDULES] | promotion | e2e-sm90 | bench-e2e ARGS | iter | narrow
+#         | lease6, quick (after stash 2)
 # A whole lease in five calls (docs/development.md): `stash 0`, `stash 1` (each carrying its
 # part), `stash 2 && lease4` (carrying part 2), `lease5` (carrying .whl).  Each lease call packs
 # its logs and results into $OUT/<stage>.tgz (a call returns at most 8 files).
@@ -74,11 +75,19 @@ case "$stage" in
     build
     run timeout 300 python3 benchmarks/pv_promotion_error.py --out /root/pv_promotion
     pack /root/pv_promotion "$log" ;;
+  narrow)   # the narrow kernel (<= 16 rows): build, its tests, timing at H=16 against split-roles
+    build
+    CUDA_LAUNCH_BLOCKING=1 run timeout 120 python3 -m pytest tests/gpu/test_decode_sm90.py -x -q \
+        -p no:cacheprovider -k "narrow_few_pages" || exit 1
+    run timeout 200 python3 -m pytest tests/gpu/test_decode_sm90.py -q -p no:cacheprovider -k narrow
+    run timeout 120 python3 benchmarks/narrow_accuracy.py
+    run timeout 150 python3 benchmarks/bench_decode.py --out /root/bench_decode --heads 16 \
+        --backends snapmla-sm90,snapmla-sm90-split-roles ;;
   lease6|quick|iter)
     # lease6 (after `stash 2`): the sm90 kernel's schedules, tested (bit-identity first, with a
     # short timeout: a missed hand-over hangs), timed against FlashMLA, then all of tests/gpu.
     # quick: lease6 without tests/gpu.  iter: quick without vLLM (no FlashMLA columns).
-    backends=snapmla-sm90,snapmla-sm90-hand-over
+    backends=snapmla-sm90,snapmla-sm90-split-roles
     if [ "$stage" = iter ]; then build; else unpack; build; backends=flashmla-bf16,flashmla-fp8,$backends; fi
     run timeout 90 python3 -m pytest tests/gpu/test_decode_sm90.py -q -x -p no:cacheprovider \
         -k "few_pages or bit_identical" || exit 1

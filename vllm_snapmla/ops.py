@@ -6,9 +6,8 @@ Every function takes CPU or CUDA tensors.  CPU tensors run the exact PyTorch ref
 (``vllm_snapmla.sm90``) or the portable Triton split-KV kernel elsewhere.  All give the same
 results within the tolerances the tests state.
 
-``SNAPMLA_DECODE_KERNEL`` picks the decode kernel: ``auto`` (default: sm90 where it is built, the
-GPU is sm_90 and a request has at least 16 query rows (s_q x heads), Triton otherwise), ``sm90``
-(always; refuse to run without it) or ``triton``.
+``SNAPMLA_DECODE_KERNEL`` picks the decode kernel: ``auto`` (default: sm90 where it is built and
+the GPU is sm_90, Triton otherwise), ``sm90`` (always; refuse to run without it) or ``triton``.
 """
 
 from __future__ import annotations
@@ -141,10 +140,10 @@ def quantize_q(q_nope: torch.Tensor, q_pe: torch.Tensor):
 
 
 DECODE_KERNELS = ("auto", "sm90", "triton")
-# The sm90 kernel computes 64 query rows (s_q x heads) per CTA and pads fewer.  On the H200 it
-# runs 1.09-1.17x BF16 FlashMLA's speed at 16 rows (H=16, benchmarks/RESULTS.md seventh run),
-# where the Triton kernel ran 0.78-0.81x (second to sixth runs); below 16 rows it is untimed.
-SM90_MIN_ROWS = 16
+# The sm90 kernels take any row count: the narrow kernel (1-16 query rows, s_q x heads) costs the
+# same at 1 row as at 16, where it runs 1.28-1.31x the 64-row kernel's speed (benchmarks/
+# RESULTS.md, eighth run), and the Triton kernel pads to 16 rows too.
+SM90_MIN_ROWS = 1
 
 
 @functools.cache

@@ -3,8 +3,8 @@
 Same inputs, outputs and split contract as ``vllm_snapmla.triton.decode.snapmla_decode``: stage 1
 is the CUDA kernel (one CTA per request, 64-row block of ``(s_q, head)`` rows and KV split; TMA
 page ring, FP8/BF16 WGMMA); with several splits, stage 2 is the Triton combine kernel.
-``vllm_snapmla.ops.decode`` uses it on sm_90 GPUs for requests of at least ``ops.SM90_MIN_ROWS``
-(16) query rows (``SNAPMLA_DECODE_KERNEL`` overrides that).
+``vllm_snapmla.ops.decode`` uses it on sm_90 GPUs (``SNAPMLA_DECODE_KERNEL`` overrides that):
+the narrow kernel for requests of at most 16 query rows, the 64-row kernel above that.
 """
 
 from __future__ import annotations
@@ -18,9 +18,13 @@ from vllm_snapmla.triton.decode import _combine_kernel, _device_limits, num_spli
 
 _BLOCK_ROWS = 64   # query rows per CTA (csrc/sm90/decode/config.h kBlockRows)
 # How the two consumer warpgroups order their tensor-core sections (config.h kSchedule*).
-SCHEDULES = {"free": 0, "turns": 1, "hand-over": 2, "split-roles": 3}
+# "narrow" is another kernel (csrc/sm90/decode/snapmla_decode_sm90_narrow.cuh) for requests of
+# at most NARROW_ROWS query rows.
+SCHEDULES = {"free": 0, "turns": 1, "hand-over": 2, "split-roles": 3, "narrow": 4}
+NARROW_ROWS = 16
 # "split-roles" is 1.22-1.30x as fast as "hand-over" on the H200 (benchmarks/RESULTS.md, seventh
-# run), which is 1.05-1.13x as fast as "turns" (sixth run).
+# run), which is 1.05-1.13x as fast as "turns" (sixth run).  Requests of at most NARROW_ROWS
+# rows take "narrow" by default.
 DEFAULT_SCHEDULE = "split-roles"
 # csrc/sm90/decode/config.h hard-codes these (kPScaleRange, kPScaleFloor).
 assert fmt.P_SCALE_RANGE == 2.0 ** -32 and fmt.P_SCALE_FLOOR == 2.0 ** -126
@@ -37,7 +41,7 @@ def available(device: torch.device | int | None = None) -> bool:
 def snapmla_decode_sm90(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: torch.Tensor,
                         kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                         softmax_scale: float, causal: bool = True, num_splits: int | None = None,
-                        schedule: str = DEFAULT_SCHEDULE, promote_pv: bool = True):
+                        schedule: str | None = None, promote_pv: bool = True):
     """SnapMLA decode from a quantized query on an sm_90 GPU.
 
     ``q8`` e4m3 ``[B,s_q,H,512]``, ``q_scale`` fp32 ``[B,s_q,H]``, ``q_pe_scaled`` bf16
@@ -50,20 +54,29 @@ def snapmla_decode_sm90(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: to
     P; their QK and PV sections alternate), ``free`` (the same without turns) or ``hand-over``
     (paper Algorithm 1: each page's P is computed by one warpgroup and handed to the other) or
     ``split-roles`` (one warpgroup computes every page's P, the other builds every page's V^T);
-    the arithmetic is the same, so is the result, bit for bit.  ``promote_pv=False``
+    the arithmetic is the same, so is the result, bit for bit.  ``narrow`` is the kernel for at
+    most ``NARROW_ROWS`` query rows (``s_q x H``): the same arithmetic per page and row, computed
+    as ``S^T = K Q^T`` and ``O^T = V^T P^T`` so that nothing is padded to 64 rows (results equal
+    the others' up to the order of FP32 sums).  ``None`` (default): ``narrow`` where it applies,
+    else ``DEFAULT_SCHEDULE``.  ``promote_pv=False``
     (measurement only; with ``schedule="free"``) accumulates every page's PV straight into O in the tensor
     core instead of promoting each page's sum into FP32 O.
     """
+    B, s_q, H, _ = q8.shape
+    num_rows = s_q * H
+    if schedule is None:
+        schedule = "narrow" if num_rows <= NARROW_ROWS and promote_pv else DEFAULT_SCHEDULE
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
+    if schedule == "narrow" and num_rows > NARROW_ROWS:
+        raise ValueError(f"schedule 'narrow' takes at most {NARROW_ROWS} query rows (s_q x heads), "
+                         f"got {s_q} x {H}")
     if not promote_pv and schedule != "free":
         raise ValueError(f"promote_pv=False exists only with schedule='free', got {schedule!r}")
     native = ops.native()
     if native is None or not hasattr(native, "decode_sm90"):
         raise RuntimeError("vllm_snapmla._C was built without decode_sm90 (csrc/sm90/); rebuild "
                            "with SNAPMLA_ARCHS containing 90a")
-    B, s_q, H, _ = q8.shape
-    num_rows = s_q * H
     device = q8.device
     out = torch.empty(B, s_q, H, fmt.KV_LORA_RANK, dtype=torch.bfloat16, device=device)
     lse = torch.empty(B, H, s_q, dtype=torch.float32, device=device)
@@ -115,3 +128,4 @@ def schedule_variant(schedule: str):
 snapmla_decode_sm90_free = schedule_variant("free")
 snapmla_decode_sm90_turns = schedule_variant("turns")
 snapmla_decode_sm90_hand_over = schedule_variant("hand-over")
+snapmla_decode_sm90_split_roles = schedule_variant("split-roles")

@@ -89,11 +89,14 @@ void decode_sm90(const at::Tensor& q8, const at::Tensor& q_scale, const at::Tens
                     ": num_splits must be in [1, 65535], got ", num_splits);
   TORCH_CHECK_VALUE(schedule == sm90::kScheduleFree || schedule == sm90::kScheduleTurns ||
                         schedule == sm90::kScheduleHandOver ||
-                        schedule == sm90::kScheduleSplitRoles,
+                        schedule == sm90::kScheduleSplitRoles || schedule == sm90::kScheduleNarrow,
                     kOp, ": schedule must be ", sm90::kScheduleFree, " (free), ",
                     sm90::kScheduleTurns, " (turns), ", sm90::kScheduleHandOver,
-                    " (hand-over) or ", sm90::kScheduleSplitRoles, " (split-roles), got ",
-                    schedule);
+                    " (hand-over), ", sm90::kScheduleSplitRoles, " (split-roles) or ",
+                    sm90::kScheduleNarrow, " (narrow), got ", schedule);
+  TORCH_CHECK_VALUE(schedule != sm90::kScheduleNarrow || rows <= sm90::kNarrowRows, kOp,
+                    ": the narrow kernel takes at most ", sm90::kNarrowRows,
+                    " query rows (s_q x heads), got ", rows);
   TORCH_CHECK_VALUE(promote_pv || schedule == sm90::kScheduleFree, kOp,
                     ": promote_pv=False exists only with the free schedule (", sm90::kScheduleFree,
                     "), got schedule ", schedule);

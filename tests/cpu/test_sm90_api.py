@@ -32,3 +32,10 @@ def test_schedule_variants_are_fixed_partials():
     with pytest.raises(ValueError, match="schedule must be one of"):
         sm90.schedule_variant("fast")
     assert sm90.snapmla_decode_sm90_turns.__name__ == "snapmla_decode_sm90[turns]"
+
+
+def test_narrow_takes_at_most_16_rows():
+    q8, q_scale, q_pe, cache, block_table, seq_lens = _inputs()
+    two = (torch.cat([q8, q8], 1), torch.cat([q_scale, q_scale], 1), torch.cat([q_pe, q_pe], 1))
+    with pytest.raises(ValueError, match="at most 16 query rows"):
+        sm90.snapmla_decode_sm90(*two, cache, block_table, seq_lens, 0.1, schedule="narrow")

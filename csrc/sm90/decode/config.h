@@ -113,4 +113,32 @@ static_assert((kQkPromoteCols % kWgmmaK8 == 0 && kSwizzleRowBytes % kQkPromoteCo
                   (kQkPromoteCols % kSwizzleRowBytes == 0 && kKvLoraRank % kQkPromoteCols == 0),
               "promotion chunks must tile the four 128-column content tiles");
 
+// ------------------------------------------------------------------ the narrow kernel
+// snapmla_decode_sm90_narrow.cuh, for requests of at most kNarrowRows query rows (DeepSeek-V3's
+// 16 heads per TP8 rank).  It computes S^T = K . Q^T (M = 64 tokens, N = 16 rows), so nothing is
+// padded to 64 rows, and O^T = V^T . P^T with V^T built in registers (no V^T in shared memory).
+constexpr int kScheduleNarrow = 4;       // DecodeParams::schedule of the narrow kernel
+constexpr int kNarrowRows = 16;          // N of its WGMMAs: query rows per CTA
+constexpr int kNarrowThreads = 128 + 32; // one consumer warpgroup, one producer warp
+constexpr int kNarrowStages = 4;         // pages in flight (no V^T buffers: the room is free)
+constexpr int kNarrowQkParts = 4;        // QK promotion chunks in flight (8 registers each)
+// The narrow kernel has tensor-core time to spare, so its content QK promotes after every WGMMA
+// (32 columns, not kQkPromoteCols): the tensor core's reduced-precision accumulation then spans
+// a single instruction's 32 terms.
+constexpr int kNarrowQkPromoteCols = kWgmmaK8;
+constexpr int kNarrowQkChunks = kKvLoraRank / kNarrowQkPromoteCols;            // 16
+constexpr int kNarrowPTiles = kKvLoraRank / 64;  // O^T's 64-column M tiles (8)
+constexpr int kNarrowQ8 = kNarrowStages * kStageBytes;
+constexpr int kNarrowQTileBytes = kNarrowRows * kSwizzleRowBytes;               // 2 KB
+constexpr int kNarrowQpe = kNarrowQ8 + kContentTiles * kNarrowQTileBytes;
+// P^T: [16 rows][64 token positions] e4m3, two buffers (bytes 0-63 and 64-127 of each row).
+constexpr int kNarrowPt = kNarrowQpe + kNarrowQTileBytes;
+// Cross-warp reductions: [2 page parities][2: max, amax][16 rows][4 warps] floats.
+constexpr int kNarrowRed = kNarrowPt + kNarrowQTileBytes;
+constexpr int kNarrowBarriers = kNarrowRed + 2 * 2 * kNarrowRows * 4 * 4;
+constexpr int kNarrowSmemAlloc = kNarrowBarriers + 2 * kNarrowStages * 8 + 1024;
+static_assert(kNarrowQ8 % 1024 == 0 && kNarrowQTileBytes % 1024 == 0 && kNarrowQpe % 1024 == 0 &&
+                  kNarrowPt % 1024 == 0, "swizzled tiles must be 1024-byte aligned");
+static_assert(kNarrowSmemAlloc <= 227 * 1024, "exceeds Hopper's per-block shared memory");
+
 }  // namespace snapmla::sm90

@@ -1,5 +1,6 @@
 // Host launcher of the sm_90a SnapMLA decode kernel: TMA tensor maps over the paged cache, launch.
 #include "sm90/decode/snapmla_decode_sm90.cuh"
+#include "sm90/decode/snapmla_decode_sm90_narrow.cuh"
 
 #include <cudaTypedefs.h>
 
@@ -51,12 +52,19 @@ const char* launch_decode_sm90(const DecodeParams& params, const uint8_t* kv_cac
   if (major != 9 || minor != 0) {
     return "decode_sm90 needs an sm_90 (Hopper) GPU; use vllm_snapmla.triton.decode elsewhere";
   }
-  const auto kernel = !params.promote_pv                      ? decode_kernel<kScheduleFree, false>
+  const bool narrow = params.schedule == kScheduleNarrow;
+  if (narrow && params.num_rows > kNarrowRows) {
+    return "decode_sm90: the narrow kernel takes at most 16 query rows (s_q x heads)";
+  }
+  const auto kernel = narrow                                  ? decode_narrow_kernel
+                      : !params.promote_pv                    ? decode_kernel<kScheduleFree, false>
                       : params.schedule == kScheduleTurns     ? decode_kernel<kScheduleTurns>
                       : params.schedule == kScheduleHandOver  ? decode_kernel<kScheduleHandOver>
                       : params.schedule == kScheduleSplitRoles
                           ? decode_kernel<kScheduleSplitRoles>
                                                               : decode_kernel<kScheduleFree>;
+  const int threads = narrow ? kNarrowThreads : kThreads;
+  const int smem_bytes = narrow ? kNarrowSmemAlloc : kSmemAlloc;
   // The kernel body exists only in sm_90a code; compute_89 PTX JIT-compiled for this GPU would
   // run an empty kernel.
   cudaFuncAttributes attr;
@@ -80,12 +88,13 @@ const char* launch_decode_sm90(const DecodeParams& params, const uint8_t* kv_cac
     return "decode_sm90: cuTensorMapEncodeTiled rejected the kv_cache layout";
   }
 
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           kSmemAlloc) != cudaSuccess) {
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) !=
+      cudaSuccess) {
     return cudaGetErrorString(cudaGetLastError());
   }
-  const dim3 grid(batch, (params.num_rows + kBlockRows - 1) / kBlockRows, params.num_splits);
-  kernel<<<grid, kThreads, kSmemAlloc, stream>>>(content_map, rope_map, scale_map, params);
+  const int row_blocks = narrow ? 1 : (params.num_rows + kBlockRows - 1) / kBlockRows;
+  const dim3 grid(batch, row_blocks, params.num_splits);
+  kernel<<<grid, threads, smem_bytes, stream>>>(content_map, rope_map, scale_map, params);
   const cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }

@@ -206,6 +206,43 @@ __device__ __forceinline__ float quad_sum(float x) {
       "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]),           \
       "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 
+// The narrow kernel's (snapmla_decode_sm90_narrow.cuh) N = 16 tiles, 8 accumulators per thread.
+#define SNAPMLA_ACC8(d)                                                                       \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+
+// D[64x16 fp32] (+)= A[64x32 e4m3] . B[16x32 e4m3]^T, both K-major in shared memory.
+__device__ __forceinline__ void wgmma_m64n16k32_e4m3(float (&d)[8], uint64_t desc_a,
+                                                     uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1;\n}\n"
+      : SNAPMLA_ACC8(d)
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+// D[64x16 fp32] (+)= A[64x16 bf16] . B[16x16 bf16]^T, both K-major in shared memory.
+__device__ __forceinline__ void wgmma_m64n16k16_bf16(float (&d)[8], uint64_t desc_a,
+                                                     uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
+      : SNAPMLA_ACC8(d)
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+// D[64x16 fp32] (+)= A[64x32 e4m3, registers] . B[16x32 e4m3, K-major shared memory]^T.
+__device__ __forceinline__ void wgmma_m64n16k32_e4m3_rs(float (&d)[8], const uint32_t (&a)[4],
+                                                        uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1;\n}\n"
+      : SNAPMLA_ACC8(d)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+}
+
 // D[64x32 fp32] (+)= A[64x32 e4m3] . B[32x32 e4m3]^T, both K-major in shared memory.
 __device__ __forceinline__ void wgmma_m64n32k32_e4m3(float (&d)[16], uint64_t desc_a,
                                                      uint64_t desc_b, int accumulate) {
@@ -279,6 +316,7 @@ __device__ __forceinline__ void wgmma_m64n64k32_e4m3_rs(float (&d)[32], const ui
 }
 
 #undef SNAPMLA_ACC64
+#undef SNAPMLA_ACC8
 #undef SNAPMLA_ACC32
 #undef SNAPMLA_ACC16
 

@@ -1,0 +1,471 @@
+// The narrow sm_90a SnapMLA decode kernel: requests of at most 16 query rows (s_q x heads), i.e.
+// DeepSeek-V3 on one TP8 rank (16 heads).
+//
+// The 64-row kernel (snapmla_decode_sm90.cuh) pads 16 rows to a 64-row WGMMA tile: three
+// quarters of its tensor-core and softmax work are padding, and every page's V^T round trip
+// through shared memory (32 KB written, 32 KB read) serves only 16 rows.  Here the roles of the
+// operands are swapped, so that the 64 of WGMMA's M are the page's tokens and its N the 16 rows:
+//   S^T[64 tokens, 16 rows] = K8 . Q8^T (+ RoPE in BF16): A = the page's content tile as TMA
+//                            wrote it (K-major, 128-byte swizzle), B = the query tile;
+//   O^T[512 cols, 16 rows] += V^T . P8^T: A = V^T from registers, transposed from the page's
+//                            content rows in registers (16-byte loads, 4x4 byte transposes);
+//                            B = P8^T, written to shared memory by the softmax.
+// O^T is 64 registers per thread, so one consumer warpgroup holds all 512 columns.  Per page and
+// row the arithmetic is the 64-row kernel's (docs/format.md "Decode"): FP32 promotion of the
+// content QK (here after every WGMMA), the page's sigma_P, a fresh FP32 accumulator for each page's PV; the softmax's
+// per-row reductions over the page's tokens run across the four warps (shared memory, one named
+// barrier each), and the row sums l are kept per thread and reduced once, at the end.
+//
+// 160 threads: warps 0-3 the consumer warpgroup, warp 4 the TMA producer (a kNarrowStages ring).
+#pragma once
+
+#include "sm90/decode/snapmla_decode_sm90.cuh"
+
+namespace snapmla::sm90 {
+
+#ifdef SNAPMLA_SM90_DEVICE
+namespace device {
+
+// out[b] byte i = in[i] byte b: four 4-byte rows to four 4-byte columns.
+__device__ __forceinline__ void transpose_4x4_bytes(const uint32_t (&in)[4], uint32_t (&out)[4]) {
+  const uint32_t lo01 = __byte_perm(in[0], in[1], 0x5140);   // in0.0 in1.0 in0.1 in1.1
+  const uint32_t hi01 = __byte_perm(in[0], in[1], 0x7362);   // in0.2 in1.2 in0.3 in1.3
+  const uint32_t lo23 = __byte_perm(in[2], in[3], 0x5140);
+  const uint32_t hi23 = __byte_perm(in[2], in[3], 0x7362);
+  out[0] = __byte_perm(lo01, lo23, 0x5410);
+  out[1] = __byte_perm(lo01, lo23, 0x7632);
+  out[2] = __byte_perm(hi01, hi23, 0x5410);
+  out[3] = __byte_perm(hi01, hi23, 0x7632);
+}
+
+// The PV A fragments of one page for the calling thread (warp w, lane = 4 g + q): a[mt][kk][j]
+// is register j of M tile mt (64 output columns) and K step kk (32 token positions).
+//
+// Which columns and tokens: WGMMA gives the thread A rows 16 w + g + 8 (j & 1) of every tile
+// and K positions 4 q + i + 16 (j >> 1) (byte i).  Rows are output columns of our choosing:
+// row 16 w + g + 8 h of tile mt is column 16 (8 w + g) + 2 mt + h, so the thread's 16 columns
+// are one 16-byte chunk of a content row (chunk g of content tile w).  K position
+// P = 32 kk + 16 jh + 4 q + i is token 8 (4 kk + 2 jh + i / 2) + 2 q + i % 2 (narrow_position
+// below inverts it; P8^T is stored in the same order), so the thread reads tokens
+// 8 a + 2 q + e, whose rows have (token mod 8) = 2 q + e: with the 128-byte swizzle, the eight
+// lanes of each quarter-warp read eight different 16-byte bank groups.  Empty slots (token >=
+// live, kMasked) read as zeros: their bytes may be NaN, and 0 x NaN is NaN.
+template <bool kMasked>
+__device__ __forceinline__ void load_v_fragments(const uint8_t* tile, int g, int q, int live,
+                                                 uint32_t (&a)[kNarrowPTiles][2][4]) {
+#pragma unroll
+  for (int kk = 0; kk < 2; ++kk)
+#pragma unroll
+    for (int jh = 0; jh < 2; ++jh) {
+      uint32_t rows[4][4];   // [i][u]: token of position i, columns 4u .. 4u + 3 of the chunk
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int e = i & 1;
+        const int t = 8 * (4 * kk + 2 * jh + (i >> 1)) + 2 * q + e;
+        const uint4 v = *reinterpret_cast<const uint4*>(tile + t * kSwizzleRowBytes +
+                                                        ((g ^ (2 * q + e)) << 4));
+        const uint32_t keep = (!kMasked || t < live) ? ~0u : 0u;
+        rows[i][0] = v.x & keep;
+        rows[i][1] = v.y & keep;
+        rows[i][2] = v.z & keep;
+        rows[i][3] = v.w & keep;
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const uint32_t in[4] = {rows[0][u], rows[1][u], rows[2][u], rows[3][u]};
+        uint32_t out[4];
+        transpose_4x4_bytes(in, out);
+        // Column 4u + bb of the chunk = 2 mt + h: tile mt = 2u + bb / 2, row parity h = bb % 2.
+#pragma unroll
+        for (int bb = 0; bb < 4; ++bb) a[2 * u + (bb >> 1)][kk][2 * jh + (bb & 1)] = out[bb];
+      }
+    }
+}
+
+// The K position (0..63) of token t in the PV operands (load_v_fragments's order).
+__device__ __forceinline__ int narrow_position(int t) {
+  const int a = t >> 3, q = (t >> 1) & 3, i = 2 * (a & 1) + (t & 1);
+  return 32 * (a >> 2) + 16 * ((a >> 1) & 1) + 4 * q + i;
+}
+
+}  // namespace device
+#endif  // SNAPMLA_SM90_DEVICE
+
+// Fragment of S^T and O^T (accumulators, N = 16): value v of a thread is M row (token, or output
+// column) 16 warp + g + 8 ((v >> 1) & 1) and N column (query row) 8 (v >> 2) + 2 q + (v & 1).
+// A thread's four query rows ("slots" k = 2 (v >> 2) + (v & 1)) are 8 (k >> 1) + 2 q + (k & 1).
+__global__ void __launch_bounds__(kNarrowThreads, 1)
+    decode_narrow_kernel(const __grid_constant__ CUtensorMap content_map,
+                         const __grid_constant__ CUtensorMap rope_map,
+                         const __grid_constant__ CUtensorMap scale_map, const DecodeParams p) {
+#ifdef SNAPMLA_SM90_DEVICE
+  using namespace device;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  const uint32_t smem_base = smem_addr(smem);
+  const uint32_t full_bar = smem_base + kNarrowBarriers;        // + 8 * stage: page landed
+  const uint32_t empty_bar = full_bar + 8 * kNarrowStages;      // + 8 * stage: slot free
+
+  const int b = blockIdx.x;
+  const int split = blockIdx.z;
+  const int seq_len = p.seq_lens[b];
+  const int num_pages = (seq_len + kPageSize - 1) / kPageSize;
+  const int pages_per_split = (num_pages + p.num_splits - 1) / p.num_splits;
+  const int first_page = split * pages_per_split;
+  const int num_iters = max(min(first_page + pages_per_split, num_pages) - first_page, 0);
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kNarrowStages; ++s) {
+      mbar_init(full_bar + 8 * s, 1);
+      mbar_init(empty_bar + 8 * s, 128);   // every consumer thread releases a page
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (threadIdx.x >= 128) {
+    // ---------------------------------------------------------------- producer warp
+    if (threadIdx.x == 128 && num_iters > 0) {
+      prefetch_tensor_map(&content_map);
+      prefetch_tensor_map(&rope_map);
+      prefetch_tensor_map(&scale_map);
+      const int32_t* pages = p.block_table + b * p.block_table_stride + first_page;
+      for (int i = 0; i < num_iters; ++i) {
+        const int stage = i % kNarrowStages;
+        mbar_wait(empty_bar + 8 * stage, ((i / kNarrowStages) & 1) ^ 1);
+        const int32_t block = pages[i];
+        const uint32_t dst = smem_base + stage * kStageBytes;
+        const uint32_t bar = full_bar + 8 * stage;
+        mbar_arrive_expect_tx(bar, kStageTxBytes);
+#pragma unroll
+        for (int t = 0; t < kContentTiles; ++t) {
+          tma_load_page(dst + kStageContent + t * kContentTileBytes, &content_map, bar,
+                        t * kSwizzleRowBytes, block);
+        }
+        tma_load_page(dst + kStageRope, &rope_map, bar, 0, block);
+        tma_load_page(dst + kStageScale, &scale_map, bar, 0, block);
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------ consumer warpgroup
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int g = lane / 4;
+  const int q = lane % 4;
+
+  // The query rows into the swizzled B tiles (zeros past num_rows), once.
+  for (int idx = threadIdx.x; idx < kNarrowRows * (kKvLoraRank / 16); idx += 128) {
+    const int r = idx / (kKvLoraRank / 16);
+    const int chunk = idx % (kKvLoraRank / 16);
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (r < p.num_rows) {
+      const int qi = r / p.num_heads, qh = r % p.num_heads;
+      v = *reinterpret_cast<const uint4*>(p.q8 + b * p.q8_stride[0] + qi * p.q8_stride[1] +
+                                          qh * p.q8_stride[2] + chunk * 16);
+    }
+    const int tile = chunk / (kSwizzleRowBytes / 16);
+    *reinterpret_cast<uint4*>(smem + kNarrowQ8 + tile * kNarrowQTileBytes +
+                              sw128_offset(r, (chunk * 16) % kSwizzleRowBytes)) = v;
+  }
+  for (int idx = threadIdx.x; idx < kNarrowRows * (kSwizzleRowBytes / 16); idx += 128) {
+    const int r = idx / (kSwizzleRowBytes / 16);
+    const int chunk = idx % (kSwizzleRowBytes / 16);
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (r < p.num_rows) {
+      const int qi = r / p.num_heads, qh = r % p.num_heads;
+      v = *reinterpret_cast<const uint4*>(p.q_pe + b * p.q_pe_stride[0] + qi * p.q_pe_stride[1] +
+                                          qh * p.q_pe_stride[2] + chunk * 16);
+    }
+    *reinterpret_cast<uint4*>(smem + kNarrowQpe + sw128_offset(r, chunk * 16)) = v;
+  }
+  fence_proxy_async();
+  named_barrier_sync(1, 128);
+
+  // Per-row state of the thread's four query rows (slots).
+  const auto row_of = [&](int k) { return 8 * (k >> 1) + 2 * q + (k & 1); };
+  int visible[4];
+  float row_scale[4], m[4], peak[4], amax_prev[4], l[4];
+  int min_visible = seq_len;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int r = row_of(k);
+    const bool row_ok = r < p.num_rows;
+    const int qi = row_ok ? r / p.num_heads : 0, qh = row_ok ? r % p.num_heads : 0;
+    // Query i of s_q sees positions < seq_len - s_q + i + 1 when causal.
+    visible[k] = row_ok ? seq_len - p.causal * (p.s_q - 1 - qi) : 0;
+    min_visible = min(min_visible, visible[k]);
+    row_scale[k] = row_ok ? p.q_scale[b * p.q_scale_stride[0] + qi * p.q_scale_stride[1] +
+                                      qh * p.q_scale_stride[2]] * p.qk_scale_log2
+                          : 0.f;
+    m[k] = -INFINITY;              // running max logit (log2 units)
+    peak[k] = 0.f;                 // largest P' so far, at the current m
+    amax_prev[k] = kPScaleFloor;   // 448 * sigma_P of the last page
+    l[k] = 0.f;                    // this thread's share of the sum of exp (sigma_P * L)
+  }
+  // This thread's two tokens of every page (S^T rows) and their K positions in P8^T.
+  const int token0 = 16 * warp + g;
+  const int position[2] = {narrow_position(token0), narrow_position(token0 + 8)};
+
+  float o[kNarrowPTiles][8];   // O^T in the current sigma_P domain
+#pragma unroll
+  for (int mt = 0; mt < kNarrowPTiles; ++mt)
+#pragma unroll
+    for (int v = 0; v < 8; ++v) o[mt][v] = 0.f;
+
+  const uint64_t q8_desc = sw128_desc(smem_base + kNarrowQ8);
+  const uint64_t qpe_desc = sw128_desc(smem_base + kNarrowQpe);
+  const uint64_t pt_desc = sw128_desc(smem_base + kNarrowPt);
+  float* const red = reinterpret_cast<float*>(smem + kNarrowRed);   // [2][2][16 rows][4 warps]
+
+  // The maximum (kSum false) or sum over the warpgroup's 64 tokens of each slot's values:
+  // shuffles over the 8 lanes sharing q, then the 4 warps through `red` (one named barrier;
+  // `buf` alternates by page, so a page's writes never meet the previous page's reads).
+  const auto reduce_rows = [&](float (&x)[4], int buf, int kind, bool sum) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+#pragma unroll
+      for (int d = 4; d < 32; d *= 2) {
+        const float y = __shfl_xor_sync(0xffffffff, x[k], d);
+        x[k] = sum ? x[k] + y : fmaxf(x[k], y);
+      }
+    float* r = red + (buf * 2 + kind) * kNarrowRows * 4;
+    if (g == 0) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) r[row_of(k) * 4 + warp] = x[k];
+    }
+    named_barrier_sync(1, 128);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float4 w = *reinterpret_cast<const float4*>(r + row_of(k) * 4);
+      x[k] = sum ? (w.x + w.y) + (w.z + w.w) : fmaxf(fmaxf(w.x, w.y), fmaxf(w.z, w.w));
+    }
+  };
+
+  for (int i = 0; i < num_iters; ++i) {
+    const int stage = i % kNarrowStages;
+    const int page = first_page + i;
+    const int live = min(seq_len - page * kPageSize, kPageSize);
+    const uint8_t* stage_ptr = smem + stage * kStageBytes;
+    const uint64_t stage_desc = sw128_desc(smem_base + stage * kStageBytes);
+    mbar_wait(full_bar + 8 * stage, (i / kNarrowStages) & 1);
+
+    // S^T = RoPE (BF16, exact FP32 accumulation) + the content QK in 32-column chunks, each
+    // into a fresh accumulator added into s (the FP32 promotion, config.h kNarrowQkPromoteCols).
+    float s[8];
+    float part[kNarrowQkParts][8];
+    const auto issue_chunk = [&](int c) {
+      float(&acc)[8] = part[c % kNarrowQkParts];
+      fence_operands(acc);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < kNarrowQkPromoteCols / kWgmmaK8; ++k) {
+        const int col = c * kNarrowQkPromoteCols + k * kWgmmaK8;
+        const uint32_t tile = col / kSwizzleRowBytes, byte = col % kSwizzleRowBytes;
+        wgmma_m64n16k32_e4m3(acc, desc_at(stage_desc, kStageContent + tile * kContentTileBytes + byte),
+                             desc_at(q8_desc, tile * kNarrowQTileBytes + byte), k);
+      }
+      wgmma_commit();
+    };
+    fence_operands(s);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < kRopeDim / kWgmmaK16; ++k) {
+      wgmma_m64n16k16_bf16(s, desc_at(stage_desc, kStageRope + k * 32), desc_at(qpe_desc, k * 32),
+                           k);
+    }
+    wgmma_commit();
+#pragma unroll
+    for (int c = 0; c < kNarrowQkParts; ++c) issue_chunk(c);
+
+    // While the QK runs: this page's V^T fragments and token scales.
+    uint32_t a[kNarrowPTiles][2][4];
+    const uint8_t* content = stage_ptr + kStageContent + warp * kContentTileBytes;
+    if (live == kPageSize) {
+      load_v_fragments<false>(content, g, q, live, a);
+    } else {
+      load_v_fragments<true>(content, g, q, live, a);
+    }
+    float k_scale[2];
+    const float* scale_tile = reinterpret_cast<const float*>(stage_ptr + kStageScale);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int t = token0 + 8 * h;
+      k_scale[h] = t < live ? scale_tile[t * kScaleBoxFloats] : 0.f;
+    }
+
+#pragma unroll
+    for (int c = 0; c < kNarrowQkChunks; ++c) {
+      const int pending = min(c + kNarrowQkParts - 1, kNarrowQkChunks - 1) - c;
+      if (pending >= 3) {
+        wgmma_wait<3>();
+      } else if (pending == 2) {
+        wgmma_wait<2>();
+      } else if (pending == 1) {
+        wgmma_wait<1>();
+      } else {
+        wgmma_wait<0>();
+      }
+      float(&acc)[8] = part[c % kNarrowQkParts];
+      fence_operands(s);
+      fence_operands(acc);
+#pragma unroll
+      for (int v = 0; v < 8; ++v) s[v] += acc[v];
+      if (c + kNarrowQkParts < kNarrowQkChunks) issue_chunk(c + kNarrowQkParts);
+    }
+    mbar_arrive(empty_bar + 8 * stage);   // QK done, V and the scales are in registers
+
+    // The SnapMLA P pipeline of the page, per query row (the 64-row kernel's softmax).
+#pragma unroll
+    for (int v = 0; v < 8; ++v) {
+      s[v] *= row_scale[2 * (v >> 2) + (v & 1)] * k_scale[(v >> 1) & 1];
+    }
+    if ((page + 1) * kPageSize > min_visible) {
+#pragma unroll
+      for (int v = 0; v < 8; ++v) {
+        const int pos = page * kPageSize + token0 + 8 * ((v >> 1) & 1);
+        s[v] = pos < visible[2 * (v >> 2) + (v & 1)] ? s[v] : -INFINITY;
+      }
+    }
+    float x[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int v0 = 4 * (k >> 1) + (k & 1);
+      x[k] = fmaxf(s[v0], s[v0 + 2]);
+    }
+    reduce_rows(x, i & 1, 0, false);
+    float m_ref[4], alpha[4], e_sum[4] = {0.f, 0.f, 0.f, 0.f}, amax[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float m_new = fmaxf(m[k], x[k]);
+      m_ref[k] = m_new == -INFINITY ? 0.f : m_new;   // rows that have seen nothing yet
+      alpha[k] = exp2_approx(m[k] - m_ref[k]);
+      m[k] = m_new;
+    }
+#pragma unroll
+    for (int v = 0; v < 8; ++v) {
+      const int k = 2 * (v >> 2) + (v & 1);
+      const float e = exp2_approx(s[v] - m_ref[k]);
+      e_sum[k] += e;
+      s[v] = e * k_scale[(v >> 1) & 1];    // scale fusion: P' = P * sigma_V
+      amax[k] = fmaxf(amax[k], s[v]);
+    }
+    reduce_rows(amax, i & 1, 1, false);
+    float inv_amax[4], gamma[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      peak[k] = fmaxf(peak[k] * alpha[k], amax[k]);
+      const float amax_new = fmaxf(fmaxf(amax[k], peak[k] * kPScaleRange), kPScaleFloor);
+      inv_amax[k] = 1.f / amax_new;                                  // <= 2**126: finite
+      gamma[k] = alpha[k] * (amax_prev[k] * inv_amax[k]);            // exp(m_old - m) s_old / s
+      l[k] = l[k] * alpha[k] + e_sum[k];
+      amax_prev[k] = amax_new;
+    }
+    // P8^T into buffer i % 2 (bytes 64 (i % 2) .. + 63 of each row); PV(i - 2), its last
+    // reader, completed in the previous page.
+#pragma unroll
+    for (int v = 0; v < 8; v += 2) {
+      const int k = 2 * (v >> 2);
+      uint16_t pair;
+      // min(x, 448) of the reference is the conversion's saturation (.satfinite).
+      asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;"
+          : "=h"(pair)
+          : "f"((s[v + 1] * inv_amax[k + 1]) * kFp8Max), "f"((s[v] * inv_amax[k]) * kFp8Max));
+      const uint32_t byte = 64 * (i & 1) + position[(v >> 1) & 1];
+      smem[kNarrowPt + sw128_offset(row_of(k), byte)] = static_cast<uint8_t>(pair & 0xFF);
+      smem[kNarrowPt + sw128_offset(row_of(k + 1), byte)] = static_cast<uint8_t>(pair >> 8);
+    }
+    fence_proxy_async();   // P8^T becomes visible to the WGMMA (async) proxy
+    named_barrier_sync(1, 128);
+
+    // O^T = gamma O^T + V^T . P8^T: each page's PV into fresh accumulators (two groups of four
+    // M tiles; the first is promoted while the second is in the tensor core).
+    float pv[kNarrowPTiles][8];
+#pragma unroll
+    for (int mt = 0; mt < kNarrowPTiles; ++mt) {
+      fence_operands(a[mt][0]);
+      fence_operands(a[mt][1]);
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      wgmma_fence();
+#pragma unroll
+      for (int mt = half * kNarrowPTiles / 2; mt < (half + 1) * kNarrowPTiles / 2; ++mt)
+#pragma unroll
+        for (int kk = 0; kk < 2; ++kk) {
+          wgmma_m64n16k32_e4m3_rs(pv[mt], a[mt][kk],
+                                  desc_at(pt_desc, 64 * (i & 1) + kk * kWgmmaK8), kk);
+        }
+      wgmma_commit();
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      if (half == 0) {
+        wgmma_wait<1>();
+      } else {
+        wgmma_wait<0>();
+      }
+#pragma unroll
+      for (int mt = half * kNarrowPTiles / 2; mt < (half + 1) * kNarrowPTiles / 2; ++mt) {
+        fence_operands(pv[mt]);
+#pragma unroll
+        for (int v = 0; v < 8; ++v) {
+          o[mt][v] = o[mt][v] * gamma[2 * (v >> 2) + (v & 1)] + pv[mt][v];
+        }
+      }
+    }
+#pragma unroll
+    for (int mt = 0; mt < kNarrowPTiles; ++mt) {
+      fence_operands(a[mt][0]);   // the next page's loads stay below the completed PV
+      fence_operands(a[mt][1]);
+    }
+  }
+
+  // Epilogue: l over the warpgroup (the last page used `red` buffer (num_iters - 1) % 2), then
+  // out = sigma_P O / (sigma_P L) and the LSE; rows that saw nothing give 0 and LSE -inf.
+  reduce_rows(l, num_iters & 1, 0, true);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int r = row_of(k);
+    if (r >= p.num_rows) continue;
+    const bool seen_any = l[k] > 0.f;
+    const float norm = seen_any ? amax_prev[k] / (kFp8Max * l[k]) : 0.f;
+    const float lse = seen_any ? (m[k] + log2f(l[k])) * kLn2 : -INFINITY;
+    const bool writes_lse = warp == 0 && g == 0;
+    const int v0 = 4 * (k >> 1) + (k & 1);   // the slot's values: v0 (column parity 0), v0 + 2
+    const int col0 = 16 * (8 * warp + g);     // the thread's 16 output columns
+    if (p.num_splits == 1) {
+      __nv_bfloat16* dst =
+          static_cast<__nv_bfloat16*>(p.out) + (static_cast<int64_t>(b) * p.num_rows + r) * kKvLoraRank + col0;
+      uint32_t packed[8];
+#pragma unroll
+      for (int mt = 0; mt < kNarrowPTiles; ++mt) {
+        const __nv_bfloat162 pair = __floats2bfloat162_rn(o[mt][v0] * norm, o[mt][v0 + 2] * norm);
+        packed[mt] = *reinterpret_cast<const uint32_t*>(&pair);
+      }
+      reinterpret_cast<uint4*>(dst)[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+      reinterpret_cast<uint4*>(dst)[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+      if (writes_lse) {
+        p.lse[(static_cast<int64_t>(b) * p.num_heads + r % p.num_heads) * p.s_q + r / p.num_heads] =
+            lse;
+      }
+    } else {
+      const int64_t part_row = (static_cast<int64_t>(b) * p.num_splits + split) * p.num_rows + r;
+      if (writes_lse) p.lse[part_row] = lse;
+      if (!seen_any) continue;   // the combine skips splits with LSE -inf: no O needed
+      float4* dst = reinterpret_cast<float4*>(static_cast<float*>(p.out) + part_row * kKvLoraRank +
+                                              col0);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        dst[j] = make_float4(o[2 * j][v0] * norm, o[2 * j][v0 + 2] * norm,
+                             o[2 * j + 1][v0] * norm, o[2 * j + 1][v0 + 2] * norm);
+      }
+    }
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();   // not sm_90a: the launcher never starts this on other builds
+#endif  // SNAPMLA_SM90_DEVICE
+}
+
+}  // namespace snapmla::sm90
