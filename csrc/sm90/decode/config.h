@@ -119,7 +119,12 @@ static_assert((kQkPromoteCols % kWgmmaK8 == 0 && kSwizzleRowBytes % kQkPromoteCo
 // padded to 64 rows, and O^T = V^T . P^T with V^T built in registers (no V^T in shared memory).
 constexpr int kScheduleNarrow = 4;       // DecodeParams::schedule of the narrow kernel
 constexpr int kNarrowRows = 16;          // N of its WGMMAs: query rows per CTA
-constexpr int kNarrowThreads = 128 + 32; // one consumer warpgroup, one producer warp
+// Two consumer warpgroups take alternate pages, each with its own softmax state and O^T, merged
+// at the end: each one's page is a serial chain (QK, cross-warp reductions, PV), and a second
+// warp per scheduler hides its latencies.  WG2 is the TMA producer (setmaxnreg as in the 64-row
+// kernel).
+constexpr int kNarrowConsumers = 2;
+constexpr int kNarrowThreads = 128 * (kNarrowConsumers + 1);
 constexpr int kNarrowStages = 4;         // pages in flight (no V^T buffers: the room is free)
 constexpr int kNarrowQkParts = 4;        // QK promotion chunks in flight (8 registers each)
 // The narrow kernel has tensor-core time to spare, so its content QK promotes after every WGMMA
@@ -131,11 +136,17 @@ constexpr int kNarrowPTiles = kKvLoraRank / 64;  // O^T's 64-column M tiles (8)
 constexpr int kNarrowQ8 = kNarrowStages * kStageBytes;
 constexpr int kNarrowQTileBytes = kNarrowRows * kSwizzleRowBytes;               // 2 KB
 constexpr int kNarrowQpe = kNarrowQ8 + kContentTiles * kNarrowQTileBytes;
-// P^T: [16 rows][64 token positions] e4m3, two buffers (bytes 0-63 and 64-127 of each row).
+// Per consumer, P^T: [16 rows][64 token positions] e4m3, two buffers (bytes 0-63 and 64-127 of
+// each row).
 constexpr int kNarrowPt = kNarrowQpe + kNarrowQTileBytes;
-// Cross-warp reductions: [2 page parities][2: max, amax][16 rows][4 warps] floats.
-constexpr int kNarrowRed = kNarrowPt + kNarrowQTileBytes;
-constexpr int kNarrowBarriers = kNarrowRed + 2 * 2 * kNarrowRows * 4 * 4;
+// Per consumer, cross-warp reductions: [2 page parities][2: max, amax][16 rows][4 warps] floats.
+constexpr int kNarrowRedBytes = 2 * 2 * kNarrowRows * 4 * 4;
+constexpr int kNarrowRed = kNarrowPt + kNarrowConsumers * kNarrowQTileBytes;
+// The merge: consumer 1's O^T fragments ([64 values][128 threads] floats) and its rows' final
+// m, l and amax ([16 rows][4] floats).
+constexpr int kNarrowMerge = kNarrowRed + kNarrowConsumers * kNarrowRedBytes;
+constexpr int kNarrowMergeBytes = kNarrowPTiles * 8 * 128 * 4 + kNarrowRows * 4 * 4;
+constexpr int kNarrowBarriers = kNarrowMerge + kNarrowMergeBytes;
 constexpr int kNarrowSmemAlloc = kNarrowBarriers + 2 * kNarrowStages * 8 + 1024;
 static_assert(kNarrowQ8 % 1024 == 0 && kNarrowQTileBytes % 1024 == 0 && kNarrowQpe % 1024 == 0 &&
                   kNarrowPt % 1024 == 0, "swizzled tiles must be 1024-byte aligned");

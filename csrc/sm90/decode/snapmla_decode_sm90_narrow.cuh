@@ -10,13 +10,17 @@
 //   O^T[512 cols, 16 rows] += V^T . P8^T: A = V^T from registers, transposed from the page's
 //                            content rows in registers (16-byte loads, 4x4 byte transposes);
 //                            B = P8^T, written to shared memory by the softmax.
-// O^T is 64 registers per thread, so one consumer warpgroup holds all 512 columns.  Per page and
+// O^T is 64 registers per thread, so one consumer warpgroup holds all 512 columns; two consumer
+// warpgroups take alternate pages, each with its own softmax state and O^T, and are merged at the
+// end like two KV splits (a page is a serial chain in one warpgroup, and the other's warps hide
+// its latencies).  Per page and
 // row the arithmetic is the 64-row kernel's (docs/format.md "Decode"): FP32 promotion of the
 // content QK (here after every WGMMA), the page's sigma_P, a fresh FP32 accumulator for each page's PV; the softmax's
 // per-row reductions over the page's tokens run across the four warps (shared memory, one named
 // barrier each), and the row sums l are kept per thread and reduced once, at the end.
 //
-// 160 threads: warps 0-3 the consumer warpgroup, warp 4 the TMA producer (a kNarrowStages ring).
+// 384 threads: WG0 and WG1 the consumers (pages of even and odd split-local index), WG2 the TMA
+// producer (one thread, a kNarrowStages ring).
 #pragma once
 
 #include "sm90/decode/snapmla_decode_sm90.cuh"
@@ -117,15 +121,16 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kNarrowStages; ++s) {
       mbar_init(full_bar + 8 * s, 1);
-      mbar_init(empty_bar + 8 * s, 128);   // every consumer thread releases a page
+      mbar_init(empty_bar + 8 * s, 128);   // every thread of the page's consumer releases it
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
 
-  if (threadIdx.x >= 128) {
-    // ---------------------------------------------------------------- producer warp
-    if (threadIdx.x == 128 && num_iters > 0) {
+  if (threadIdx.x >= 128 * kNarrowConsumers) {
+    // ---------------------------------------------------------------- producer
+    setmaxnreg_dec<kProducerRegs>();
+    if (threadIdx.x == 128 * kNarrowConsumers && num_iters > 0) {
       prefetch_tensor_map(&content_map);
       prefetch_tensor_map(&rope_map);
       prefetch_tensor_map(&scale_map);
@@ -149,14 +154,18 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
     return;
   }
 
-  // ------------------------------------------------------------------ consumer warpgroup
-  const int warp = threadIdx.x / 32;
+  // ------------------------------------------------------------------ consumers
+  setmaxnreg_inc<kConsumerRegs>();
+  const int consumer = threadIdx.x / 128;   // pages consumer, consumer + 2, ...
+  const int wg_tid = threadIdx.x % 128;
+  const int warp = wg_tid / 32;
   const int lane = threadIdx.x % 32;
   const int g = lane / 4;
   const int q = lane % 4;
+  const uint32_t wg_barrier = 2 + consumer;   // named barrier 1: both consumers
 
   // The query rows into the swizzled B tiles (zeros past num_rows), once.
-  for (int idx = threadIdx.x; idx < kNarrowRows * (kKvLoraRank / 16); idx += 128) {
+  for (int idx = threadIdx.x; idx < kNarrowRows * (kKvLoraRank / 16); idx += 256) {
     const int r = idx / (kKvLoraRank / 16);
     const int chunk = idx % (kKvLoraRank / 16);
     uint4 v = make_uint4(0, 0, 0, 0);
@@ -169,7 +178,7 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
     *reinterpret_cast<uint4*>(smem + kNarrowQ8 + tile * kNarrowQTileBytes +
                               sw128_offset(r, (chunk * 16) % kSwizzleRowBytes)) = v;
   }
-  for (int idx = threadIdx.x; idx < kNarrowRows * (kSwizzleRowBytes / 16); idx += 128) {
+  for (int idx = threadIdx.x; idx < kNarrowRows * (kSwizzleRowBytes / 16); idx += 256) {
     const int r = idx / (kSwizzleRowBytes / 16);
     const int chunk = idx % (kSwizzleRowBytes / 16);
     uint4 v = make_uint4(0, 0, 0, 0);
@@ -181,7 +190,7 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
     *reinterpret_cast<uint4*>(smem + kNarrowQpe + sw128_offset(r, chunk * 16)) = v;
   }
   fence_proxy_async();
-  named_barrier_sync(1, 128);
+  named_barrier_sync(1, 256);
 
   // Per-row state of the thread's four query rows (slots).
   const auto row_of = [&](int k) { return 8 * (k >> 1) + 2 * q + (k & 1); };
@@ -216,8 +225,10 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
 
   const uint64_t q8_desc = sw128_desc(smem_base + kNarrowQ8);
   const uint64_t qpe_desc = sw128_desc(smem_base + kNarrowQpe);
-  const uint64_t pt_desc = sw128_desc(smem_base + kNarrowPt);
-  float* const red = reinterpret_cast<float*>(smem + kNarrowRed);   // [2][2][16 rows][4 warps]
+  const int pt_offset = kNarrowPt + consumer * kNarrowQTileBytes;
+  const uint64_t pt_desc = sw128_desc(smem_base + pt_offset);
+  float* const red =   // [2][2][16 rows][4 warps]
+      reinterpret_cast<float*>(smem + kNarrowRed + consumer * kNarrowRedBytes);
 
   // The maximum (kSum false) or sum over the warpgroup's 64 tokens of each slot's values:
   // shuffles over the 8 lanes sharing q, then the 4 warps through `red` (one named barrier;
@@ -235,7 +246,7 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
 #pragma unroll
       for (int k = 0; k < 4; ++k) r[row_of(k) * 4 + warp] = x[k];
     }
-    named_barrier_sync(1, 128);
+    named_barrier_sync(wg_barrier, 128);
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const float4 w = *reinterpret_cast<const float4*>(r + row_of(k) * 4);
@@ -243,7 +254,8 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
     }
   };
 
-  for (int i = 0; i < num_iters; ++i) {
+  int own = 0;   // pages this consumer has done: parity of its `red` and P8^T buffers
+  for (int i = consumer; i < num_iters; i += kNarrowConsumers, ++own) {
     const int stage = i % kNarrowStages;
     const int page = first_page + i;
     const int live = min(seq_len - page * kPageSize, kPageSize);
@@ -334,7 +346,7 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
       const int v0 = 4 * (k >> 1) + (k & 1);
       x[k] = fmaxf(s[v0], s[v0 + 2]);
     }
-    reduce_rows(x, i & 1, 0, false);
+    reduce_rows(x, own & 1, 0, false);
     float m_ref[4], alpha[4], e_sum[4] = {0.f, 0.f, 0.f, 0.f}, amax[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
@@ -351,7 +363,7 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
       s[v] = e * k_scale[(v >> 1) & 1];    // scale fusion: P' = P * sigma_V
       amax[k] = fmaxf(amax[k], s[v]);
     }
-    reduce_rows(amax, i & 1, 1, false);
+    reduce_rows(amax, own & 1, 1, false);
     float inv_amax[4], gamma[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
@@ -362,8 +374,8 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
       l[k] = l[k] * alpha[k] + e_sum[k];
       amax_prev[k] = amax_new;
     }
-    // P8^T into buffer i % 2 (bytes 64 (i % 2) .. + 63 of each row); PV(i - 2), its last
-    // reader, completed in the previous page.
+    // P8^T into buffer own % 2 (bytes 64 (own % 2) .. + 63 of each row); its last reader, this
+    // consumer's PV two pages back, has completed.
 #pragma unroll
     for (int v = 0; v < 8; v += 2) {
       const int k = 2 * (v >> 2);
@@ -372,12 +384,12 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
       asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;"
           : "=h"(pair)
           : "f"((s[v + 1] * inv_amax[k + 1]) * kFp8Max), "f"((s[v] * inv_amax[k]) * kFp8Max));
-      const uint32_t byte = 64 * (i & 1) + position[(v >> 1) & 1];
-      smem[kNarrowPt + sw128_offset(row_of(k), byte)] = static_cast<uint8_t>(pair & 0xFF);
-      smem[kNarrowPt + sw128_offset(row_of(k + 1), byte)] = static_cast<uint8_t>(pair >> 8);
+      const uint32_t byte = 64 * (own & 1) + position[(v >> 1) & 1];
+      smem[pt_offset + sw128_offset(row_of(k), byte)] = static_cast<uint8_t>(pair & 0xFF);
+      smem[pt_offset + sw128_offset(row_of(k + 1), byte)] = static_cast<uint8_t>(pair >> 8);
     }
     fence_proxy_async();   // P8^T becomes visible to the WGMMA (async) proxy
-    named_barrier_sync(1, 128);
+    named_barrier_sync(wg_barrier, 128);
 
     // O^T = gamma O^T + V^T . P8^T: each page's PV into fresh accumulators (two groups of four
     // M tiles; the first is promoted while the second is in the tensor core).
@@ -395,7 +407,7 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
 #pragma unroll
         for (int kk = 0; kk < 2; ++kk) {
           wgmma_m64n16k32_e4m3_rs(pv[mt], a[mt][kk],
-                                  desc_at(pt_desc, 64 * (i & 1) + kk * kWgmmaK8), kk);
+                                  desc_at(pt_desc, 64 * (own & 1) + kk * kWgmmaK8), kk);
         }
       wgmma_commit();
     }
@@ -422,44 +434,76 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
     }
   }
 
-  // Epilogue: l over the warpgroup (the last page used `red` buffer (num_iters - 1) % 2), then
-  // out = sigma_P O / (sigma_P L) and the LSE; rows that saw nothing give 0 and LSE -inf.
-  reduce_rows(l, num_iters & 1, 0, true);
+  // Epilogue.  l over the warpgroup (buffer own % 2 is past its last reader), then consumer 1
+  // hands its O^T and row state to consumer 0, which merges the two like two KV splits:
+  // out = (sigma_0 w_0 O_0 + sigma_1 w_1 O_1) / (w_0 l_0 + w_1 l_1), w_c = 2^(m_c - max(m_0, m_1)),
+  // sigma_c = amax_c / 448; rows that saw nothing give 0 and LSE -inf.
+  reduce_rows(l, own & 1, 0, true);
+  float* const merge = reinterpret_cast<float*>(smem + kNarrowMerge);   // [64][128], then rows
+  float* const merge_rows = merge + kNarrowPTiles * 8 * 128;              // [16][4]: m, l, amax
+  if (consumer == 1) {
+#pragma unroll
+    for (int mt = 0; mt < kNarrowPTiles; ++mt)
+#pragma unroll
+      for (int v = 0; v < 8; ++v) merge[(mt * 8 + v) * 128 + wg_tid] = o[mt][v];
+    if (warp == 0 && g == 0) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        *reinterpret_cast<float4*>(merge_rows + row_of(k) * 4) =
+            make_float4(m[k], l[k], amax_prev[k], 0.f);
+      }
+    }
+  }
+  named_barrier_sync(1, 256);
+  if (consumer == 1) return;
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const int r = row_of(k);
     if (r >= p.num_rows) continue;
-    const bool seen_any = l[k] > 0.f;
-    const float norm = seen_any ? amax_prev[k] / (kFp8Max * l[k]) : 0.f;
-    const float lse = seen_any ? (m[k] + log2f(l[k])) * kLn2 : -INFINITY;
+    const float4 other = *reinterpret_cast<const float4*>(merge_rows + r * 4);
+    const float m_max = fmaxf(m[k], other.x);
+    const float w0 = m_max == -INFINITY ? 0.f : exp2f(m[k] - m_max);
+    const float w1 = m_max == -INFINITY ? 0.f : exp2f(other.x - m_max);
+    const float total = l[k] * w0 + other.y * w1;
+    const bool seen_any = total > 0.f;
+    const float f0 = seen_any ? amax_prev[k] / kFp8Max * w0 / total : 0.f;
+    const float f1 = seen_any ? other.z / kFp8Max * w1 / total : 0.f;
+    const float lse = seen_any ? (m_max + log2f(total)) * kLn2 : -INFINITY;
     const bool writes_lse = warp == 0 && g == 0;
     const int v0 = 4 * (k >> 1) + (k & 1);   // the slot's values: v0 (column parity 0), v0 + 2
     const int col0 = 16 * (8 * warp + g);     // the thread's 16 output columns
+    float res[kNarrowPTiles][2];
+#pragma unroll
+    for (int mt = 0; mt < kNarrowPTiles; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int v = v0 + 2 * h;
+        res[mt][h] = o[mt][v] * f0 + merge[(mt * 8 + v) * 128 + wg_tid] * f1;
+      }
     if (p.num_splits == 1) {
-      __nv_bfloat16* dst =
-          static_cast<__nv_bfloat16*>(p.out) + (static_cast<int64_t>(b) * p.num_rows + r) * kKvLoraRank + col0;
+      __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.out) +
+                           (static_cast<int64_t>(b) * p.num_rows + r) * kKvLoraRank + col0;
       uint32_t packed[8];
 #pragma unroll
       for (int mt = 0; mt < kNarrowPTiles; ++mt) {
-        const __nv_bfloat162 pair = __floats2bfloat162_rn(o[mt][v0] * norm, o[mt][v0 + 2] * norm);
+        const __nv_bfloat162 pair = __floats2bfloat162_rn(res[mt][0], res[mt][1]);
         packed[mt] = *reinterpret_cast<const uint32_t*>(&pair);
       }
       reinterpret_cast<uint4*>(dst)[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
       reinterpret_cast<uint4*>(dst)[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
       if (writes_lse) {
-        p.lse[(static_cast<int64_t>(b) * p.num_heads + r % p.num_heads) * p.s_q + r / p.num_heads] =
-            lse;
+        p.lse[(static_cast<int64_t>(b) * p.num_heads + r % p.num_heads) * p.s_q +
+              r / p.num_heads] = lse;
       }
     } else {
       const int64_t part_row = (static_cast<int64_t>(b) * p.num_splits + split) * p.num_rows + r;
       if (writes_lse) p.lse[part_row] = lse;
       if (!seen_any) continue;   // the combine skips splits with LSE -inf: no O needed
-      float4* dst = reinterpret_cast<float4*>(static_cast<float*>(p.out) + part_row * kKvLoraRank +
-                                              col0);
+      float4* dst = reinterpret_cast<float4*>(static_cast<float*>(p.out) +
+                                              part_row * kKvLoraRank + col0);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        dst[j] = make_float4(o[2 * j][v0] * norm, o[2 * j][v0 + 2] * norm,
-                             o[2 * j + 1][v0] * norm, o[2 * j + 1][v0 + 2] * norm);
+        dst[j] = make_float4(res[2 * j][0], res[2 * j][1], res[2 * j + 1][0], res[2 * j + 1][1]);
       }
     }
   }
