@@ -188,7 +188,7 @@ def _plot(rows, path):
                    color=colour[backend], label=backend)
     ax_bar.set_xticks([x + 0.4 - width / 2 for x in range(len(others))])
     ax_bar.set_xticklabels([f"H={h} s_q={q}\nB={b} N={n // 1024}k" for h, q, b, n in others],
-                           fontsize=7)
+                           fontsize=7, rotation=30, ha="right")
     ax_bar.axhline(1.0, color="gray", lw=0.8)
     ax_bar.set_title("other shapes: speedup over BF16 FlashMLA")
     ax_bar.grid(True, axis="y", alpha=0.3)
