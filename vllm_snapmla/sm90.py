@@ -49,18 +49,25 @@ def snapmla_decode_sm90(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: to
     ``[>=B,max_blocks]``; ``seq_lens`` int32 ``[>=B]``.  Returns ``out`` bf16 ``[B,s_q,H,512]`` and
     ``lse`` fp32 ``[B,H,s_q]`` (natural log; -inf and zero output for rows that see no token).
     ``num_splits`` defaults to the Triton kernel's ``num_splits_for`` heuristic over
-    ``block_table.shape[1]`` pages, evaluated for this kernel's grid.  ``schedule`` (a key of
-    ``SCHEDULES``) orders the two consumer warpgroups' work: ``turns`` (both compute every page's
-    P; their QK and PV sections alternate), ``free`` (the same without turns) or ``hand-over``
-    (paper Algorithm 1: each page's P is computed by one warpgroup and handed to the other) or
-    ``split-roles`` (one warpgroup computes every page's P, the other builds every page's V^T);
-    the arithmetic is the same, so is the result, bit for bit.  ``narrow`` is the kernel for at
-    most ``NARROW_ROWS`` query rows (``s_q x H``): the same arithmetic per page and row, computed
-    as ``S^T = K Q^T`` and ``O^T = V^T P^T`` so that nothing is padded to 64 rows (results equal
-    the others' up to the order of FP32 sums).  ``None`` (default): ``narrow`` where it applies,
-    else ``DEFAULT_SCHEDULE``.  ``promote_pv=False``
-    (measurement only; with ``schedule="free"``) accumulates every page's PV straight into O in the tensor
-    core instead of promoting each page's sum into FP32 O.
+    ``block_table.shape[1]`` pages, evaluated for this kernel's grid.
+
+    ``schedule`` (a key of ``SCHEDULES``) picks the kernel and how its two consumer warpgroups
+    divide the work:
+    - ``turns``: both compute every page's P; their QK and PV sections alternate;
+    - ``free``: the same without turns;
+    - ``hand-over`` (paper Algorithm 1): each page's P is computed by one warpgroup and handed
+      to the other;
+    - ``split-roles``: one warpgroup computes every page's P, the other builds every page's V^T.
+
+    Those four have the same arithmetic, so their results are equal bit for bit. ``narrow`` is
+    the kernel for at most ``NARROW_ROWS`` query rows (``s_q x H``). It computes
+    ``S^T = K Q^T`` and ``O^T = V^T P^T``, so that nothing is padded to 64 rows. Its results
+    equal the others' up to FP32 rounding: each of its two consumer warpgroups keeps its own
+    running state over alternate pages, and the two are merged at the end like two KV splits.
+    ``None`` (the default) picks ``narrow`` where it applies, else ``DEFAULT_SCHEDULE``.
+
+    ``promote_pv=False`` (measurement only; with ``schedule="free"``) accumulates every page's PV
+    straight into O in the tensor core instead of promoting each page's sum into FP32 O.
     """
     B, s_q, H, _ = q8.shape
     num_rows = s_q * H
@@ -85,8 +92,9 @@ def snapmla_decode_sm90(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: to
     if num_splits is None:
         num_sms, shared_mem = _device_limits(device.index if device.index is not None
                                              else torch.cuda.current_device())
-        # The Triton heuristic, for this kernel's grid: 64-row blocks, one CTA per SM (what
-        # the Triton kernel does for >= 64 rows; smaller requests are padded to 64 rows here).
+        # The Triton heuristic, for this kernel's grid: one CTA per SM and 64-row block (the
+        # narrow kernel's single block of <= 16 rows counts as one).  With one page per split
+        # the narrow kernel's second consumer has nothing to do; the heuristic does not know.
         rows_padded = triton.cdiv(num_rows, _BLOCK_ROWS) * _BLOCK_ROWS
         num_splits = num_splits_for(B, rows_padded, 1, block_table.shape[1], num_sms, shared_mem)
     num_splits = max(int(num_splits), 1)

@@ -111,6 +111,7 @@ void decode_sm90(const at::Tensor& q8, const at::Tensor& q_scale, const at::Tens
   }
   TORCH_CHECK_VALUE(out.is_contiguous() && lse.is_contiguous(), kOp,
                     ": out and lse must be contiguous");
+  check_rows_aligned("out", out);   // the epilogues store 16-byte vectors
   TORCH_CHECK_VALUE(batch <= 2147483647 && rows <= 65535 * 64 && kv_cache.size(0) <= 2147483647,
                     kOp, ": batch, rows or num_blocks exceeds the launch limits");
   if (batch == 0 || rows == 0) return;

@@ -22,7 +22,8 @@ constexpr int kScheduleSplitRoles = 3;   // WG1: S, softmax and P8 of every page
 // Named barriers: 0 is __syncthreads, 1 the consumers' start, 2 + c consumer c's own, and
 // kTurnBarrier + c consumer c's turn (kScheduleTurns) or the hand-over of pages of parity c
 // (kScheduleHandOver).  kScheduleSplitRoles: kPageBarrier the two consumers' meeting per page,
-// kVtFreeBarrier + page parity WG1's release of a V^T buffer.
+// kVtFreeBarrier + page parity WG1's release of a V^T buffer.  The narrow kernel: 1 both
+// consumers (start, merge), 2 + c consumer c's reductions and P8^T hand-off.
 constexpr int kTurnBarrier = 4;
 constexpr int kPageBarrier = 4;
 constexpr int kVtFreeBarrier = 5;
@@ -127,6 +128,11 @@ constexpr int kNarrowConsumers = 2;
 constexpr int kNarrowThreads = 128 * (kNarrowConsumers + 1);
 constexpr int kNarrowStages = 4;         // pages in flight (no V^T buffers: the room is free)
 constexpr int kNarrowQkParts = 4;        // QK promotion chunks in flight (8 registers each)
+static_assert(kNarrowQkParts >= 1 && kNarrowQkParts <= 4, "the QK wait ladder goes up to 3 pending");
+// Consumer c takes split-local pages c, c + kNarrowConsumers, ...: with a ring of a multiple of
+// kNarrowConsumers stages every stage (and its full barrier) belongs to one consumer, whose
+// waits then see its phases in order.
+static_assert(kNarrowStages % kNarrowConsumers == 0, "a ring stage would serve two consumers");
 // The narrow kernel has tensor-core time to spare, so its content QK promotes after every WGMMA
 // (32 columns, not kQkPromoteCols): the tensor core's reduced-precision accumulation then spans
 // a single instruction's 32 terms.
@@ -146,8 +152,8 @@ constexpr int kNarrowRed = kNarrowPt + kNarrowConsumers * kNarrowQTileBytes;
 // m, l and amax ([16 rows][4] floats).
 constexpr int kNarrowMerge = kNarrowRed + kNarrowConsumers * kNarrowRedBytes;
 constexpr int kNarrowMergeBytes = kNarrowPTiles * 8 * 128 * 4 + kNarrowRows * 4 * 4;
-constexpr int kNarrowBarriers = kNarrowMerge + kNarrowMergeBytes;
-constexpr int kNarrowSmemAlloc = kNarrowBarriers + 2 * kNarrowStages * 8 + 1024;
+constexpr int kNarrowSmemBarriers = kNarrowMerge + kNarrowMergeBytes;
+constexpr int kNarrowSmemAlloc = kNarrowSmemBarriers + 2 * kNarrowStages * 8 + 1024;
 static_assert(kNarrowQ8 % 1024 == 0 && kNarrowQTileBytes % 1024 == 0 && kNarrowQpe % 1024 == 0 &&
                   kNarrowPt % 1024 == 0, "swizzled tiles must be 1024-byte aligned");
 static_assert(kNarrowSmemAlloc <= 227 * 1024, "exceeds Hopper's per-block shared memory");

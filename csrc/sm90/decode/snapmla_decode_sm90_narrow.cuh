@@ -11,13 +11,13 @@
 //                            content rows in registers (16-byte loads, 4x4 byte transposes);
 //                            B = P8^T, written to shared memory by the softmax.
 // O^T is 64 registers per thread, so one consumer warpgroup holds all 512 columns; two consumer
-// warpgroups take alternate pages, each with its own softmax state and O^T, and are merged at the
-// end like two KV splits (a page is a serial chain in one warpgroup, and the other's warps hide
-// its latencies).  Per page and
-// row the arithmetic is the 64-row kernel's (docs/format.md "Decode"): FP32 promotion of the
-// content QK (here after every WGMMA), the page's sigma_P, a fresh FP32 accumulator for each page's PV; the softmax's
-// per-row reductions over the page's tokens run across the four warps (shared memory, one named
-// barrier each), and the row sums l are kept per thread and reduced once, at the end.
+// warpgroups take alternate pages, each with its own running softmax state (m, peak, sigma_P) and
+// O^T, and are merged at the end like two KV splits (a page is a serial chain in one warpgroup,
+// and the other's warps hide its latencies).  Per page and row the arithmetic is the 64-row
+// kernel's (docs/format.md "Decode"): FP32 promotion of the content QK (here after every WGMMA),
+// the page's sigma_P, a fresh FP32 accumulator for each page's PV.  The softmax's per-row
+// reductions over the page's tokens run across the four warps (shared memory, one named barrier
+// each), and the row sums l are kept per thread and reduced once, at the end.
 //
 // 384 threads: WG0 and WG1 the consumers (pages of even and odd split-local index), WG2 the TMA
 // producer (one thread, a kNarrowStages ring).
@@ -95,9 +95,11 @@ __device__ __forceinline__ int narrow_position(int t) {
 }  // namespace device
 #endif  // SNAPMLA_SM90_DEVICE
 
-// Fragment of S^T and O^T (accumulators, N = 16): value v of a thread is M row (token, or output
-// column) 16 warp + g + 8 ((v >> 1) & 1) and N column (query row) 8 (v >> 2) + 2 q + (v & 1).
-// A thread's four query rows ("slots" k = 2 (v >> 2) + (v & 1)) are 8 (k >> 1) + 2 q + (k & 1).
+// Fragment of S^T and O^T (accumulators, N = 16): value v of a thread is M row 16 warp + g +
+// 8 ((v >> 1) & 1) and N column (query row) 8 (v >> 2) + 2 q + (v & 1).  In S^T the M row is the
+// token; in O^T, M row 16 warp + g + 8 h of tile mt is output column 16 (8 warp + g) + 2 mt + h
+// (load_v_fragments).  A thread's four query rows ("slots" k = 2 (v >> 2) + (v & 1)) are
+// 8 (k >> 1) + 2 q + (k & 1).
 __global__ void __launch_bounds__(kNarrowThreads, 1)
     decode_narrow_kernel(const __grid_constant__ CUtensorMap content_map,
                          const __grid_constant__ CUtensorMap rope_map,
@@ -107,7 +109,7 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   const uint32_t smem_base = smem_addr(smem);
-  const uint32_t full_bar = smem_base + kNarrowBarriers;        // + 8 * stage: page landed
+  const uint32_t full_bar = smem_base + kNarrowSmemBarriers;    // + 8 * stage: page landed
   const uint32_t empty_bar = full_bar + 8 * kNarrowStages;      // + 8 * stage: slot free
 
   const int b = blockIdx.x;
@@ -230,9 +232,10 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
   float* const red =   // [2][2][16 rows][4 warps]
       reinterpret_cast<float*>(smem + kNarrowRed + consumer * kNarrowRedBytes);
 
-  // The maximum (kSum false) or sum over the warpgroup's 64 tokens of each slot's values:
-  // shuffles over the 8 lanes sharing q, then the 4 warps through `red` (one named barrier;
-  // `buf` alternates by page, so a page's writes never meet the previous page's reads).
+  // The maximum (`sum` false) or sum over the warpgroup's 64 tokens of each slot's values:
+  // shuffles over the 8 lanes sharing q, then the 4 warps through `red` (one named barrier).
+  // `buf` alternates by page: the page's later barriers already order its reads before the next
+  // page's writes, so the second buffer is a margin, not a necessity.
   const auto reduce_rows = [&](float (&x)[4], int buf, int kind, bool sum) {
 #pragma unroll
     for (int k = 0; k < 4; ++k)
@@ -275,7 +278,8 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
       for (int k = 0; k < kNarrowQkPromoteCols / kWgmmaK8; ++k) {
         const int col = c * kNarrowQkPromoteCols + k * kWgmmaK8;
         const uint32_t tile = col / kSwizzleRowBytes, byte = col % kSwizzleRowBytes;
-        wgmma_m64n16k32_e4m3(acc, desc_at(stage_desc, kStageContent + tile * kContentTileBytes + byte),
+        wgmma_m64n16k32_e4m3(acc,
+                             desc_at(stage_desc, kStageContent + tile * kContentTileBytes + byte),
                              desc_at(q8_desc, tile * kNarrowQTileBytes + byte), k);
       }
       wgmma_commit();
