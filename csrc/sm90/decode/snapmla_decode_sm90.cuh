@@ -415,6 +415,86 @@ __device__ __forceinline__ void build_page_vt(const uint8_t* tile, uint8_t* vt,
   }
 }
 
+// The pages a CTA decodes: request b's pages cut into num_splits equal page-aligned runs, run
+// `split` of them, [first_page, first_page + num_iters).
+struct SplitPages {
+  int seq_len, first_page, num_iters;
+};
+
+__device__ __forceinline__ SplitPages split_pages(const DecodeParams& p, int b, int split) {
+  const int seq_len = p.seq_lens[b];
+  const int num_pages = (seq_len + kPageSize - 1) / kPageSize;
+  const int pages_per_split = (num_pages + p.num_splits - 1) / p.num_splits;
+  const int first_page = split * pages_per_split;
+  return {seq_len, first_page, max(min(first_page + pages_per_split, num_pages) - first_page, 0)};
+}
+
+// The producer thread: the split's pages (`pages`, block numbers) in order into a ring of kRing
+// stages (stage s at `stages` + s kStageBytes), each once the consumers have released its stage:
+// four 64x128 e4m3 content boxes, one 64x64 bf16 RoPE box and the scales, on the stage's full
+// barrier.  A fresh barrier counts as having completed the phase before phase 0: the first pass
+// over the ring does not wait.
+template <int kRing>
+__device__ __forceinline__ void produce_pages(const CUtensorMap* content_map,
+                                              const CUtensorMap* rope_map,
+                                              const CUtensorMap* scale_map, const int32_t* pages,
+                                              int num_iters, uint32_t stages, uint32_t full_bar,
+                                              uint32_t empty_bar) {
+  prefetch_tensor_map(content_map);
+  prefetch_tensor_map(rope_map);
+  prefetch_tensor_map(scale_map);
+  for (int i = 0; i < num_iters; ++i) {
+    const int stage = i % kRing;
+    mbar_wait(empty_bar + 8 * stage, ((i / kRing) & 1) ^ 1);
+    const int32_t block = pages[i];
+    const uint32_t dst = stages + stage * kStageBytes;
+    const uint32_t bar = full_bar + 8 * stage;
+    mbar_arrive_expect_tx(bar, kStageTxBytes);
+#pragma unroll
+    for (int t = 0; t < kContentTiles; ++t) {
+      tma_load_page(dst + kStageContent + t * kContentTileBytes, content_map, bar,
+                    t * kSwizzleRowBytes, block);
+    }
+    tma_load_page(dst + kStageRope, rope_map, bar, 0, block);
+    tma_load_page(dst + kStageScale, scale_map, bar, 0, block);
+  }
+}
+
+// Query rows row0 .. row0 + kRows - 1 of request b (zeros past num_rows) into swizzled WGMMA
+// tiles of 128-byte rows: q8 as four [kRows][128] tiles `q8_tile_bytes` apart, q_pe as one.
+// Threads tid, tid + nthreads, ... share the 16-byte chunks.
+template <int kRows>
+__device__ __forceinline__ void stage_query(uint8_t* q8_tiles, int q8_tile_bytes, uint8_t* qpe_tile,
+                                            const DecodeParams& p, int b, int row0, int tid,
+                                            int nthreads) {
+  for (int idx = tid; idx < kRows * (kKvLoraRank / 16); idx += nthreads) {
+    const int r = idx / (kKvLoraRank / 16);
+    const int chunk = idx % (kKvLoraRank / 16);
+    const int g = row0 + r;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (g < p.num_rows) {
+      const int qi = g / p.num_heads, qh = g % p.num_heads;
+      v = *reinterpret_cast<const uint4*>(p.q8 + b * p.q8_stride[0] + qi * p.q8_stride[1] +
+                                          qh * p.q8_stride[2] + chunk * 16);
+    }
+    const int tile = chunk / (kSwizzleRowBytes / 16);
+    *reinterpret_cast<uint4*>(q8_tiles + tile * q8_tile_bytes +
+                              sw128_offset(r, (chunk * 16) % kSwizzleRowBytes)) = v;
+  }
+  for (int idx = tid; idx < kRows * (kSwizzleRowBytes / 16); idx += nthreads) {
+    const int r = idx / (kSwizzleRowBytes / 16);
+    const int chunk = idx % (kSwizzleRowBytes / 16);
+    const int g = row0 + r;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (g < p.num_rows) {
+      const int qi = g / p.num_heads, qh = g % p.num_heads;
+      v = *reinterpret_cast<const uint4*>(p.q_pe + b * p.q_pe_stride[0] + qi * p.q_pe_stride[1] +
+                                          qh * p.q_pe_stride[2] + chunk * 16);
+    }
+    *reinterpret_cast<uint4*>(qpe_tile + sw128_offset(r, chunk * 16)) = v;
+  }
+}
+
 }  // namespace device
 #endif  // SNAPMLA_SM90_DEVICE
 
@@ -462,12 +542,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int split = blockIdx.z;
   const int warpgroup = threadIdx.x / 128;
 
-  // This split's pages: the request's pages cut into num_splits equal page-aligned runs.
-  const int seq_len = p.seq_lens[b];
-  const int num_pages = (seq_len + kPageSize - 1) / kPageSize;
-  const int pages_per_split = (num_pages + p.num_splits - 1) / p.num_splits;
-  const int first_page = split * pages_per_split;
-  const int num_iters = max(min(first_page + pages_per_split, num_pages) - first_page, 0);
+  const auto [seq_len, first_page, num_iters] = split_pages(p, b, split);
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -481,31 +556,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (warpgroup == 0) {
     // ---------------------------------------------------------------- producer
     setmaxnreg_dec<kProducerRegs>();
-    const int32_t* pages = p.block_table + b * p.block_table_stride + first_page;
-    const auto load_page = [&](int i) {   // one thread
-      const int stage = i % kStages;
-      const int32_t block = pages[i];
-      const uint32_t dst = smem_base + kSmemStages + stage * kStageBytes;
-      const uint32_t bar = full_bar + 8 * stage;
-      mbar_arrive_expect_tx(bar, kStageTxBytes);
-#pragma unroll
-      for (int t = 0; t < kContentTiles; ++t) {
-        tma_load_page(dst + kStageContent + t * kContentTileBytes, &content_map, bar,
-                      t * kSwizzleRowBytes, block);
-      }
-      tma_load_page(dst + kStageRope, &rope_map, bar, 0, block);
-      tma_load_page(dst + kStageScale, &scale_map, bar, 0, block);
-    };
     if (threadIdx.x == 0 && num_iters > 0) {
-      prefetch_tensor_map(&content_map);
-      prefetch_tensor_map(&rope_map);
-      prefetch_tensor_map(&scale_map);
-      for (int i = 0; i < num_iters; ++i) {
-        // A fresh barrier counts as having completed the phase before phase 0: the first pass
-        // over the ring does not wait.
-        mbar_wait(empty_bar + 8 * (i % kStages), ((i / kStages) & 1) ^ 1);
-        load_page(i);
-      }
+      produce_pages<kStages>(&content_map, &rope_map, &scale_map,
+                             p.block_table + b * p.block_table_stride + first_page, num_iters,
+                             smem_base + kSmemStages, full_bar, empty_bar);
     }
     return;
   }
@@ -521,32 +575,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int row0 = row_block * kBlockRows;
 
   // The block's query rows into the swizzled WGMMA A tiles (zeros past num_rows), once.
-  for (int idx = consumer_tid; idx < kBlockRows * (kKvLoraRank / 16); idx += 256) {
-    const int r = idx / (kKvLoraRank / 16);
-    const int chunk = idx % (kKvLoraRank / 16);
-    const int g = row0 + r;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (g < p.num_rows) {
-      const int qi = g / p.num_heads, qh = g % p.num_heads;
-      v = *reinterpret_cast<const uint4*>(p.q8 + b * p.q8_stride[0] + qi * p.q8_stride[1] +
-                                          qh * p.q8_stride[2] + chunk * 16);
-    }
-    const int tile = chunk / (kSwizzleRowBytes / 16);
-    *reinterpret_cast<uint4*>(smem + kSmemQ8 + tile * kContentTileBytes +
-                              sw128_offset(r, (chunk * 16) % kSwizzleRowBytes)) = v;
-  }
-  for (int idx = consumer_tid; idx < kBlockRows * (kSwizzleRowBytes / 16); idx += 256) {
-    const int r = idx / (kSwizzleRowBytes / 16);
-    const int chunk = idx % (kSwizzleRowBytes / 16);
-    const int g = row0 + r;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (g < p.num_rows) {
-      const int qi = g / p.num_heads, qh = g % p.num_heads;
-      v = *reinterpret_cast<const uint4*>(p.q_pe + b * p.q_pe_stride[0] + qi * p.q_pe_stride[1] +
-                                          qh * p.q_pe_stride[2] + chunk * 16);
-    }
-    *reinterpret_cast<uint4*>(smem + kSmemQpe + sw128_offset(r, chunk * 16)) = v;
-  }
+  stage_query<kBlockRows>(smem + kSmemQ8, kContentTileBytes, smem + kSmemQpe, p, b, row0,
+                          consumer_tid, 256);
   fence_proxy_async();
   named_barrier_sync(1, 256);
 

@@ -114,11 +114,7 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
 
   const int b = blockIdx.x;
   const int split = blockIdx.z;
-  const int seq_len = p.seq_lens[b];
-  const int num_pages = (seq_len + kPageSize - 1) / kPageSize;
-  const int pages_per_split = (num_pages + p.num_splits - 1) / p.num_splits;
-  const int first_page = split * pages_per_split;
-  const int num_iters = max(min(first_page + pages_per_split, num_pages) - first_page, 0);
+  const auto [seq_len, first_page, num_iters] = split_pages(p, b, split);
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kNarrowStages; ++s) {
@@ -133,25 +129,9 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
     // ---------------------------------------------------------------- producer
     setmaxnreg_dec<kProducerRegs>();
     if (threadIdx.x == 128 * kNarrowConsumers && num_iters > 0) {
-      prefetch_tensor_map(&content_map);
-      prefetch_tensor_map(&rope_map);
-      prefetch_tensor_map(&scale_map);
-      const int32_t* pages = p.block_table + b * p.block_table_stride + first_page;
-      for (int i = 0; i < num_iters; ++i) {
-        const int stage = i % kNarrowStages;
-        mbar_wait(empty_bar + 8 * stage, ((i / kNarrowStages) & 1) ^ 1);
-        const int32_t block = pages[i];
-        const uint32_t dst = smem_base + stage * kStageBytes;
-        const uint32_t bar = full_bar + 8 * stage;
-        mbar_arrive_expect_tx(bar, kStageTxBytes);
-#pragma unroll
-        for (int t = 0; t < kContentTiles; ++t) {
-          tma_load_page(dst + kStageContent + t * kContentTileBytes, &content_map, bar,
-                        t * kSwizzleRowBytes, block);
-        }
-        tma_load_page(dst + kStageRope, &rope_map, bar, 0, block);
-        tma_load_page(dst + kStageScale, &scale_map, bar, 0, block);
-      }
+      produce_pages<kNarrowStages>(&content_map, &rope_map, &scale_map,
+                                   p.block_table + b * p.block_table_stride + first_page,
+                                   num_iters, smem_base, full_bar, empty_bar);
     }
     return;
   }
@@ -167,30 +147,8 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
   const uint32_t wg_barrier = 2 + consumer;   // named barrier 1: both consumers
 
   // The query rows into the swizzled B tiles (zeros past num_rows), once.
-  for (int idx = threadIdx.x; idx < kNarrowRows * (kKvLoraRank / 16); idx += 256) {
-    const int r = idx / (kKvLoraRank / 16);
-    const int chunk = idx % (kKvLoraRank / 16);
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (r < p.num_rows) {
-      const int qi = r / p.num_heads, qh = r % p.num_heads;
-      v = *reinterpret_cast<const uint4*>(p.q8 + b * p.q8_stride[0] + qi * p.q8_stride[1] +
-                                          qh * p.q8_stride[2] + chunk * 16);
-    }
-    const int tile = chunk / (kSwizzleRowBytes / 16);
-    *reinterpret_cast<uint4*>(smem + kNarrowQ8 + tile * kNarrowQTileBytes +
-                              sw128_offset(r, (chunk * 16) % kSwizzleRowBytes)) = v;
-  }
-  for (int idx = threadIdx.x; idx < kNarrowRows * (kSwizzleRowBytes / 16); idx += 256) {
-    const int r = idx / (kSwizzleRowBytes / 16);
-    const int chunk = idx % (kSwizzleRowBytes / 16);
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (r < p.num_rows) {
-      const int qi = r / p.num_heads, qh = r % p.num_heads;
-      v = *reinterpret_cast<const uint4*>(p.q_pe + b * p.q_pe_stride[0] + qi * p.q_pe_stride[1] +
-                                          qh * p.q_pe_stride[2] + chunk * 16);
-    }
-    *reinterpret_cast<uint4*>(smem + kNarrowQpe + sw128_offset(r, chunk * 16)) = v;
-  }
+  stage_query<kNarrowRows>(smem + kNarrowQ8, kNarrowQTileBytes, smem + kNarrowQpe, p, b, 0,
+                           threadIdx.x, 256);
   fence_proxy_async();
   named_barrier_sync(1, 256);
 
