@@ -75,14 +75,20 @@ case "$stage" in
     build
     run timeout 300 python3 benchmarks/pv_promotion_error.py --out /root/pv_promotion
     pack /root/pv_promotion "$log" ;;
-  narrow)   # the narrow kernel (<= 16 rows): build, its tests, timing at H=16 against split-roles
+  narrow)   # the narrow kernel (<= 16 rows): build, its tests, timing at H=16 against
+            # split-roles (and FlashMLA when the vLLM bundle is stashed)
+    backends=snapmla-sm90,snapmla-sm90-split-roles
+    if ls /root/stash/vllm-site.part2 >/dev/null 2>&1; then
+      unpack; backends=flashmla-bf16,flashmla-fp8,$backends
+    fi
     build
     CUDA_LAUNCH_BLOCKING=1 run timeout 120 python3 -m pytest tests/gpu/test_decode_sm90.py -x -q \
         -p no:cacheprovider -k "narrow_few_pages" || exit 1
     run timeout 200 python3 -m pytest tests/gpu/test_decode_sm90.py -q -p no:cacheprovider -k narrow
     run timeout 120 python3 benchmarks/narrow_accuracy.py
-    run timeout 150 python3 benchmarks/bench_decode.py --out /root/bench_decode --heads 16 \
-        --backends snapmla-sm90,snapmla-sm90-split-roles ;;
+    run timeout 200 python3 benchmarks/bench_decode.py --out /root/bench_decode --heads 16 \
+        --backends "$backends"
+    pack /root/bench_decode "$log" ;;
   lease6|quick|iter)
     # lease6 (after `stash 2`): the sm90 kernel's schedules, tested (bit-identity first, with a
     # short timeout: a missed hand-over hangs), timed against FlashMLA, then all of tests/gpu.
