@@ -78,7 +78,7 @@ case "$stage" in
   narrow)   # the narrow kernel (<= 16 rows): build, its tests, timing at H=16 against
             # split-roles (and FlashMLA when the vLLM bundle is stashed)
     backends=snapmla-sm90,snapmla-sm90-split-roles
-    if ls /root/stash/vllm-site.part2 >/dev/null 2>&1; then
+    if [ -f /root/stash/vllm-site.part2 ]; then
       unpack; backends=flashmla-bf16,flashmla-fp8,$backends
     fi
     build
