@@ -39,8 +39,6 @@ SNAPMLA_KERNELS = {
     "snapmla-triton": "vllm_snapmla.triton.decode:snapmla_decode",
     "snapmla-sm90": "vllm_snapmla.sm90:snapmla_decode_sm90",
     "snapmla-sm90-free": "vllm_snapmla.sm90:snapmla_decode_sm90_free",
-    "snapmla-sm90-turns": "vllm_snapmla.sm90:snapmla_decode_sm90_turns",
-    "snapmla-sm90-hand-over": "vllm_snapmla.sm90:snapmla_decode_sm90_hand_over",
     "snapmla-sm90-split-roles": "vllm_snapmla.sm90:snapmla_decode_sm90_split_roles",
 }
 # Backends that run only where a predicate ("module:function", no arguments) says so.

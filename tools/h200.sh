@@ -55,7 +55,7 @@ case "$stage" in
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
     run timeout 300 "$NCU" --clock-control none --kernel-name regex:decode_kernel --set full \
         --import-source no -f -o /root/sm90 python3 tools/profile_sm90.py \
-        --schedules "${2:-hand-over,split-roles}"
+        --schedules "${2:-free,split-roles}"
     "$NCU" -i /root/sm90.ncu-rep --page details --print-details all > /root/ncu_details.txt 2>&1 ||
       "$NCU" -i /root/sm90.ncu-rep --page details > /root/ncu_details.txt 2>&1
     "$NCU" -i /root/sm90.ncu-rep --page source --csv --print-source sass > /root/ncu_sass.csv 2>&1
@@ -91,13 +91,14 @@ case "$stage" in
     pack /root/bench_decode "$log" ;;
   lease6|quick|iter)
     # lease6 (after `stash 2`): the sm90 kernel's schedules, tested (bit-identity first, with a
-    # short timeout: a missed hand-over hangs), timed against FlashMLA, then all of tests/gpu.
+    # short timeout: a missed barrier arrival hangs), timed against FlashMLA, then all of tests/gpu.
     # quick: lease6 without tests/gpu.  iter: quick without vLLM (no FlashMLA columns).
-    backends=snapmla-sm90,snapmla-sm90-split-roles
+    backends=${BACKENDS:-snapmla-sm90,snapmla-sm90-split-roles}
     if [ "$stage" = iter ]; then build; else unpack; build; backends=flashmla-bf16,flashmla-fp8,$backends; fi
-    run timeout 90 python3 -m pytest tests/gpu/test_decode_sm90.py -q -x -p no:cacheprovider \
+    run timeout 150 python3 -m pytest tests/gpu/test_decode_sm90.py -q -x -p no:cacheprovider \
         -k "few_pages or bit_identical" || exit 1
-    run timeout 200 python3 benchmarks/bench_decode.py --out /root/bench_decode --backends "$backends"
+    run timeout $(left 400) python3 benchmarks/bench_decode.py --out /root/bench_decode \
+        --backends "$backends" ${BENCH_ARGS:-}
     [ "$stage" = lease6 ] && run timeout $(left 570) python3 -m pytest tests/gpu -q -p no:cacheprovider
     [ "$stage" = iter ] || pack /root/bench_decode "$log" ;;
   lease4)   # after `stash 2`: training in the background, kernel tests, CUDA-graph and serve e2e

@@ -17,14 +17,11 @@ from vllm_snapmla import ops
 from vllm_snapmla.triton.decode import _combine_kernel, _device_limits, num_splits_for
 
 _BLOCK_ROWS = 64   # query rows per CTA (csrc/sm90/decode/config.h kBlockRows)
-# How the two consumer warpgroups order their tensor-core sections (config.h kSchedule*).
-# "narrow" is another kernel (csrc/sm90/decode/snapmla_decode_sm90_narrow.cuh) for requests of
-# at most NARROW_ROWS query rows.
-SCHEDULES = {"free": 0, "turns": 1, "hand-over": 2, "split-roles": 3, "narrow": 4}
+# How the two consumer warpgroups divide the work (config.h kSchedule*).  "narrow" is another
+# kernel (csrc/sm90/decode/snapmla_decode_sm90_narrow.cuh) for requests of at most NARROW_ROWS
+# query rows, which take it by default.
+SCHEDULES = {"free": 0, "split-roles": 1, "narrow": 2}
 NARROW_ROWS = 16
-# "split-roles" is 1.22-1.30x as fast as "hand-over" on the H200 (benchmarks/RESULTS.md, seventh
-# run), which is 1.05-1.13x as fast as "turns" (sixth run).  Requests of at most NARROW_ROWS
-# rows take "narrow" by default.
 DEFAULT_SCHEDULE = "split-roles"
 # csrc/sm90/decode/config.h hard-codes these (kPScaleRange, kPScaleFloor).
 assert fmt.P_SCALE_RANGE == 2.0 ** -32 and fmt.P_SCALE_FLOOR == 2.0 ** -126
@@ -53,13 +50,11 @@ def snapmla_decode_sm90(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: to
 
     ``schedule`` (a key of ``SCHEDULES``) picks the kernel and how its two consumer warpgroups
     divide the work:
-    - ``turns``: both compute every page's P; their QK and PV sections alternate;
-    - ``free``: the same without turns;
-    - ``hand-over`` (paper Algorithm 1): each page's P is computed by one warpgroup and handed
-      to the other;
-    - ``split-roles``: one warpgroup computes every page's P, the other builds every page's V^T.
+    - ``split-roles`` (the default above ``NARROW_ROWS`` rows): one warpgroup computes every
+      page's P, the other builds every page's V^T, and each applies the page to its columns;
+    - ``free``: both compute every page's P and V^T and apply it to their own 256 columns.
 
-    Those four have the same arithmetic, so their results are equal bit for bit. ``narrow`` is
+    Those two have the same arithmetic, so their results are equal bit for bit. ``narrow`` is
     the kernel for at most ``NARROW_ROWS`` query rows (``s_q x H``). It computes
     ``S^T = K Q^T`` and ``O^T = V^T P^T``, so that nothing is padded to 64 rows. Its results
     equal the others' up to FP32 rounding: each of its two consumer warpgroups keeps its own
@@ -134,6 +129,4 @@ def schedule_variant(schedule: str):
 
 
 snapmla_decode_sm90_free = schedule_variant("free")
-snapmla_decode_sm90_turns = schedule_variant("turns")
-snapmla_decode_sm90_hand_over = schedule_variant("hand-over")
 snapmla_decode_sm90_split_roles = schedule_variant("split-roles")

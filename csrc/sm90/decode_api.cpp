@@ -87,13 +87,11 @@ void decode_sm90(const at::Tensor& q8, const at::Tensor& q_scale, const at::Tens
 
   TORCH_CHECK_VALUE(num_splits >= 1 && num_splits <= 65535, kOp,
                     ": num_splits must be in [1, 65535], got ", num_splits);
-  TORCH_CHECK_VALUE(schedule == sm90::kScheduleFree || schedule == sm90::kScheduleTurns ||
-                        schedule == sm90::kScheduleHandOver ||
-                        schedule == sm90::kScheduleSplitRoles || schedule == sm90::kScheduleNarrow,
+  TORCH_CHECK_VALUE(schedule == sm90::kScheduleFree || schedule == sm90::kScheduleSplitRoles ||
+                        schedule == sm90::kScheduleNarrow,
                     kOp, ": schedule must be ", sm90::kScheduleFree, " (free), ",
-                    sm90::kScheduleTurns, " (turns), ", sm90::kScheduleHandOver,
-                    " (hand-over), ", sm90::kScheduleSplitRoles, " (split-roles) or ",
-                    sm90::kScheduleNarrow, " (narrow), got ", schedule);
+                    sm90::kScheduleSplitRoles, " (split-roles) or ", sm90::kScheduleNarrow,
+                    " (narrow), got ", schedule);
   TORCH_CHECK_VALUE(schedule != sm90::kScheduleNarrow || rows <= sm90::kNarrowRows, kOp,
                     ": the narrow kernel takes at most ", sm90::kNarrowRows,
                     " query rows (s_q x heads), got ", rows);
@@ -153,11 +151,14 @@ void decode_sm90_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, c
 }  // namespace
 }  // namespace snapmla
 
+// The schema's default schedule is split-roles.
+static_assert(snapmla::sm90::kScheduleSplitRoles == 1, "update decode_sm90's schema default");
+
 TORCH_LIBRARY_FRAGMENT(_snapmla_C, m) {
   m.def(
       "decode_sm90(Tensor q8, Tensor q_scale, Tensor q_pe_scaled, Tensor kv_cache, "
       "Tensor block_table, Tensor seq_lens, Tensor(a!) out, Tensor(b!) lse, float softmax_scale, "
-      "bool causal, int num_splits, int schedule=2, bool promote_pv=True) -> ()");
+      "bool causal, int num_splits, int schedule=1, bool promote_pv=True) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(_snapmla_C, CUDA, m) { m.impl("decode_sm90", &snapmla::decode_sm90); }

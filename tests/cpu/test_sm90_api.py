@@ -21,7 +21,7 @@ def test_unknown_schedule_is_refused():
         sm90.snapmla_decode_sm90(*_inputs(), 0.1, schedule="fast")
 
 
-@pytest.mark.parametrize("schedule", ["turns", "hand-over", "split-roles"])
+@pytest.mark.parametrize("schedule", ["split-roles", "narrow"])
 def test_unpromoted_pv_only_with_the_free_schedule(schedule):
     with pytest.raises(ValueError, match="promote_pv=False exists only"):
         sm90.snapmla_decode_sm90(*_inputs(), 0.1, schedule=schedule, promote_pv=False)
@@ -31,7 +31,8 @@ def test_schedule_variants_are_fixed_partials():
     assert sm90.DEFAULT_SCHEDULE in sm90.SCHEDULES
     with pytest.raises(ValueError, match="schedule must be one of"):
         sm90.schedule_variant("fast")
-    assert sm90.snapmla_decode_sm90_turns.__name__ == "snapmla_decode_sm90[turns]"
+    assert sm90.snapmla_decode_sm90_split_roles.__name__ == "snapmla_decode_sm90[split-roles]"
+    assert set(sm90.SCHEDULES) == {"free", "split-roles", "narrow"}
 
 
 def test_narrow_takes_at_most_16_rows():

@@ -2,8 +2,7 @@
 
 Register spills turned up three times while tuning the kernel (each time from a change that looked
 harmless); in its main loop they would add local-memory traffic to every page.  So the SASS of
-every instantiation must stay within its local-load/store budget (none, except the hand-over
-kernel's measured few) and must contain the FP8 (QGMMA) and BF16 (HGMMA) tensor-core
+every instantiation must stay free of local loads and stores and must contain the FP8 (QGMMA) and BF16 (HGMMA) tensor-core
 instructions the design relies on.  Skips when the extension or its sm_90a
 code is not built, or no ``cuobjdump`` is found (CUDA toolkit or Triton's bundled copy).
 """
@@ -70,22 +69,14 @@ def decode_kernels() -> dict[str, str]:
 
 
 def test_every_variant_is_built(decode_kernels):
-    # one per kSchedule, and the free schedule without PV promotion (measurement only)
-    assert len(decode_kernels) == 5, sorted(decode_kernels)
-
-
-# Local-memory instructions allowed per kernel: none, except in the hand-over kernel.
-# kScheduleHandOver (2) spills a few values around its softmax (208 bytes, 97 LDL/STL in the
-# SASS of the version that was timed; faster than the turns kernel even so).  Any growth fails.
-SPILL_BUDGET = {"decode_kernelILi2E": 97}
+    # free and split-roles, and the free schedule without PV promotion (measurement only)
+    assert len(decode_kernels) == 3, sorted(decode_kernels)
 
 
 def test_no_register_spills(decode_kernels):
     for name, body in decode_kernels.items():
         local = re.findall(r"\b(LDL|STL)\b", body)
-        budget = next((n for key, n in SPILL_BUDGET.items() if key in name), 0)
-        assert len(local) <= budget, (f"{name}: {len(local)} local-memory instructions "
-                                      f"(register spills), {budget} allowed")
+        assert not local, f"{name}: {len(local)} local-memory instructions (register spills)"
 
 
 def test_tensor_core_instructions(decode_kernels):
@@ -95,13 +86,13 @@ def test_tensor_core_instructions(decode_kernels):
             r"QGMMA\.64x128x32\.F32\.E4M3\.E4M3", r"HGMMA\.64x64x16\.F32\.BF16"))
         # Per page, as (m64n32k32, m64n64k32, m64n128k32 e4m3, m64n64k16 bf16) WGMMAs: RoPE QK
         # 64 / 16 BF16 steps.  Content QK 512 / 32 FP8 steps per 32-token half (n32), or
-        # per 64-token page (n64) in kScheduleSplitRoles (3).  PV 64 / 32 steps per piece:
+        # per 64-token page (n64) in kScheduleSplitRoles (1).  PV 64 / 32 steps per piece:
         # 4 promoted 64-column quarters (n64), or 2 unpromoted 128-column halves (n128,
         # kPromotePv = false); kScheduleSplitRoles has one PV per warpgroup, WG1's 3 pieces of
         # 64 columns and WG2's 10 of 32.
         if "ELb0E" in name:
             expected = (32, 0, 4, 4)
-        elif "ILi3E" in name:
+        elif "ILi1E" in name:
             expected = (10 * 2, 16 + 3 * 2, 0, 4)
         else:
             expected = (32, 8, 0, 4)

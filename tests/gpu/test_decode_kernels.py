@@ -31,8 +31,7 @@ _NEEDS_SM90 = [pytest.mark.hopper, pytest.mark.skipif(
     "triton",
     pytest.param("sm90", marks=_NEEDS_SM90),
     pytest.param("sm90-free", marks=_NEEDS_SM90),
-    pytest.param("sm90-turns", marks=_NEEDS_SM90),
-    pytest.param("sm90-hand-over", marks=_NEEDS_SM90),
+    pytest.param("sm90-split-roles", marks=_NEEDS_SM90),   # also at <= 16 rows (not the default)
 ])
 def decode(request):
     """Each decode kernel, with the signature of ``triton.decode.snapmla_decode``."""

@@ -96,18 +96,18 @@ def test_matches_triton_kernel(H, s_q, num_splits):
 
 
 @pytest.mark.parametrize("seq_lens, H, s_q, num_splits, q_std", [
-    ([64], 64, 1, 1, 1.0),                      # one page: one turn each
-    ([128, 129, 191, 1], 128, 1, 1, 1.0),       # even and odd page counts
-    (RAGGED, 16, 2, 3, 1.0),                    # empty splits and requests (no turns at all)
+    ([64], 64, 1, 1, 1.0),                      # one page: no V^T buffer reused
+    ([128, 129, 191, 1], 128, 1, 1, 1.0),       # even and odd page counts (V^T buffer parity)
+    (RAGGED, 16, 2, 3, 1.0),                    # empty splits and requests (no pages at all)
     ([3000, 200], 64, 1, 3, 8.0),               # sharp softmax: P scales jump between pages
     ([131072], 128, 1, 4, 1.0),
 ])
-@pytest.mark.parametrize("schedule", ["turns", "hand-over", "split-roles"])
-def test_schedules_are_bit_identical(schedule, seq_lens, H, s_q, num_splits, q_std):
-    """The schedules reorder whole sections between the warpgroups or hand a page's P8, gamma and
-    row state from one to the other, never change an operation: output and LSE must equal the
-    free schedule's bit for bit (a race or a stale hand-over buffer shows as a mismatch, a
-    missing hand-over as a hang)."""
+def test_schedules_are_bit_identical(seq_lens, H, s_q, num_splits, q_std):
+    """split-roles moves whole sections between the warpgroups and hands each page's P8 and gamma
+    (and the final row state) from WG1 to WG2, never changes an operation: output and LSE must
+    equal the free schedule's bit for bit (a race or a stale hand-over or V^T buffer shows as a
+    mismatch, a missed barrier arrival as a hang)."""
+    schedule = "split-roles"
     q, qp, cache, bt, sl = _case(seq_lens, H, s_q, seed=19 + H, q_std=q_std)
     q8, qs, qpe = ref.quantize_q(q, qp)
     out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, num_splits=num_splits, schedule="free")

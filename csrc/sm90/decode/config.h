@@ -9,22 +9,18 @@ constexpr int kBlockRows = 64;           // query rows (s_q x head pairs) per CT
 constexpr int kConsumerWarpgroups = 2;   // WG1, WG2: each owns output columns (see kSchedule*)
 constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);   // WG0 is the TMA producer
 constexpr int kStages = 2;               // pages in flight in the shared-memory ring
-// The even split of the output columns (all schedules but kScheduleSplitRoles, whose split is
+// The even split of the output columns (kScheduleFree; kScheduleSplitRoles splits them at
 // kQkWarpgroupCols below).
 constexpr int kOutColsPerWarpgroup = kKvLoraRank / kConsumerWarpgroups;   // 256
 constexpr int kPvN = 128;                // O's pieces in the even split (two; 64 registers each)
 
-// How the consumer warpgroups order their tensor-core sections (snapmla_decode_sm90.cuh).
-constexpr int kScheduleFree = 0;
-constexpr int kScheduleTurns = 1;
-constexpr int kScheduleHandOver = 2;     // Algorithm 1: each page's P from one warpgroup
-constexpr int kScheduleSplitRoles = 3;   // WG1: S, softmax and P8 of every page; WG2: V^T
-// Named barriers: 0 is __syncthreads, 1 the consumers' start, 2 + c consumer c's own, and
-// kTurnBarrier + c consumer c's turn (kScheduleTurns) or the hand-over of pages of parity c
-// (kScheduleHandOver).  kScheduleSplitRoles: kPageBarrier the two consumers' meeting per page,
-// kVtFreeBarrier + page parity WG1's release of a V^T buffer.  The narrow kernel: 1 both
-// consumers (start, merge), 2 + c consumer c's reductions and P8^T hand-off.
-constexpr int kTurnBarrier = 4;
+// How the consumer warpgroups divide the work (snapmla_decode_sm90.cuh); DecodeParams::schedule.
+constexpr int kScheduleFree = 0;         // both: S, softmax, V^T and PV of their 256 columns
+constexpr int kScheduleSplitRoles = 1;   // WG1: S, softmax and P8 of every page; WG2: V^T
+// Named barriers: 0 is __syncthreads, 1 the consumers' start, 2 + c consumer c's own.
+// kScheduleSplitRoles: kPageBarrier the two consumers' meeting per page, kVtFreeBarrier + page
+// parity WG1's release of a V^T buffer.  The narrow kernel: 1 both consumers (start, merge),
+// 2 + c consumer c's reductions and P8^T hand-off.
 constexpr int kPageBarrier = 4;
 constexpr int kVtFreeBarrier = 5;
 
@@ -93,10 +89,9 @@ constexpr int kSmemQpe = kSmemQ8 + kContentTiles * kBlockRows * kSwizzleRowBytes
 // them hold all 512 columns, contiguously.
 constexpr int kVtBytes = kOutColsPerWarpgroup * kSwizzleRowBytes;               // 32 KB
 constexpr int kSmemVt = kSmemQpe + kBlockRows * kSwizzleRowBytes;
-// kScheduleHandOver and kScheduleSplitRoles: per page, the consumer that computed its P hands the
-// other consumer's thread wg_tid the e4m3 P fragment (8 words), gamma (2) and (hand-over) the row
-// state m, peak, amax, l (2 each), stored word-major ([word][thread]) so a warp's accesses hit
-// 32 banks; four buffers, by page mod 4.
+// kScheduleSplitRoles: per page, WG1 hands WG2's thread wg_tid the e4m3 P fragment (8 words) and
+// gamma (2), and after the last page the row state m, peak, amax, l (2 each), stored word-major
+// ([word][thread]) so a warp's accesses hit 32 banks; four buffers, by page mod 4.
 constexpr int kHandOverWords = 8 + 2 + 8;
 constexpr int kHandOverBytes = kHandOverWords * 128 * 4;                          // 9 KB
 constexpr int kHandOverBuffers = 4;
@@ -118,7 +113,7 @@ static_assert((kQkPromoteCols % kWgmmaK8 == 0 && kSwizzleRowBytes % kQkPromoteCo
 // snapmla_decode_sm90_narrow.cuh, for requests of at most kNarrowRows query rows (DeepSeek-V3's
 // 16 heads per TP8 rank).  It computes S^T = K . Q^T (M = 64 tokens, N = 16 rows), so nothing is
 // padded to 64 rows, and O^T = V^T . P^T with V^T built in registers (no V^T in shared memory).
-constexpr int kScheduleNarrow = 4;       // DecodeParams::schedule of the narrow kernel
+constexpr int kScheduleNarrow = 2;       // DecodeParams::schedule of the narrow kernel
 constexpr int kNarrowRows = 16;          // N of its WGMMAs: query rows per CTA
 // Two consumer warpgroups take alternate pages, each with its own softmax state and O^T, merged
 // at the end: each one's page is a serial chain (QK, cross-warp reductions, PV), and a second

@@ -58,11 +58,9 @@ const char* launch_decode_sm90(const DecodeParams& params, const uint8_t* kv_cac
   }
   const auto kernel = narrow                                  ? decode_narrow_kernel
                       : !params.promote_pv                    ? decode_kernel<kScheduleFree, false>
-                      : params.schedule == kScheduleTurns     ? decode_kernel<kScheduleTurns>
-                      : params.schedule == kScheduleHandOver  ? decode_kernel<kScheduleHandOver>
                       : params.schedule == kScheduleSplitRoles
                           ? decode_kernel<kScheduleSplitRoles>
-                                                              : decode_kernel<kScheduleFree>;
+                          : decode_kernel<kScheduleFree>;
   const int threads = narrow ? kNarrowThreads : kThreads;
   const int smem_bytes = narrow ? kNarrowSmemAlloc : kSmemAlloc;
   // The kernel body exists only in sm_90a code; compute_89 PTX JIT-compiled for this GPU would

@@ -508,18 +508,15 @@ __device__ __forceinline__ void stage_query(uint8_t* q8_tiles, int q8_tile_bytes
 // which is exactly what each thread already holds; V^T is written with the same token order.
 //
 // kSchedule divides the work between the consumer warpgroups (same arithmetic, bit-identical
-// results; timings in benchmarks/RESULTS.md):
-//   kScheduleHandOver: page i's S, softmax and P8 by consumer i % 2 only, handed over (see the
-//                      loop; the paper's Algorithm 1).  1-7% faster than kScheduleTurns.
-//   kScheduleTurns:    both consumers compute every page's S and P8; their QK and PV sections
-//                      alternate (QK of WG1, QK of WG2, PV of WG1, PV of WG2, per page), so one
-//                      warpgroup's CUDA-core work runs while the other's WGMMAs are in flight.
-//                      A turn is handed over right after the section's last WGMMA is issued.
-//   kScheduleFree:     both compute everything, in no particular order.
-//   kScheduleSplitRoles: WG1 computes every page's S, softmax and P8 (its row state stays in
-//                      registers); WG2 builds every page's V^T, all 512 columns; then both apply
-//                      the page to their own columns, 192 and 320 (see the loop).  1.22-1.30x
-//                      as fast as kScheduleHandOver (the default).
+// results):
+//   kScheduleSplitRoles (the default): WG1 computes every page's S, softmax and P8 (its row
+//                      state stays in registers); WG2 builds every page's V^T, all 512 columns;
+//                      then both apply the page to their own columns, 192 and 320 (see the loop).
+//   kScheduleFree:     both compute every page's S and P8 and apply it to their own 256 columns:
+//                      the plain form, the reference of the bit-identity tests.
+// Two more were measured and removed (benchmarks/RESULTS.md, fifth to seventh runs): the paper's
+// Algorithm 1 (each page's P from one warpgroup, handed to the other), which split-roles beats
+// by 1.22-1.30x, and alternating QK/PV turns, 1.05-1.13x slower still.
 // kPromotePv = false (measurement only, with kScheduleFree): O is rescaled by gamma in registers
 // and each page's PV WGMMAs accumulate straight into it, so O's sum over the pages runs in the
 // tensor core's reduced-precision accumulation instead of FP32 (what the per-page promotion
@@ -584,16 +581,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   // (Row indices are recomputed in the epilogue rather than kept: registers are tight.)
   int visible[2];
   float row_scale[2], m[2], peak[2], amax_prev[2], l[2];
-  const auto init_row_state = [&] {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      m[h] = -INFINITY;              // running max logit (log2 units)
-      peak[h] = 0.f;                 // largest P' so far, at the current m
-      amax_prev[h] = kPScaleFloor;   // 448 * sigma_P of the last page
-      l[h] = 0.f;                    // sum of exp, unscaled (= sigma_P * L)
-    }
-  };
-  init_row_state();
+  for (int h = 0; h < 2; ++h) {
+    m[h] = -INFINITY;              // running max logit (log2 units)
+    peak[h] = 0.f;                 // largest P' so far, at the current m
+    amax_prev[h] = kPScaleFloor;   // 448 * sigma_P of the last page
+    l[h] = 0.f;                    // sum of exp, unscaled (= sigma_P * L)
+  }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int g = row0 + 16 * warp + lane / 4 + 8 * h;
@@ -616,12 +610,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint64_t q8_desc = sw128_desc(smem_base + kSmemQ8);
   const uint64_t qpe_desc = sw128_desc(smem_base + kSmemQpe);
   const uint32_t wg_barrier = 2 + consumer;
-  // Turns: consumer c waits at barrier kTurnBarrier + c for its turn and hands it over at the
-  // other's.  Every wait has exactly one matching hand-over: WG2 hands WG1 the first turn and
-  // skips its hand-over after its last section; each warpgroup waits and hands over twice per
-  // page.  A warpgroup cannot hand over twice before the other has waited once (it would first
-  // have to wait for its own next turn), so the barriers' rounds never mix.
-  constexpr bool kTurns = kSchedule == kScheduleTurns;
   // compute_s's group width and accumulators in flight: kScheduleSplitRoles's QK warpgroup has
   // the registers for two 64-token groups (Q8 read once per chunk, not once per 32-token half):
   // it keeps O for fewer columns and builds no V^T.
@@ -629,11 +617,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kQkN = kSplitRoles ? 64 : 32;
   constexpr int kQkParts = kSplitRoles ? kSplitQkParts : 2;
   static_assert(kQkParts >= 2 && kQkParts <= 3, "compute_s waits with at most 2 groups pending");
-  const auto wait_turn = [&] { named_barrier_sync(kTurnBarrier + consumer, 256); };
-  const auto hand_over_turn = [&](bool last_section) {
-    if (!(consumer == 1 && last_section)) named_barrier_arrive(kTurnBarrier + 1 - consumer, 256);
-  };
-  if (kTurns && consumer == 1 && num_iters > 0) named_barrier_arrive(kTurnBarrier, 256);
 
   // Local page i of the split: its stage, slots holding real tokens, and the wait for it.
   const auto stage_of = [&](int i) { return i % kStages; };
@@ -689,7 +672,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       wgmma_commit();
     };
-    if (kTurns) wait_turn();
     wgmma_fence();
 #pragma unroll
     for (int k = 0; k < kRopeDim / kWgmmaK16; ++k) {
@@ -717,7 +699,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int v = 0; v < kQkN / 2; ++v) s[(kQkN / 2) * (g % kQkHalves) + v] += acc[v];
       if (g + kQkParts < kGroups) issue_group(g + kQkParts);
-      if (kTurns && g == kGroups - 3) hand_over_turn(false);   // PV next
     }
   };
 
@@ -798,10 +779,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   // PV: O = gamma O + P8 . V8 for the columns of `o_pieces`, kPieces pieces of kPieceN columns
   // from the V^T rows at `vt_cols` (descriptor), through kAccs accumulators: each page's piece
   // goes into a fresh accumulator (promoted into FP32 O), and piece q's promotion runs while
-  // piece q + 1 is in the tensor core.  `after_last_issue` runs once the last piece's WGMMAs
-  // are issued (kScheduleTurns hands its turn over there).
+  // piece q + 1 is in the tensor core.
   const auto apply_page_to = [&](auto& o_pieces, uint32_t (&p8)[2][4], const float (&gamma)[2],
-                                 uint64_t vt_cols, int buf, auto after_last_issue) {
+                                 uint64_t vt_cols, int buf) {
     constexpr int kAccs = 2;
     constexpr int kPieces = sizeof(o_pieces) / sizeof(o_pieces[0]);
     constexpr int kVals = sizeof(o_pieces[0]) / sizeof(float);   // kPieceN / 2 per thread
@@ -827,7 +807,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     };
 #pragma unroll
     for (int q = 0; q < kAccs && q < kPieces; ++q) issue_piece(q);
-    if (kPieces <= kAccs) after_last_issue();
 #pragma unroll
     for (int q = 0; q < kPieces; ++q) {
       if (q + 1 < kPieces) {
@@ -840,18 +819,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int v = 0; v < kVals; ++v) {
         o_pieces[q][v] = o_pieces[q][v] * gamma[(v >> 1) & 1] + pv[q % kAccs][v];
       }
-      if (q + kAccs < kPieces) {
-        issue_piece(q + kAccs);
-        if (q + kAccs == kPieces - 1) after_last_issue();
-      }
+      if (q + kAccs < kPieces) issue_piece(q + kAccs);
     }
   };
 
-  // O = gamma O + P8 . V8 (V^T buffer `buf`) for this warpgroup's 256 columns (all schedules
-  // but kScheduleSplitRoles); without kPromotePv one 64x128 half at a time straight into O.
-  const auto apply_page = [&](uint32_t (&p8)[2][4], const float (&gamma)[2], int buf,
-                              bool last_turn) {
-    if (kTurns) wait_turn();
+  // O = gamma O + P8 . V8 (V^T buffer `buf`) for this warpgroup's 256 columns
+  // (kScheduleFree); without kPromotePv one 64x128 half at a time straight into O.
+  const auto apply_page = [&](uint32_t (&p8)[2][4], const float (&gamma)[2], int buf) {
     if constexpr (!kPromotePv) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
@@ -874,9 +848,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       return;
     }
     // Four 64-column quarters of O (the same registers, viewed as pieces).
-    apply_page_to(reinterpret_cast<float(&)[4][kPvN / 4]>(o), p8, gamma, vt_desc, buf, [&] {
-      if (kTurns) hand_over_turn(last_turn);
-    });
+    apply_page_to(reinterpret_cast<float(&)[4][kPvN / 4]>(o), p8, gamma, vt_desc, buf);
   };
 
   // Epilogue: out = sigma_P O / (sigma_P L) for the columns of `o` from col0 on (pieces of any
@@ -925,8 +897,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   };
 
-  // Hand-over buffer of page i (kScheduleHandOver, kScheduleSplitRoles), this thread's words:
-  // P8 (words 0-7), gamma (8-9), then the row state after the page, m, peak, amax, l (10-17).
+  // Hand-over buffer of page i (kScheduleSplitRoles), this thread's words: P8 (words 0-7),
+  // gamma (8-9), then the row state after the page, m, peak, amax, l (10-17; the last page's
+  // only, for WG2's epilogue).
   const auto hand_over_of = [&](int i) {
     return reinterpret_cast<uint32_t*>(smem + kSmemHandOver) +
            (i % kHandOverBuffers) * kHandOverWords * 128 + wg_tid;
@@ -966,7 +939,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int h = 0; h < 2; ++h) gamma[h] = __uint_as_float(x[(8 + h) * 128]);
   };
 
-  if constexpr (kSchedule == kScheduleFree || kSchedule == kScheduleTurns) {
+  if constexpr (kSchedule == kScheduleFree) {
     // Both warpgroups compute every page's S and P8 (identical), each applies it to its columns.
     for (int i = 0; i < num_iters; ++i) {
       wait_page(i);
@@ -983,74 +956,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         release_page(i);   // this thread's QK WGMMAs completed, V^T built, scales read
         softmax(i, s, k_scale, p8, gamma);
       }
-      apply_page(p8, gamma, 0, i == num_iters - 1);
+      apply_page(p8, gamma, 0);
     }
-  } else if constexpr (kSchedule == kScheduleHandOver) {
-    // Paper Algorithm 1: page i's S and P8 are computed by consumer i % 2 only, which hands P8,
-    // gamma and the row state after the page to the other consumer through shared memory
-    // (named barrier kTurnBarrier + i % 2); both apply every page to their own columns in
-    // increasing order.  A step of consumer c has its own page i = 2k + c and the other's page
-    // r = i - 1: V^T of r and i (two buffers), S of i, then the state after r (waiting for the
-    // other consumer), the softmax of i and its hand-over, then PV(r) and PV(i).  So one
-    // consumer's S overlaps the other's softmax, and the softmax chain (page i needs the state
-    // after i - 1) is the only serial part.  The chain also makes each named barrier's rounds
-    // alternate strictly (page i + 2's arrive comes after page i + 1's state was received, which
-    // the other consumer hands over after its wait for page i).
-    // Page i's hand-over buffer is i % 4: its owner rewrites it for page i + 4 only after
-    // receiving page i + 3's state, which the other consumer hands over in the step after the
-    // one in which it applied page i.
-    for (int own = consumer;; own += 2) {
-      const int other = own - 1;
-      const bool has_own = own < num_iters;
-      const bool has_other = other >= 0 && other < num_iters;
-      if (!has_own && !has_other) break;
-      named_barrier_sync(wg_barrier, 128);   // every warp's previous PV WGMMAs have read vt
-      if (has_other) {
-        wait_page(other);
-        build_own_vt(other, other & 1);
-        release_page(other);   // the other consumer's stage: only its V was needed here
-      }
-      if (has_own) {
-        wait_page(own);
-        build_own_vt(own, own & 1);
-      }
-      fence_proxy_async();
-      named_barrier_sync(wg_barrier, 128);
-
-      float s[32];
-      if (has_own) compute_s(own, s);
-      // The state after page `other`, handed over by the other consumer, then `own`'s softmax
-      // and its hand-over.  Every step sets the state afresh, so it is not live across steps
-      // (registers); the epilogue reads the final state back from the last hand-over buffer.
-      if (has_other) {
-        named_barrier_sync(kTurnBarrier + (other & 1), 256);
-        load_handed_over_state(other);
-      } else {
-        init_row_state();   // page 0, consumer 0's first step
-      }
-      if (has_own) {
-        float k_scale[16];
-        load_scales(own, k_scale);
-        release_page(own);   // QK, scales and V^T done
-        uint32_t p8[2][4];
-        float gamma[2];
-        softmax(own, s, k_scale, p8, gamma);
-        store_hand_over(own, p8, gamma);
-        store_row_state(own);
-        named_barrier_arrive(kTurnBarrier + (own & 1), 256);
-      }
-      // PV of `other`, then of `own`, with P8 and gamma from the hand-over buffers (one call
-      // site: two kept the second page's P8 live across the first PV and spilled).
-      for (int i = has_other ? other : own; i <= (has_own ? own : other); ++i) {
-        uint32_t p8[2][4];
-        float gamma[2];
-        load_hand_over(i, p8, gamma);
-        apply_page(p8, gamma, i & 1, false);
-      }
-    }
-    // Both consumers have passed page num_iters - 1's hand-over (its owner wrote it, the other
-    // synced on it), so both read the final state.
-    if (num_iters > 0) load_handed_over_state(num_iters - 1);
   } else {
     // kScheduleSplitRoles.  Page i: WG1 computes S(i), the softmax and P8(i), puts P8(i) and
     // gamma in hand-over buffer i % 4 and applies the page to output columns
@@ -1086,7 +993,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         store_hand_over(i, p8, gamma);
         named_barrier_sync(kPageBarrier, 256);
-        apply_page_to(o_qk, p8, gamma, vt_cols0, i & 1, [] {});
+        apply_page_to(o_qk, p8, gamma, vt_cols0, i & 1);
         if (i + 2 < num_iters) named_barrier_arrive(kVtFreeBarrier + (i & 1), 256);
       }
       if (num_iters > 0) store_row_state(num_iters - 1);   // for WG2's epilogue
@@ -1116,7 +1023,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         float gamma[2];
         load_hand_over(i, p8, gamma);
         apply_page_to(o_vt, p8, gamma, desc_at(vt_cols0, kQkWarpgroupCols * kSwizzleRowBytes),
-                      i & 1, [] {});
+                      i & 1);
       }
       named_barrier_sync(kPageBarrier, 256);
       if (num_iters > 0) load_handed_over_state(num_iters - 1);
