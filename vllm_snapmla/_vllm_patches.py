@@ -2,7 +2,8 @@
 
 vLLM 0.26.0 has no registry for new KV-cache dtypes (the dtype set is a closed ``Literal``
 matched on strings in several modules), so we patch the few private names involved.  Each
-patch is labelled with its hook number (H1..H14 of our vLLM 0.26 integration notes), is
+patch is labelled with its hook number (H1..H14 of our vLLM 0.26 integration notes; H15, the
+V2 model runner's batch order, was found on the H200), is
 idempotent (a wrapper carries the function it wraps in ``__snapmla_wrapped__``), and
 ``self_check`` verifies the result right after patching, so a vLLM that moved these names
 fails loudly at start-up.  H6-H8, H10 and H11 need no patch: they are ``backend.py``
@@ -141,6 +142,35 @@ def install_prefill_gather() -> None:
 
     setattr(gather_and_maybe_dequant_cache, _WRAPPED, original)
     custom_ops.gather_and_maybe_dequant_cache = gather_and_maybe_dequant_cache
+
+
+# --- H15: the chunked-context merge bound under the V2 model runner ----------------------
+
+def fix_context_merge_bound(metadata, query_start_loc_cpu: torch.Tensor) -> None:
+    """Make vLLM's prefix/suffix merge cover every prefill that has cached context.
+
+    vLLM 0.26.0's MLA builder sets ``chunked_context.prefill_tokens_with_context`` to the
+    query start of prefill number ``count(context > 0)``: it assumes the prefills that have
+    context come first.  V1's batch reorder puts them first; the V2 model runner sorts
+    requests by query length instead (``v1/worker/gpu/model_runner.py``
+    ``sort_batch_req_ids``), and ``merge_attn_states`` then copies the new-token output
+    for any prefill past that bound, dropping its cached context: the first token of a
+    chunked prompt comes out wrong (DeepSeek-V2 models run on that runner by default).  The
+    bound becomes the end of the last prefill with context.  Prefills without context
+    before it are merged with an empty context, which ``mask_empty_context`` makes exact.
+    ``query_start_loc_cpu`` is the whole batch's (decodes first).
+    """
+    prefill = getattr(metadata, "prefill", None)
+    context = getattr(prefill, "chunked_context", None)
+    if context is None:
+        return
+    with_context = torch.nonzero(context.seq_lens.sum(dim=0) > 0).flatten()
+    if with_context.numel() == 0:
+        return
+    first_prefill = metadata.num_decodes
+    last = first_prefill + int(with_context[-1])
+    context.prefill_tokens_with_context = int(query_start_loc_cpu[last + 1]
+                                              - query_start_loc_cpu[first_prefill])
 
 
 # --- H12: backend registration and automatic selection ------------------------------------

@@ -22,7 +22,12 @@ from vllm.model_executor.layers.attention.mla_attention import (
 )
 from vllm.platforms import current_platform
 from vllm.platforms.interface import DeviceCapability
-from vllm.v1.attention.backend import AttentionCGSupport, AttentionLayer, AttentionType
+from vllm.v1.attention.backend import (
+    AttentionCGSupport,
+    AttentionLayer,
+    AttentionType,
+    CommonAttentionMetadata,
+)
 
 from vllm_snapmla import _vllm_patches
 from vllm_snapmla import format as fmt
@@ -107,6 +112,12 @@ class SnapMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
     # to their exact BF16 latents instead of the FP8 cache.
     query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.UNIFORM
     reorder_batch_threshold: int = 1
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> MLACommonMetadata:
+        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        _vllm_patches.fix_context_merge_bound(metadata, common_attn_metadata.query_start_loc_cpu)
+        return metadata
 
     @staticmethod
     def determine_prefill_query_data_type(vllm_config: VllmConfig,
