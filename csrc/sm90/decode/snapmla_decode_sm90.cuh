@@ -394,8 +394,8 @@ __device__ __forceinline__ void build_vt(const uint8_t* tile, uint8_t* vt, const
 
 // The calling thread's VtMap (in its 128-thread warpgroup) from a fresh (volatile) read of the
 // thread index: built per page, the compiler cannot hoist its 11 registers (or addresses
-// derived from them) out of the caller's page loop.  In the hand-over kernel that cut the spill
-// from 260 to 256 bytes.
+// derived from them) out of the caller's page loop, where they would hold registers across the
+// QK and softmax.
 __device__ __forceinline__ VtMap fresh_vt_map() {
   uint32_t tid;
   asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
