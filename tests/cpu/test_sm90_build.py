@@ -2,9 +2,9 @@
 
 Register spills turned up three times while tuning the kernel (each time from a change that looked
 harmless); in its main loop they would add local-memory traffic to every page.  So the SASS of
-every instantiation must stay free of local loads and stores and must contain the FP8 (QGMMA) and BF16 (HGMMA) tensor-core
-instructions the design relies on.  Skips when the extension or its sm_90a
-code is not built, or no ``cuobjdump`` is found (CUDA toolkit or Triton's bundled copy).
+every instantiation must stay free of local loads and stores and must contain the FP8 (QGMMA)
+and BF16 (HGMMA) tensor-core instructions the design relies on.  Skips when the extension or its
+sm_90a code is not built, or no ``cuobjdump`` is found (CUDA toolkit or Triton's bundled copy).
 """
 
 import os
