@@ -22,7 +22,7 @@ constexpr int kScheduleSplitRoles = 1;   // WG1: S, softmax and P8 of every page
 // parity WG1's release of a V^T buffer.  The narrow kernel: 1 both consumers (start, merge),
 // 2 + c consumer c's reductions and P8^T hand-off.
 constexpr int kPageBarrier = 4;
-constexpr int kVtFreeBarrier = 5;
+constexpr int kVtFreeBarrier = 5;        // and 6
 
 // Register budgets after setmaxnreg (multiples of 8).  The CTA starts with its launch budget,
 // 65536 / 384 = 168 per thread, and setmaxnreg moves registers within that pool: a consumer's
@@ -90,13 +90,16 @@ constexpr int kSmemQpe = kSmemQ8 + kContentTiles * kBlockRows * kSwizzleRowBytes
 constexpr int kVtBytes = kOutColsPerWarpgroup * kSwizzleRowBytes;               // 32 KB
 constexpr int kSmemVt = kSmemQpe + kBlockRows * kSwizzleRowBytes;
 // kScheduleSplitRoles: per page, WG1 hands WG2's thread wg_tid the e4m3 P fragment (8 words) and
-// gamma (2), and after the last page the row state m, peak, amax, l (2 each), stored word-major
-// ([word][thread]) so a warp's accesses hit 32 banks; four buffers, by page mod 4.
-constexpr int kHandOverWords = 8 + 2 + 8;
-constexpr int kHandOverBytes = kHandOverWords * 128 * 4;                          // 9 KB
-constexpr int kHandOverBuffers = 4;
+// gamma (2), stored word-major ([word][thread]) so a warp's accesses hit 32 banks; two buffers,
+// by page parity.  After the last page WG1 hands over its row state m, peak, amax, l (2 each)
+// for WG2's epilogue, in a buffer of its own.
+constexpr int kHandOverWords = 8 + 2;
+constexpr int kHandOverBytes = kHandOverWords * 128 * 4;                          // 5 KB
+constexpr int kHandOverBuffers = 2;
+constexpr int kRowStateBytes = 8 * 128 * 4;                                       // 4 KB
 constexpr int kSmemHandOver = kSmemVt + kConsumerWarpgroups * kVtBytes;
-constexpr int kSmemBarriers = kSmemHandOver + kHandOverBuffers * kHandOverBytes;
+constexpr int kSmemRowState = kSmemHandOver + kHandOverBuffers * kHandOverBytes;
+constexpr int kSmemBarriers = kSmemRowState + kRowStateBytes;
 // mbarriers: full[kStages], empty[kStages].
 constexpr int kSmemBytes = kSmemBarriers + 2 * kStages * 8;
 constexpr int kSmemAlloc = kSmemBytes + 1024;  // slack to align the dynamic base to 1024 bytes

@@ -897,13 +897,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   };
 
-  // Hand-over buffer of page i (kScheduleSplitRoles), this thread's words: P8 (words 0-7),
-  // gamma (8-9), then the row state after the page, m, peak, amax, l (10-17; the last page's
-  // only, for WG2's epilogue).
+  // Hand-over buffer of page i (kScheduleSplitRoles), this thread's words: P8 (words 0-7) and
+  // gamma (8-9); and the row state after the last page, m, peak, amax, l (2 words each), for
+  // WG2's epilogue.
   const auto hand_over_of = [&](int i) {
     return reinterpret_cast<uint32_t*>(smem + kSmemHandOver) +
            (i % kHandOverBuffers) * kHandOverWords * 128 + wg_tid;
   };
+  uint32_t* const row_state = reinterpret_cast<uint32_t*>(smem + kSmemRowState) + wg_tid;
   const auto store_hand_over = [&](int i, const uint32_t (&p8)[2][4], const float (&gamma)[2]) {
     uint32_t* x = hand_over_of(i);
 #pragma unroll
@@ -911,24 +912,22 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int h = 0; h < 2; ++h) x[(8 + h) * 128] = __float_as_uint(gamma[h]);
   };
-  const auto store_row_state = [&](int i) {
-    uint32_t* x = hand_over_of(i);
+  const auto store_row_state = [&]() {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      x[(10 + h) * 128] = __float_as_uint(m[h]);
-      x[(12 + h) * 128] = __float_as_uint(peak[h]);
-      x[(14 + h) * 128] = __float_as_uint(amax_prev[h]);
-      x[(16 + h) * 128] = __float_as_uint(l[h]);
+      row_state[h * 128] = __float_as_uint(m[h]);
+      row_state[(2 + h) * 128] = __float_as_uint(peak[h]);
+      row_state[(4 + h) * 128] = __float_as_uint(amax_prev[h]);
+      row_state[(6 + h) * 128] = __float_as_uint(l[h]);
     }
   };
-  const auto load_handed_over_state = [&](int i) {
-    const uint32_t* x = hand_over_of(i);
+  const auto load_handed_over_state = [&]() {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      m[h] = __uint_as_float(x[(10 + h) * 128]);
-      peak[h] = __uint_as_float(x[(12 + h) * 128]);
-      amax_prev[h] = __uint_as_float(x[(14 + h) * 128]);
-      l[h] = __uint_as_float(x[(16 + h) * 128]);
+      m[h] = __uint_as_float(row_state[h * 128]);
+      peak[h] = __uint_as_float(row_state[(2 + h) * 128]);
+      amax_prev[h] = __uint_as_float(row_state[(4 + h) * 128]);
+      l[h] = __uint_as_float(row_state[(6 + h) * 128]);
     }
   };
   const auto load_hand_over = [&](int i, uint32_t (&p8)[2][4], float (&gamma)[2]) {
@@ -960,19 +959,21 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   } else {
     // kScheduleSplitRoles.  Page i: WG1 computes S(i), the softmax and P8(i), puts P8(i) and
-    // gamma in hand-over buffer i % 4 and applies the page to output columns
+    // gamma in hand-over buffer i % 2 and applies the page to output columns
     // [0, kQkWarpgroupCols); WG2 builds V^T(i) of all 512 columns into V^T buffer i % 2 and
     // applies the page to the other columns with the handed-over P8.  WG1's chain (QK, softmax,
     // PV) is the longer one, hence its smaller share of the columns: its registers go to the QK
     // accumulators instead (compute_s), and the PV time moves to WG2.  They meet at barrier
     // kPageBarrier (a bar.sync of all 256) before their PVs, so while WG1 computes S(i + 1) and
-    // its softmax, WG2 builds V^T(i + 1).  WG2 rewrites V^T buffer
-    // i % 2 for page i + 2 after WG1's arrival at kVtFreeBarrier + i % 2 past its PV(i) (the
-    // same bar.sync holds WG2's warps until all are past their own PV(i)).  Rounds never mix:
-    // every thread leaves a rendezvous only once it is complete, and WG1's arrivals for pages
-    // i and i + 2 at kVtFreeBarrier + i % 2 are separated by page i + 2's rendezvous, which WG2
-    // reaches only after its sync for page i.  WG1 rewrites hand-over buffer i % 4 for page
-    // i + 4 after page i + 3's rendezvous; WG2 read it before page i + 1's.
+    // its softmax, WG2 builds V^T(i + 1).
+    // Buffer reuse, with rounds that never mix (every thread leaves a rendezvous only once it
+    // is complete):
+    // - V^T buffer i % 2: WG2 rewrites it for page i + 2 after WG1's arrival at
+    //   kVtFreeBarrier + i % 2 past its PV(i) (the same bar.sync holds WG2's warps until all
+    //   are past their own PV(i)).  WG1's arrivals for pages i and i + 2 there are separated
+    //   by page i + 2's rendezvous, which WG2 reaches only after its sync for page i.
+    // - Hand-over buffer i % 2: WG1 rewrites it for page i + 2 after page i + 1's rendezvous;
+    //   WG2 read it before page i + 1's.
     const uint64_t vt_cols0 = sw128_desc(smem_base + kSmemVt);   // V^T row of output column 0
     if (consumer == 0) {
       float o_qk[kQkWarpgroupCols / kQkPieceCols][kQkPieceCols / 2];
@@ -996,7 +997,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         apply_page_to(o_qk, p8, gamma, vt_cols0, i & 1);
         if (i + 2 < num_iters) named_barrier_arrive(kVtFreeBarrier + (i & 1), 256);
       }
-      if (num_iters > 0) store_row_state(num_iters - 1);   // for WG2's epilogue
+      if (num_iters > 0) store_row_state();   // for WG2's epilogue
       named_barrier_sync(kPageBarrier, 256);
       write_output(o_qk, 0);
     } else {
@@ -1007,8 +1008,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int v = 0; v < 16; ++v) o_vt[q][v] = 0.f;
       for (int i = 0; i < num_iters; ++i) {
-        if (i >= 2) named_barrier_sync(kVtFreeBarrier + (i & 1), 256);
         wait_page(i);
+        if (i >= 2) named_barrier_sync(kVtFreeBarrier + (i & 1), 256);
         const VtMap vt_map = fresh_vt_map();
         const uint8_t* content = smem + kSmemStages + stage_of(i) * kStageBytes + kStageContent;
 #pragma unroll 1
@@ -1026,7 +1027,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                       i & 1);
       }
       named_barrier_sync(kPageBarrier, 256);
-      if (num_iters > 0) load_handed_over_state(num_iters - 1);
+      if (num_iters > 0) load_handed_over_state();
       write_output(o_vt, kQkWarpgroupCols);
     }
   }
