@@ -334,7 +334,8 @@ struct VtMap {
   int token0;
   uint32_t load[2];     // byte offsets of token0 and token0 + 1 in the warpgroup's content tiles
   uint32_t store[4];    // byte offset in V^T of step s's word of unit 0
-  uint32_t select[4];   // __byte_perm selector picking step s's column of two token words
+  uint32_t pair[2];     // __byte_perm selectors interleaving two token words' columns of
+                        // steps 0, 1 (pair[0]) and 2, 3 (pair[1])
 };
 
 __device__ __forceinline__ VtMap make_vt_map(int warp, int lane) {
@@ -350,7 +351,11 @@ __device__ __forceinline__ VtMap make_vt_map(int warp, int lane) {
     const int c = (step + lane / 8) & 3;
     const int row = 4 * (lane / 4) + c;   // output column within the unit-0 block of 32
     map.store[step] = row * kSwizzleRowBytes + (((warp ^ row) & 7) << 4) + 4 * (lane % 4);
-    map.select[step] = c | ((4 + c) << 4);
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int c0 = (2 * h + lane / 8) & 3, c1 = (2 * h + 1 + lane / 8) & 3;
+    map.pair[h] = c0 | ((4 + c0) << 4) | (c1 << 8) | ((4 + c1) << 12);
   }
   return map;
 }
@@ -381,19 +386,26 @@ __device__ __forceinline__ void build_vt(const uint8_t* tile, uint8_t* vt, const
   for (int j = 0; j < kVtUnits; ++j) {
     uint32_t(&u)[4] = w[kLoadsFirst ? j : 0];
     if constexpr (!kLoadsFirst) load_unit(j, u);
+    // Bytes (w0[c], w1[c], w0[c'], w1[c']) for the columns c, c' of steps 2h and 2h + 1, and
+    // the same of w8, w9; then step s's word (w0[c], w1[c], w8[c], w9[c]), column c of the 4
+    // tokens in A-position order: 8 byte permutes per unit.
+    uint32_t lo[2], hi[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      lo[h] = __byte_perm(u[0], u[1], map.pair[h]);
+      hi[h] = __byte_perm(u[2], u[3], map.pair[h]);
+    }
 #pragma unroll
     for (int step = 0; step < 4; ++step) {
-      // Bytes (w0[c], w1[c], w8[c], w9[c]): column c of the 4 tokens, in A-position order.
-      const uint32_t lo = __byte_perm(u[0], u[1], map.select[step]);
-      const uint32_t hi = __byte_perm(u[2], u[3], map.select[step]);
       const uint32_t offset = (map.store[step] ^ (64 * buf)) + j * 32 * kSwizzleRowBytes;
-      *reinterpret_cast<uint32_t*>(vt + offset) = __byte_perm(lo, hi, 0x5410);
+      *reinterpret_cast<uint32_t*>(vt + offset) =
+          __byte_perm(lo[step / 2], hi[step / 2], step % 2 ? 0x7632 : 0x5410);
     }
   }
 }
 
 // The calling thread's VtMap (in its 128-thread warpgroup) from a fresh (volatile) read of the
-// thread index: built per page, the compiler cannot hoist its 11 registers (or addresses
+// thread index: built per page, the compiler cannot hoist its 9 registers (or addresses
 // derived from them) out of the caller's page loop, where they would hold registers across the
 // QK and softmax.
 __device__ __forceinline__ VtMap fresh_vt_map() {
