@@ -89,11 +89,11 @@ def test_tensor_core_instructions(decode_kernels):
         # per 64-token page (n64) in kScheduleSplitRoles (1).  PV 64 / 32 steps per piece:
         # 4 promoted 64-column quarters (n64), or 2 unpromoted 128-column halves (n128,
         # kPromotePv = false); kScheduleSplitRoles has one PV per warpgroup, WG1's 3 pieces of
-        # 64 columns and WG2's 10 of 32.
+        # 64 columns and WG2's 10 of 32, and WG1's page loop in two copies (one per ring stage).
         if "ELb0E" in name:
             expected = (32, 0, 4, 4)
         elif "ILi1E" in name:
-            expected = (10 * 2, 16 + 3 * 2, 0, 4)
+            expected = (10 * 2, 2 * (16 + 3 * 2), 0, 2 * 4)
         else:
             expected = (32, 8, 0, 4)
         assert counts == expected, (name, counts)

@@ -993,21 +993,29 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int q = 0; q < kQkWarpgroupCols / kQkPieceCols; ++q)
 #pragma unroll
         for (int v = 0; v < kQkPieceCols / 2; ++v) o_qk[q][v] = 0.f;
-      for (int i = 0; i < num_iters; ++i) {
-        uint32_t p8[2][4];
-        float gamma[2];
-        {
-          float s[32], k_scale[16];
-          wait_page(i);
-          compute_s(i, s);
-          load_scales(i, k_scale);
-          release_page(i);   // QK and scales done (WG2 releases it after its V^T)
-          softmax(i, s, k_scale, p8, gamma);
+      // Unrolled by the ring's stages: with the stage a constant of each copy, the WGMMA
+      // descriptors of the page's tiles are uniform-register constants instead of 64-bit
+      // values rebuilt in vector registers for every WGMMA (the page counter is not uniform
+      // to the compiler): 1,065 instead of 1,224 instructions per page in SASS.
+      for (int i0 = 0; i0 < num_iters; i0 += kStages) {
+#pragma unroll
+        for (int i = i0; i < i0 + kStages; ++i) {
+          if (i >= num_iters) break;
+          uint32_t p8[2][4];
+          float gamma[2];
+          {
+            float s[32], k_scale[16];
+            wait_page(i);
+            compute_s(i, s);
+            load_scales(i, k_scale);
+            release_page(i);   // QK and scales done (WG2 releases it after its V^T)
+            softmax(i, s, k_scale, p8, gamma);
+          }
+          store_hand_over(i, p8, gamma);
+          named_barrier_sync(kPageBarrier, 256);
+          apply_page_to(o_qk, p8, gamma, vt_cols0, i & 1);
+          if (i + 2 < num_iters) named_barrier_arrive(kVtFreeBarrier + (i & 1), 256);
         }
-        store_hand_over(i, p8, gamma);
-        named_barrier_sync(kPageBarrier, 256);
-        apply_page_to(o_qk, p8, gamma, vt_cols0, i & 1);
-        if (i + 2 < num_iters) named_barrier_arrive(kVtFreeBarrier + (i & 1), 256);
       }
       if (num_iters > 0) store_row_state();   // for WG2's epilogue
       named_barrier_sync(kPageBarrier, 256);
