@@ -996,7 +996,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // Unrolled by the ring's stages: with the stage a constant of each copy, the WGMMA
       // descriptors of the page's tiles are uniform-register constants instead of 64-bit
       // values rebuilt in vector registers for every WGMMA (the page counter is not uniform
-      // to the compiler): 1,065 instead of 1,224 instructions per page in SASS.
+      // to the compiler): 1,065 instead of 1,224 static SASS instructions per page.
       for (int i0 = 0; i0 < num_iters; i0 += kStages) {
 #pragma unroll
         for (int i = i0; i < i0 + kStages; ++i) {
