@@ -1,5 +1,6 @@
 // torch.ops._snapmla_C.decode_sm90: input checks and launch of the sm_90a SnapMLA decode kernel
 // (csrc/sm90/decode/).  Registered as a fragment of the _snapmla_C library defined in api.cpp.
+#include <cmath>
 #include <cstdint>
 #include <string>
 
@@ -49,6 +50,10 @@ void decode_sm90(const at::Tensor& q8, const at::Tensor& q_scale, const at::Tens
                  double softmax_scale, bool causal, int64_t num_splits, int64_t schedule,
                  bool promote_pv) {
   const at::Device device = q8.device();
+  // The kernels fold the scale into an exponent FFMA and take a row's largest scaled logit from
+  // its largest unscaled one: both need a positive scale.
+  TORCH_CHECK_VALUE(softmax_scale > 0 && std::isfinite(softmax_scale), kOp,
+                    ": softmax_scale must be positive and finite, got ", softmax_scale);
   check_on("q8", q8, device);
   TORCH_CHECK_VALUE(q8.dim() == 4 && q8.size(3) == kKvLoraRank, kOp,
                     ": q8 must be [batch, s_q, heads, ", kKvLoraRank, "], got ", shape_of(q8));

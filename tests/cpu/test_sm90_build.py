@@ -83,19 +83,23 @@ def test_tensor_core_instructions(decode_kernels):
     for name, body in decode_kernels.items():
         counts = tuple(len(re.findall(pattern, body)) for pattern in (
             r"QGMMA\.64x32x32\.F32\.E4M3\.E4M3", r"QGMMA\.64x64x32\.F32\.E4M3\.E4M3",
-            r"QGMMA\.64x128x32\.F32\.E4M3\.E4M3", r"HGMMA\.64x64x16\.F32\.BF16"))
+            r"QGMMA\.64x128x32\.F32\.E4M3\.E4M3", r"HGMMA\.64x64x16\.F32\.BF16",
+            r"LDSM\.16\.MT88\.4", r"STSM\.16\.M88\.4"))
         # Per page, as (m64n32k32, m64n64k32, m64n128k32 e4m3, m64n64k16 bf16) WGMMAs: RoPE QK
         # 64 / 16 BF16 steps.  Content QK 512 / 32 FP8 steps per 32-token half (n32), or
         # per 64-token page (n64) in kScheduleSplitRoles (1).  PV 64 / 32 steps per piece:
         # 4 promoted 64-column quarters (n64), or 2 unpromoted 128-column halves (n128,
         # kPromotePv = false); kScheduleSplitRoles has one PV per warpgroup, WG1's 3 pieces of
-        # 64 columns and WG2's 10 of 32, and WG1's page loop in two copies (one per ring stage).
+        # 64 columns and WG2's 10 of 32, and both page loops in two copies (one per ring stage).
+        # Then the V^T build of a 256-column half, 8 ldmatrix.x4.trans and 8 stmatrix.x4, in
+        # two paths (full and partial pages): once in the free schedule, in each of WG2's two
+        # loop copies in split-roles.
         if "ELb0E" in name:
-            expected = (32, 0, 4, 4)
+            expected = (32, 0, 4, 4, 16, 16)
         elif "ILi1E" in name:
-            expected = (10 * 2, 2 * (16 + 3 * 2), 0, 2 * 4)
+            expected = (2 * 10 * 2, 2 * (16 + 3 * 2), 0, 2 * 4, 2 * 16, 2 * 16)
         else:
-            expected = (32, 8, 0, 4)
+            expected = (32, 8, 0, 4, 16, 16)
         assert counts == expected, (name, counts)
 
 

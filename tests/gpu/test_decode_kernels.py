@@ -68,10 +68,10 @@ def _poison_unused(cache, block_table, seq_lens, gen):
     return torch.where(keep, cache, poison.to(cache.device))
 
 
-def _case(seq_lens, H, s_q, seed, q_std=1.0):
+def _case(seq_lens, H, s_q, seed, q_std=1.0, content_std=1.0, rope_std=3.0):
     """Poisoned paged cache on the GPU plus a random bf16 query and its quantized form."""
     gen = torch.Generator().manual_seed(seed)
-    cache, bt, _ = build_cache(seq_lens, gen=gen)
+    cache, bt, _ = build_cache(seq_lens, gen=gen, content_std=content_std, rope_std=rope_std)
     cache = _poison_unused(cache, bt, seq_lens, gen).cuda()
     B = len(seq_lens)
     q = (torch.randn(B, s_q, H, fmt.KV_LORA_RANK, generator=gen) * q_std).bfloat16().cuda()
@@ -154,6 +154,17 @@ def test_peaked_attention(decode):
     q, qp, cache, bt, sl = _case([3000, 200], 64, 1, seed=11, q_std=8.0)
     q8, qs, qpe = ref.quantize_q(q, qp)
     out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, num_splits=3)
+    _check(out, lse, q, qp, cache, bt, sl)
+
+
+def test_tiny_token_scales(decode):
+    """Tokens of magnitude 1e-36: every token scale sits at its floor (2^-126), so every
+    P' = P sigma_V is below 2^-119, where 448 / amax(P') overflows FP32 (the sm90 kernel then
+    quantizes P in two steps).  The query is 1e36 so that the logits still spread."""
+    q, qp, cache, bt, sl = _case([700, 65, 1], 64, 2, seed=13, q_std=1e36, content_std=1e-36,
+                                 rope_std=1e-36)
+    q8, qs, qpe = ref.quantize_q(q, qp)
+    out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, num_splits=2)
     _check(out, lse, q, qp, cache, bt, sl)
 
 

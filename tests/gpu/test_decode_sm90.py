@@ -142,6 +142,9 @@ def test_rejects_bad_inputs():
         decode(q8, qs, qpe, cache[:, :32], bt, sl, SCALE)
     with pytest.raises(ValueError, match="schedule"):
         decode(q8, qs, qpe, cache, bt, sl, SCALE, schedule="fast")
+    for bad in (0.0, -SCALE, float("nan")):
+        with pytest.raises(ValueError, match="softmax_scale"):
+            decode(q8, qs, qpe, cache, bt, sl, bad)
 
 
 # The narrow kernel (at most 16 query rows: S^T = K Q^T, V^T in registers).

@@ -56,9 +56,8 @@ static_assert(kQkWarpgroupCols % kQkPieceCols == 0 && (kKvLoraRank - kQkWarpgrou
 // overlaps the other half's WGMMAs without more registers than one 64-token chunk.
 constexpr int kQkPromoteCols = 64;
 constexpr int kQkChunks = kKvLoraRank / kQkPromoteCols;                         // 8
-// V^T units (4 tokens x 4 columns) per thread and 256-column half: 256 x 64 tokens / 16 / 128.
-constexpr int kVtUnits = (kKvLoraRank / kConsumerWarpgroups) * kPageSize / 16 / 128;  // 8
-static_assert(kVtUnits == 8, "the V^T unit mapping covers 4 warps x 8 units x 32 lanes");
+// The V^T build (build_vt): each of a warpgroup's 4 warps transposes 16 of the page's tokens.
+static_assert(kPageSize == 4 * 16, "the V^T build maps 16 tokens to each warp of a warpgroup");
 constexpr int kWgmmaK8 = 32;             // K of one e4m3 WGMMA (32 bytes of a 128-byte row)
 constexpr int kWgmmaK16 = 16;            // K of one bf16 WGMMA (also 32 bytes)
 
@@ -66,6 +65,10 @@ constexpr int kWgmmaK16 = 16;            // K of one bf16 WGMMA (also 32 bytes)
 constexpr float kPScaleFloor = 0x1p-126f;   // floor on a page's amax(P') before dividing by 448
 constexpr float kPScaleRange = 0x1p-32f;    // sigma_P never drops below this fraction of the peak
 constexpr float kLn2 = 0.6931471805599453f;
+// The 64-row kernel carries P' scaled by kPShift (snapmla_decode_sm90.cuh, softmax): the
+// quantization multiplier 448 / amax then stays finite down to the floor.
+constexpr float kPShiftLog2 = 16.f;
+constexpr float kPShift = 65536.f;   // 2^kPShiftLog2
 
 // Shared memory: every WGMMA operand tile is [rows][128 bytes] with the 128-byte swizzle (the
 // layout TMA writes with CU_TENSOR_MAP_SWIZZLE_128B), 1024-byte aligned.

@@ -21,6 +21,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cfloat>
 #include <cstdint>
 
 #include "sm90/decode/config.h"
@@ -179,6 +180,20 @@ __device__ __forceinline__ uint32_t pack_e4m3x4(float x0, float x1, float x2, fl
   return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
 }
 
+// op over the 16 accumulator values of row h (0, 1) of a thread's 64-column fragment, as a
+// pairwise tree.
+template <typename Op>
+__device__ __forceinline__ float row_reduce(const float (&x)[32], int h, Op op) {
+  float r[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) r[j] = op(x[4 * j + 2 * h], x[4 * j + 2 * h + 1]);
+#pragma unroll
+  for (int w = 4; w >= 1; w /= 2)
+#pragma unroll
+    for (int j = 0; j < w; ++j) r[j] = op(r[j], r[j + w]);
+  return r[0];
+}
+
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
@@ -320,110 +335,101 @@ __device__ __forceinline__ void wgmma_m64n64k32_e4m3_rs(float (&d)[32], const ui
 #undef SNAPMLA_ACC32
 #undef SNAPMLA_ACC16
 
-// V^T of one page, for one consumer thread.  The thread's kVtUnits units are the output columns
-// 32 j + 4 (lane / 4) .. + 3 of its warpgroup (j = 0..7), always of the tokens token0, +1, +8,
-// +9, with token0 = 16 warp + 2 (lane % 4) (A positions 4 kgroup .. + 3, kgroup = 4 warp +
-// lane % 4, in the permuted token order).  In the 128-byte swizzle, the load address of unit j is
-// the unit-0 address with bits 5-6 XORed with j % 4 and 8 KB added per j / 4; the store address is
-// the unit-0 one plus 4 KB per j.  Lane groups lane / 8 store their 4 columns in rotated order
-// (step s stores column (s + lane / 8) % 4), so that the 32 lanes of every store hit 32 banks;
-// loads hit 32 banks too (checked by simulating the address maps).  V^T buffer 1 holds its 64
-// tokens in bytes 64-127 of the rows (buffer 0 in bytes 0-63): in the swizzle, chunk index XOR
-// 4, so its store addresses are buffer 0's XOR 64.
+// V^T of one page: ldmatrix.trans of 16-bit pairs, two byte permutes per word, stmatrix.
+// Warp w transposes tokens 16 w .. 16 w + 15; step q of a 256-column half takes the 32 columns
+// 32 q .. + 31 of the half as four 8 x 8 matrices of 16-bit pairs (tokens 0-7 and 8-15 of the
+// warp's 16, by two 16-column chunks).  ldmatrix.trans leaves lane l, per matrix, the column
+// pair 2 (l / 4), +1 of tokens a = 2 (l % 4), a + 1 (of its 8); one permute of the words of
+// tokens a, a + 1 and a + 8, a + 9 then gives column c's bytes for those 4 tokens, which is V^T
+// row c at A positions 4 (l % 4) .. + 3 of the warp's 16 (the permuted token order above), and
+// stmatrix writes each word at lane 4 r + word of matrix row r.  Each stmatrix matrix takes even
+// columns for rows 0-3 and odd ones for rows 4-7 (or the reverse), so that its 8 rows fall in 8
+// different 16-byte bank groups of the 128-byte swizzle; the 8 rows of each ldmatrix matrix are
+// 8 consecutive tokens, which the swizzle spreads likewise (simulated:
+// tests/cpu/test_vt_layout.py).  Per thread and 256-column half: 8 ldmatrix.x4, 32 permutes,
+// 8 stmatrix.x4, against 32 loads, 64 permutes and 32 stores of 4-byte words before.
 struct VtMap {
-  int token0;
-  uint32_t load[2];     // byte offsets of token0 and token0 + 1 in the warpgroup's content tiles
-  uint32_t store[4];    // byte offset in V^T of step s's word of unit 0
-  uint32_t pair[2];     // __byte_perm selectors interleaving two token words' columns of
-                        // steps 0, 1 (pair[0]) and 2, 3 (pair[1])
+  uint32_t load;     // byte offset of lane's ldmatrix row (matrix l / 8, row l % 8) in the half's
+                     // first content tile at step q = 0; step q XORs 32 (q % 4), adds 8 KB (q / 4)
+  uint32_t store;    // byte offset of lane's stmatrix row in V^T buffer 0 at step 0; step q adds
+                     // 4 KB q, buffer 1 XORs 64
+  uint32_t sel[2];   // __byte_perm selectors of matrices 0, 2 and 1, 3: even or odd column
+  int token0;        // a: the lane's data tokens are a, a + 1 (low, high pair), a + 8, a + 9
 };
 
 __device__ __forceinline__ VtMap make_vt_map(int warp, int lane) {
   VtMap map;
-  map.token0 = 16 * warp + 2 * (lane % 4);
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    const int t = map.token0 + e;
-    map.load[e] = t * kSwizzleRowBytes + ((((lane / 16) ^ t) & 7) << 4) + 4 * ((lane / 4) % 4);
-  }
-#pragma unroll
-  for (int step = 0; step < 4; ++step) {
-    const int c = (step + lane / 8) & 3;
-    const int row = 4 * (lane / 4) + c;   // output column within the unit-0 block of 32
-    map.store[step] = row * kSwizzleRowBytes + (((warp ^ row) & 7) << 4) + 4 * (lane % 4);
-  }
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int c0 = (2 * h + lane / 8) & 3, c1 = (2 * h + 1 + lane / 8) & 3;
-    map.pair[h] = c0 | ((4 + c0) << 4) | (c1 << 8) | ((4 + c1) << 12);
-  }
+  const int token = 16 * warp + 8 * ((lane >> 3) & 1) + (lane & 7);
+  map.load = token * kSwizzleRowBytes + ((((lane >> 4) ^ lane) & 7) << 4);
+  const int m = lane >> 3, r = lane & 7;
+  const int col = 2 * r + 16 * (m >> 1) + ((m & 1) ^ (r >= 4 ? 1 : 0));   // V^T row at step 0
+  map.store = col * kSwizzleRowBytes + (((warp ^ col) & 7) << 4);
+  const bool even_first = (lane >> 2) < 4;   // this lane's data row in every matrix < 4
+  map.sel[0] = even_first ? 0x6420 : 0x7531;
+  map.sel[1] = even_first ? 0x7531 : 0x6420;
+  map.token0 = 16 * warp + 2 * (lane & 3);
   return map;
 }
 
-// `tile`: the stage's first content tile of this warpgroup's columns; `keep_t`: all-ones for
-// tokens token0, +1, +8, +9 that hold data, zero for empty slots.  kLoadsFirst: all 32 loads
-// are issued before the first store.  The compiler cannot tell that the stores (V^T) never
-// alias the loads (the stage), so otherwise each unit's loads wait for the unit before it to
-// be stored, and every unit pays a whole shared-memory latency (32 more registers).
-template <bool kLoadsFirst>
-__device__ __forceinline__ void build_vt(const uint8_t* tile, uint8_t* vt, const VtMap& map,
-                                         int buf, uint32_t keep0, uint32_t keep1, uint32_t keep8,
-                                         uint32_t keep9) {
-  uint32_t w[kLoadsFirst ? kVtUnits : 1][4];
-  const auto load_unit = [&](int j, uint32_t (&u)[4]) {
-    const uint8_t* t0 = tile + (j / 4) * kContentTileBytes + (map.load[0] ^ (32 * (j % 4)));
-    const uint8_t* t1 = tile + (j / 4) * kContentTileBytes + (map.load[1] ^ (32 * (j % 4)));
-    u[0] = *reinterpret_cast<const uint32_t*>(t0) & keep0;
-    u[1] = *reinterpret_cast<const uint32_t*>(t1) & keep1;
-    u[2] = *reinterpret_cast<const uint32_t*>(t0 + 8 * kSwizzleRowBytes) & keep8;
-    u[3] = *reinterpret_cast<const uint32_t*>(t1 + 8 * kSwizzleRowBytes) & keep9;
-  };
-  if constexpr (kLoadsFirst) {
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t addr, uint32_t (&d)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+               : "r"(addr)
+               : "memory");
+}
+
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&d)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr),
+               "r"(d[0]), "r"(d[1]), "r"(d[2]), "r"(d[3])
+               : "memory");
+}
+
+// V^T of one 256-column half of a page: `tile` the shared address of the half's first content
+// tile in the stage, `vt` that of the half's V^T rows; `keep_lo`, `keep_hi` mask the 16-bit
+// token halves of the words of tokens a, a + 1 and a + 8, a + 9 (all-ones for full pages).  All
+// 8 loads are issued before the first store: the compiler cannot tell that the stores (V^T)
+// never alias the loads (the stage).
+__device__ __forceinline__ void build_vt(uint32_t tile, uint32_t vt, const VtMap& map, int buf,
+                                         uint32_t keep_lo, uint32_t keep_hi) {
+  constexpr int kSteps = kOutColsPerWarpgroup / 32;   // 8
+  uint32_t d[kSteps][4];
 #pragma unroll
-    for (int j = 0; j < kVtUnits; ++j) load_unit(j, w[j]);
+  for (int q = 0; q < kSteps; ++q) {
+    ldmatrix_x4_trans(tile + (q / 4) * kContentTileBytes + (map.load ^ (32 * (q % 4))), d[q]);
   }
+  const uint32_t store = vt + (map.store ^ (64 * buf));
 #pragma unroll
-  for (int j = 0; j < kVtUnits; ++j) {
-    uint32_t(&u)[4] = w[kLoadsFirst ? j : 0];
-    if constexpr (!kLoadsFirst) load_unit(j, u);
-    // Bytes (w0[c], w1[c], w0[c'], w1[c']) for the columns c, c' of steps 2h and 2h + 1, and
-    // the same of w8, w9; then step s's word (w0[c], w1[c], w8[c], w9[c]), column c of the 4
-    // tokens in A-position order: 8 byte permutes per unit.
-    uint32_t lo[2], hi[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      lo[h] = __byte_perm(u[0], u[1], map.pair[h]);
-      hi[h] = __byte_perm(u[2], u[3], map.pair[h]);
-    }
-#pragma unroll
-    for (int step = 0; step < 4; ++step) {
-      const uint32_t offset = (map.store[step] ^ (64 * buf)) + j * 32 * kSwizzleRowBytes;
-      *reinterpret_cast<uint32_t*>(vt + offset) =
-          __byte_perm(lo[step / 2], hi[step / 2], step % 2 ? 0x7632 : 0x5410);
-    }
+  for (int q = 0; q < kSteps; ++q) {
+    const uint32_t lo0 = d[q][0] & keep_lo, hi0 = d[q][1] & keep_hi;
+    const uint32_t lo1 = d[q][2] & keep_lo, hi1 = d[q][3] & keep_hi;
+    const uint32_t w[4] = {__byte_perm(lo0, hi0, map.sel[0]), __byte_perm(lo0, hi0, map.sel[1]),
+                           __byte_perm(lo1, hi1, map.sel[0]), __byte_perm(lo1, hi1, map.sel[1])};
+    stmatrix_x4(store + q * 32 * kSwizzleRowBytes, w);
   }
 }
 
 // The calling thread's VtMap (in its 128-thread warpgroup) from a fresh (volatile) read of the
-// thread index: built per page, the compiler cannot hoist its 9 registers (or addresses
-// derived from them) out of the caller's page loop, where they would hold registers across the
-// QK and softmax.
+// thread index: built per page, the compiler cannot hoist its registers (or addresses derived
+// from them) out of the caller's page loop, where they would hold registers across the QK and
+// softmax.
 __device__ __forceinline__ VtMap fresh_vt_map() {
   uint32_t tid;
   asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
   return make_vt_map(tid % 128 / 32, tid % 32);
 }
 
-// V^T of one page of `live` tokens: zeros for the empty slots of a request's last page.
-template <bool kLoadsFirst>
-__device__ __forceinline__ void build_page_vt(const uint8_t* tile, uint8_t* vt,
-                                              const VtMap& map, int buf, int live) {
+// V^T of one half of a page of `live` tokens: zeros for the empty slots of a request's last page
+// (their bytes are arbitrary, NaN included, and a zero P times a NaN V would still be NaN).
+__device__ __forceinline__ void build_page_vt(uint32_t tile, uint32_t vt, const VtMap& map,
+                                              int buf, int live) {
   if (live == kPageSize) {
-    build_vt<kLoadsFirst>(tile, vt, map, buf, ~0u, ~0u, ~0u, ~0u);
+    build_vt(tile, vt, map, buf, ~0u, ~0u);
   } else {
-    const int t0 = map.token0;
-    build_vt<kLoadsFirst>(tile, vt, map, buf, t0 < live ? ~0u : 0u, t0 + 1 < live ? ~0u : 0u,
-                          t0 + 8 < live ? ~0u : 0u, t0 + 9 < live ? ~0u : 0u);
+    const int a = map.token0;
+    const auto keep = [&](int t) {
+      return (t < live ? 0x0000FFFFu : 0u) | (t + 1 < live ? 0xFFFF0000u : 0u);
+    };
+    build_vt(tile, vt, map, buf, keep(a), keep(a + 8));
   }
 }
 
@@ -596,8 +602,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     m[h] = -INFINITY;              // running max logit (log2 units)
-    peak[h] = 0.f;                 // largest P' so far, at the current m
-    amax_prev[h] = kPScaleFloor;   // 448 * sigma_P of the last page
+    peak[h] = 0.f;                           // largest P'' so far, at the current m
+    amax_prev[h] = kPScaleFloor * kPShift;   // 448 * sigma_P of the last page, times kPShift
     l[h] = 0.f;                    // sum of exp, unscaled (= sigma_P * L)
   }
 #pragma unroll
@@ -607,9 +613,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int qi = row_ok ? g / p.num_heads : 0, qh = row_ok ? g % p.num_heads : 0;
     // Query i of s_q sees positions < seq_len - s_q + i + 1 when causal.
     visible[h] = row_ok ? seq_len - p.causal * (p.s_q - 1 - qi) : 0;
-    row_scale[h] = row_ok ? p.q_scale[b * p.q_scale_stride[0] + qi * p.q_scale_stride[1] +
-                                      qh * p.q_scale_stride[2]] * p.qk_scale_log2
-                          : 0.f;
+    // Positive and normal (softmax's FFMA multiplies -inf by it); padding rows' Q is zero.
+    row_scale[h] = row_ok ? fmaxf(p.q_scale[b * p.q_scale_stride[0] + qi * p.q_scale_stride[1] +
+                                            qh * p.q_scale_stride[2]] * p.qk_scale_log2,
+                                  FLT_MIN)
+                          : 1.f;
   }
   float o[2][kPvN / 2];         // O in the current sigma_P domain: two 64x128 column halves
 #pragma unroll
@@ -632,9 +640,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // Local page i of the split: its stage, slots holding real tokens, and the wait for it.
   const auto stage_of = [&](int i) { return i % kStages; };
-  const auto live_of = [&](int i) {
-    return min(seq_len - (first_page + i) * kPageSize, kPageSize);
-  };
+  // Only a split's last page can be partial: one register instead of seq_len and first_page.
+  const int last_live = min(seq_len - (first_page + num_iters - 1) * kPageSize, kPageSize);
+  const auto live_of = [&](int i) { return i + 1 < num_iters ? kPageSize : last_live; };
   const auto wait_page = [&](int i) {
     mbar_wait(full_bar + 8 * stage_of(i), (i / kStages) & 1);
   };
@@ -642,17 +650,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // V^T of page i (this warpgroup's 256 content columns) into V^T buffer `buf`: K-major rows
   // (tokens contiguous, in the permuted order above), buffer 0 in bytes 0-63 of each 128-byte
-  // row, buffer 1 in bytes 64-127.  Slots past seq_len become zeros: their bytes are arbitrary
-  // (NaN), and a zero P times a NaN V would still be NaN.  A unit is 4 tokens x 4 columns (four
-  // 32-bit loads, byte permutes, four 32-bit stores); a thread does kVtUnits of them, always of
-  // the same 4 tokens (VtMap), so every address is one of a few per-thread bases plus a
-  // constant.  The lanes of every load and every store hit 32 different banks.  Callers put a
+  // row, buffer 1 in bytes 64-127; slots past seq_len become zeros (build_vt).  Callers put a
   // warpgroup barrier before (the PV reading the buffer is done) and fence_proxy_async and a
   // warpgroup barrier after (the WGMMA sees the stores).
   const auto build_own_vt = [&](int i, int buf) {
-    build_page_vt<false>(smem + kSmemStages + stage_of(i) * kStageBytes + kStageContent +
+    build_page_vt(smem_base + kSmemStages + stage_of(i) * kStageBytes + kStageContent +
                       consumer * 2 * kContentTileBytes,
-                  vt, fresh_vt_map(), buf, live_of(i));
+                  smem_addr(vt), fresh_vt_map(), buf, live_of(i));
   };
 
   // S of page i = qpe' . kpe'^T (BF16, exact FP32 accumulation) + q8 . k8^T (FP8, promoted per
@@ -715,65 +719,82 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
 
   // The token scales of page i for this thread's 16 columns (token 8*j + 2*quad + e at
-  // [2*j + e]); zero for empty slots.
+  // [2*j + e]); the bytes of empty slots are arbitrary until softmax's masking zeroes them.
   const auto load_scales = [&](int i, float (&k_scale)[16]) {
     const float* scale_tile = reinterpret_cast<const float*>(
         smem + kSmemStages + stage_of(i) * kStageBytes + kStageScale);
-    const int live = live_of(i);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int t = 8 * j + 2 * quad + e;
-        k_scale[2 * j + e] = t < live ? scale_tile[t * kScaleBoxFloats] : 0.f;
+        k_scale[2 * j + e] = scale_tile[(8 * j + 2 * quad + e) * kScaleBoxFloats];
       }
   };
 
-  // The SnapMLA P pipeline of page i from its S, operation for operation as the Triton kernel:
+  // The SnapMLA P pipeline of page i from its S, the Triton kernel's operations up to FP32
+  // rounding (the logit scale enters the exponent's FFMA, P's quantization is one multiply):
   // P8 (the PV A operand), gamma (O's rescale for this page: exp(m_old - m) * sigma_P old / new)
-  // and the row state (m, peak, amax_prev, l) advanced past the page.
-  const auto softmax = [&](int i, float (&s)[32], const float (&k_scale)[16],
-                           uint32_t (&p8)[2][4], float (&gamma)[2]) {
+  // and the row state (m, peak, amax_prev, l) advanced past the page.  P' is carried as
+  // P'' = kPShift P' (peak and amax_prev too; exact, a power of two, folded into the exponent)
+  // so that 448 / amax(P'') is finite at the floor: 448 / 2^-126 overflows FP32.
+  const auto softmax = [&](int i, float (&s)[32], float (&k_scale)[16], uint32_t (&p8)[2][4],
+                           float (&gamma)[2]) {
     const int page = first_page + i;
+    // t = s sigma_K; the logit in log2 units is t * row_scale (> 0), so the row's largest t
+    // gives its largest logit.
 #pragma unroll
-    for (int v = 0; v < 32; ++v) s[v] *= row_scale[(v >> 1) & 1] * k_scale[2 * (v >> 2) + (v & 1)];
+    for (int v = 0; v < 32; ++v) s[v] *= k_scale[2 * (v >> 2) + (v & 1)];
     // Positions a row may not see (past seq_len, causal, padding rows) get -inf by select,
-    // which also drops NaN garbage; only the pages at the end of a row's range have any.
+    // which also drops NaN garbage, and empty slots a zero scale (P' = P sigma_V must be 0
+    // there); only the pages at the end of a row's range have any.
     if ((page + 1) * kPageSize > min(visible[0], visible[1])) {
+      const int live = live_of(i);
+#pragma unroll
+      for (int c = 0; c < 16; ++c) {
+        k_scale[c] = 8 * (c >> 1) + 2 * quad + (c & 1) < live ? k_scale[c] : 0.f;
+      }
 #pragma unroll
       for (int v = 0; v < 32; ++v) {
         const int pos = page * kPageSize + 8 * (v >> 2) + 2 * quad + (v & 1);
         s[v] = pos < visible[(v >> 1) & 1] ? s[v] : -INFINITY;
       }
     }
-    float row_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int v = 0; v < 32; ++v) row_max[(v >> 1) & 1] = fmaxf(row_max[(v >> 1) & 1], s[v]);
-    float m_ref[2], alpha[2], amax[2] = {0.f, 0.f}, e_sum[2] = {0.f, 0.f};
+    // The row reductions are trees (depth 4, not a chain of 16): the softmax is WG1's
+    // critical path.
+    const auto max_op = [](float a, float b) { return fmaxf(a, b); };
+    const auto sum_op = [](float a, float b) { return a + b; };
+    float m_ref[2], neg_m[2], alpha[2], amax[2], e_sum[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float m_new = fmaxf(m[h], quad_max(row_max[h]));
+      const float t_max = quad_max(row_reduce(s, h, max_op));
+      const float m_new = fmaxf(m[h], t_max == -INFINITY ? -INFINITY : t_max * row_scale[h]);
       m_ref[h] = m_new == -INFINITY ? 0.f : m_new;   // rows that have seen nothing yet
+      neg_m[h] = kPShiftLog2 - m_ref[h];   // exp2(. + 16): P'' = kPShift P
       alpha[h] = exp2_approx(m[h] - m_ref[h]);
       m[h] = m_new;
     }
 #pragma unroll
     for (int v = 0; v < 32; ++v) {
       const int h = (v >> 1) & 1;
-      const float e = exp2_approx(s[v] - m_ref[h]);
-      e_sum[h] += e;
-      s[v] = e * k_scale[2 * (v >> 2) + (v & 1)];    // scale fusion: P' = P * sigma_V
-      amax[h] = fmaxf(amax[h], s[v]);
+      s[v] = exp2_approx(fmaf(s[v], row_scale[h], neg_m[h]));
     }
-    float inv_amax[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) e_sum[h] = row_reduce(s, h, sum_op);
+#pragma unroll
+    for (int v = 0; v < 32; ++v) s[v] *= k_scale[2 * (v >> 2) + (v & 1)];   // P'' sigma_V
+#pragma unroll
+    for (int h = 0; h < 2; ++h) amax[h] = row_reduce(s, h, max_op);   // P'' >= 0
+    float to_fp8[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float page_amax = quad_max(amax[h]);
       peak[h] = fmaxf(peak[h] * alpha[h], page_amax);
-      const float amax_new = fmaxf(fmaxf(page_amax, peak[h] * kPScaleRange), kPScaleFloor);
-      inv_amax[h] = 1.f / amax_new;                                  // <= 2**126: finite
-      gamma[h] = alpha[h] * (amax_prev[h] * inv_amax[h]);            // exp(m_old - m) s_old / s
-      l[h] = l[h] * alpha[h] + quad_sum(e_sum[h]);
+      const float amax_new =
+          fmaxf(fmaxf(page_amax, peak[h] * kPScaleRange), kPScaleFloor * kPShift);
+      const float inv_amax = 1.f / amax_new;                         // <= 2**110
+      to_fp8[h] = inv_amax * kFp8Max;                                // finite
+      gamma[h] = alpha[h] * (amax_prev[h] * inv_amax);               // exp(m_old - m) s_old / s
+      l[h] = l[h] * alpha[h] + quad_sum(e_sum[h]) * (1.f / kPShift);
       amax_prev[h] = amax_new;
     }
 #pragma unroll
@@ -781,10 +802,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int v0 = 16 * k + 8 * (j >> 1) + 2 * (j & 1);
-        const float inv = inv_amax[j & 1];   // registers 0, 2: row h = 0; 1, 3: h = 1
+        const float x = to_fp8[j & 1];   // registers 0, 2: row h = 0; 1, 3: h = 1
         // min(x, 448) of the reference is the conversion's saturation (.satfinite).
-        p8[k][j] = pack_e4m3x4((s[v0] * inv) * kFp8Max, (s[v0 + 1] * inv) * kFp8Max,
-                               (s[v0 + 4] * inv) * kFp8Max, (s[v0 + 5] * inv) * kFp8Max);
+        p8[k][j] = pack_e4m3x4(s[v0] * x, s[v0 + 1] * x, s[v0 + 4] * x, s[v0 + 5] * x);
       }
   };
 
@@ -873,7 +893,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int g = row0 + 16 * warp + lane / 4 + 8 * h;
       if (g >= p.num_rows) continue;
       const bool seen_any = l[h] > 0.f;
-      const float norm = seen_any ? amax_prev[h] / (kFp8Max * l[h]) : 0.f;
+      const float norm = seen_any ? amax_prev[h] * (1.f / kPShift) / (kFp8Max * l[h]) : 0.f;
       const float lse = seen_any ? (m[h] + log2f(l[h])) * kLn2 : -INFINITY;
       const bool writes_lse = consumer == 0 && quad == 0;
       if (p.num_splits == 1) {
@@ -1027,24 +1047,31 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int q = 0; q < kCols / 32; ++q)
 #pragma unroll
         for (int v = 0; v < 16; ++v) o_vt[q][v] = 0.f;
-      for (int i = 0; i < num_iters; ++i) {
-        wait_page(i);
-        if (i >= 2) named_barrier_sync(kVtFreeBarrier + (i & 1), 256);
-        const VtMap vt_map = fresh_vt_map();
-        const uint8_t* content = smem + kSmemStages + stage_of(i) * kStageBytes + kStageContent;
+      // Unrolled by the ring's stages as WG1's loop: with the page parity a constant, the PV
+      // descriptors are uniform-register constants (and the loop has no spill).
+      for (int i0 = 0; i0 < num_iters; i0 += kStages) {
+#pragma unroll
+        for (int i = i0; i < i0 + kStages; ++i) {
+          if (i >= num_iters) break;
+          wait_page(i);
+          if (i >= 2) named_barrier_sync(kVtFreeBarrier + (i & 1), 256);
+          const VtMap vt_map = fresh_vt_map();
+          const uint32_t content =
+              smem_base + kSmemStages + stage_of(i) * kStageBytes + kStageContent;
 #pragma unroll 1
-        for (int c = 0; c < kConsumerWarpgroups; ++c) {   // one half at a time (registers)
-          build_page_vt<true>(content + c * 2 * kContentTileBytes,
-                              smem + kSmemVt + c * kVtBytes, vt_map, i & 1, live_of(i));
+          for (int c = 0; c < kConsumerWarpgroups; ++c) {   // one half at a time (registers)
+            build_page_vt(content + c * 2 * kContentTileBytes, smem_base + kSmemVt + c * kVtBytes,
+                          vt_map, i & 1, live_of(i));
+          }
+          fence_proxy_async();   // V^T becomes visible to both warpgroups' WGMMAs
+          release_page(i);
+          named_barrier_sync(kPageBarrier, 256);
+          uint32_t p8[2][4];
+          float gamma[2];
+          load_hand_over(i, p8, gamma);
+          apply_page_to(o_vt, p8, gamma,
+                        desc_at(vt_cols0, kQkWarpgroupCols * kSwizzleRowBytes), i & 1);
         }
-        fence_proxy_async();   // V^T becomes visible to both warpgroups' WGMMAs
-        release_page(i);
-        named_barrier_sync(kPageBarrier, 256);
-        uint32_t p8[2][4];
-        float gamma[2];
-        load_hand_over(i, p8, gamma);
-        apply_page_to(o_vt, p8, gamma, desc_at(vt_cols0, kQkWarpgroupCols * kSwizzleRowBytes),
-                      i & 1);
       }
       named_barrier_sync(kPageBarrier, 256);
       if (num_iters > 0) load_handed_over_state();
