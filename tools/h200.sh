@@ -3,7 +3,7 @@
 #   bash tools/h200.sh STAGE [args]        logs go to $OUT/<stage>.log
 # Stages: stash K (move .devcache/vllm-site.partK aside; carry that part with the call) |
 #         setup (unpack vLLM, build the extension) | kernels | sm90 | e2e | serve | bench | train | parity
-#         | ncu [SCHEDULES] | promotion | e2e-sm90 | bench-e2e ARGS | iter | narrow
+#         | ncu [SCHEDULES] | promotion | e2e-sm90 | bench-e2e ARGS | iter | narrow | ab PATCH...
 #         | lease6, quick (after stash 2)
 # A whole lease in five calls (docs/development.md): `stash 0`, `stash 1` (each carrying its
 # part), `stash 2 && lease4` (carrying part 2), `lease5` (carrying .whl).  Each lease call packs
@@ -89,6 +89,25 @@ case "$stage" in
     run timeout 200 python3 benchmarks/bench_decode.py --out /root/bench_decode --heads 16 \
         --backends "$backends"
     pack /root/bench_decode "$log" ;;
+  ab)   # same-lease A/B without vLLM: main's tree, then each PATCH (git apply) in turn, built and
+        # timed by bench_decode.py (snapmla-sm90, plus the bench names a patch adds),
+        # BENCH_ARGS default --heads 128; each patch is reverted after its run
+    mkdir -p /root/ab
+    for v in main "${@:2}"; do
+      name=$(basename "$v" .patch)
+      if [ "$v" != main ] && ! git apply "$v"; then echo "== $name does not apply" | tee -a "$log"; continue; fi
+      build > /dev/null
+      backends=snapmla-sm90
+      [ "$v" != main ] && for b in $(grep -oE '^\+ +"snapmla-sm90-[a-z0-9-]+"' "$v" | grep -oE 'snapmla-sm90-[a-z0-9-]+'); do
+        backends=$backends,$b
+      done
+      echo "== $name ($(( $(date +%s) - start )) s)" | tee -a "$log"
+      run timeout $(left 560) python3 benchmarks/bench_decode.py --out "/root/ab/$name" \
+          --backends "$backends" ${BENCH_ARGS:---heads 128}
+      [ "$v" != main ] && git apply -R "$v"
+      [ "$(left 560)" -lt 60 ] && { echo "stopping: out of time" | tee -a "$log"; break; }
+    done
+    pack /root/ab "$log" ;;
   lease6|quick|iter)
     # lease6 (after `stash 2`): the sm90 kernel's schedules, tested (bit-identity first, with a
     # short timeout: a missed barrier arrival hangs), timed against FlashMLA, then all of tests/gpu.
