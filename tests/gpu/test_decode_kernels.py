@@ -159,8 +159,9 @@ def test_peaked_attention(decode):
 
 def test_tiny_token_scales(decode):
     """Tokens of magnitude 1e-36: every token scale sits at its floor (2^-126), so every
-    P' = P sigma_V is below 2^-119, where 448 / amax(P') overflows FP32 (the sm90 kernel then
-    quantizes P in two steps).  The query is 1e36 so that the logits still spread."""
+    P' = P sigma_V is below 2^-119, where 448 / amax(P') overflows FP32 (the sm90 kernel carries
+    P' scaled by 2^16 to keep its one-multiply quantization finite).  The query is 1e36 so that
+    the logits still spread."""
     q, qp, cache, bt, sl = _case([700, 65, 1], 64, 2, seed=13, q_std=1e36, content_std=1e-36,
                                  rope_std=1e-36)
     q8, qs, qpe = ref.quantize_q(q, qp)
