@@ -1,8 +1,9 @@
 """Error of the narrow sm90 kernel against the CPU reference of the same algorithm, beside the
 64-row kernel's (split-roles) on the same inputs: several seeds of a sharp softmax (q_std 8,
-where the FP8 QK accumulation shows most) and of plain N(0,1) data, H = 16.
+where the FP8 QK accumulation shows most) and of plain N(0,1) data, for each (H, s_q) asked for
+(default: 16 x 1 for the 16-row form, 32 x 1 and 16 x 2 for the 32-row form).
 
-    python benchmarks/narrow_accuracy.py [--seeds 6]
+    python benchmarks/narrow_accuracy.py [--seeds 6] [--shapes 16x1 32x1 16x2]
 """
 
 import argparse
@@ -26,12 +27,22 @@ def errors(out, lse, r_out, r_lse):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=6)
+    parser.add_argument("--shapes", nargs="+", default=["16x1", "32x1", "16x2"],
+                        help="HxS_Q: heads x query tokens per request")
     args = parser.parse_args()
-    print("| data | seed | narrow LSE err | split-roles LSE err | narrow rel-L2 | "
-          "split-roles rel-L2 |\n|---|---|---|---|---|---|")
-    for q_std, seq_lens in ((8.0, [3000, 200]), (1.0, [5000, 64, 1])):
+    try:
+        shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes]
+    except ValueError:
+        parser.error(f"--shapes wants HxS_Q items such as 16x2, got {args.shapes}")
+    for H, s_q in shapes:
+        if not 1 <= H * s_q <= sm90.NARROW_MAX_ROWS:
+            parser.error(f"{H}x{s_q}: the narrow kernel takes 1-{sm90.NARROW_MAX_ROWS} rows")
+    print("| H x s_q | data | seed | narrow LSE err | split-roles LSE err | narrow rel-L2 | "
+          "split-roles rel-L2 |\n|---|---|---|---|---|---|---|")
+    for (H, s_q), (q_std, seq_lens) in ((hs, case) for hs in shapes
+                                        for case in ((8.0, [3000, 200]), (1.0, [5000, 64, 1]))):
         for seed in range(args.seeds):
-            q, qp, cache, bt, sl = _case(seq_lens, 16, 1, seed=100 + seed, q_std=q_std)
+            q, qp, cache, bt, sl = _case(seq_lens, H, s_q, seed=100 + seed, q_std=q_std)
             q8, qs, qpe = ref.quantize_q(q, qp)
             r_out, r_lse = ref.decode_quantized(q8, qs, qpe, cache, bt, sl, SCALE, True)
             res = {}
@@ -39,7 +50,7 @@ def main():
                 out, lse = sm90.snapmla_decode_sm90(q8, qs, qpe, cache, bt, sl, SCALE,
                                                     num_splits=3, schedule=schedule)
                 res[schedule] = errors(out, lse, r_out, r_lse)
-            print(f"| q_std {q_std} | {seed} | {res['narrow'][0]:.2e} | "
+            print(f"| {H} x {s_q} | q_std {q_std} | {seed} | {res['narrow'][0]:.2e} | "
                   f"{res['split-roles'][0]:.2e} | {res['narrow'][1]:.2e} | "
                   f"{res['split-roles'][1]:.2e} |", flush=True)
 

@@ -3,7 +3,8 @@
 #   bash tools/h200.sh STAGE [args]        logs go to $OUT/<stage>.log
 # Stages: stash K (move .devcache/vllm-site.partK aside; carry that part with the call) |
 #         setup (unpack vLLM, build the extension) | kernels | sm90 | e2e | serve | bench | train | parity
-#         | ncu [SCHEDULES] | promotion | e2e-sm90 | bench-e2e ARGS | iter | narrow | ab PATCH...
+#         | ncu [SCHEDULES] | promotion | e2e-sm90 | bench-e2e ARGS | iter | narrow | narrow-bench
+#         | ab PATCH...
 #         | lease6, quick (after stash 2)
 # A whole lease in five calls (docs/development.md): `stash 0`, `stash 1` (each carrying its
 # part), `stash 2 && lease4` (carrying part 2), `lease5` (carrying .whl).  Each lease call packs
@@ -75,19 +76,21 @@ case "$stage" in
     build
     run timeout 300 python3 benchmarks/pv_promotion_error.py --out /root/pv_promotion
     pack /root/pv_promotion "$log" ;;
-  narrow)   # the narrow kernel (<= 16 rows): build, its tests, timing at H=16 against
-            # split-roles (and FlashMLA when the vLLM bundle is stashed)
+  narrow)   # the narrow kernel (<= 32 rows): build, its tests and accuracy table
+    build
+    CUDA_LAUNCH_BLOCKING=1 run timeout 120 python3 -m pytest tests/gpu/test_decode_sm90.py -x -q \
+        -p no:cacheprovider -k "narrow_few_pages" || exit 1
+    run timeout $(left 480) python3 -m pytest tests/gpu/test_decode_sm90.py -q -p no:cacheprovider -k narrow
+    run timeout $(left 580) python3 benchmarks/narrow_accuracy.py --seeds 4 ;;
+  narrow-bench)   # after `narrow` on the same machine: timing at NARROW_HEADS (default 16 32)
+                  # against split-roles, and FlashMLA when the vLLM bundle is stashed
     backends=snapmla-sm90,snapmla-sm90-split-roles
     if [ -f /root/stash/vllm-site.part2 ]; then
       unpack; backends=flashmla-bf16,flashmla-fp8,$backends
     fi
-    build
-    CUDA_LAUNCH_BLOCKING=1 run timeout 120 python3 -m pytest tests/gpu/test_decode_sm90.py -x -q \
-        -p no:cacheprovider -k "narrow_few_pages" || exit 1
-    run timeout 200 python3 -m pytest tests/gpu/test_decode_sm90.py -q -p no:cacheprovider -k narrow
-    run timeout 120 python3 benchmarks/narrow_accuracy.py
-    run timeout 200 python3 benchmarks/bench_decode.py --out /root/bench_decode --heads 16 \
-        --backends "$backends"
+    python3 -c "import vllm_snapmla._C" 2>/dev/null || build
+    run timeout $(left 580) python3 benchmarks/bench_decode.py --out /root/bench_decode \
+        --heads ${NARROW_HEADS:-16 32} --backends "$backends"
     pack /root/bench_decode "$log" ;;
   ab)   # same-lease A/B without vLLM: main's tree, then each PATCH (git apply) in turn, built and
         # timed by bench_decode.py (snapmla-sm90, plus the bench names a patch adds; a patch

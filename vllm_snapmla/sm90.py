@@ -4,7 +4,7 @@ Same inputs, outputs and split contract as ``vllm_snapmla.triton.decode.snapmla_
 is the CUDA kernel (one CTA per request, 64-row block of ``(s_q, head)`` rows and KV split; TMA
 page ring, FP8/BF16 WGMMA); with several splits, stage 2 is the Triton combine kernel.
 ``vllm_snapmla.ops.decode`` uses it on sm_90 GPUs (``SNAPMLA_DECODE_KERNEL`` overrides that):
-the narrow kernel for requests of at most 16 query rows, the 64-row kernel above that.
+the narrow kernel for requests of at most ``NARROW_ROWS`` query rows, the 64-row kernel above.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from vllm_snapmla.triton.decode import _combine_kernel, _device_limits, num_spli
 
 _BLOCK_ROWS = 64   # query rows per CTA (csrc/sm90/decode/config.h kBlockRows)
 # How the two consumer warpgroups divide the work (config.h kSchedule*).  "narrow" is another
-# kernel (csrc/sm90/decode/snapmla_decode_sm90_narrow.cuh) for requests of at most NARROW_ROWS
-# query rows, which take it by default.
+# kernel (csrc/sm90/decode/snapmla_decode_sm90_narrow.cuh, a 16- and a 32-row form) for requests
+# of at most NARROW_MAX_ROWS query rows; those of at most NARROW_ROWS take it by default.
 SCHEDULES = {"free": 0, "split-roles": 1, "narrow": 2}
-NARROW_ROWS = 16
+NARROW_MAX_ROWS = 32
+NARROW_ROWS = 32
 DEFAULT_SCHEDULE = "split-roles"
 # csrc/sm90/decode/config.h hard-codes these (kPScaleRange, kPScaleFloor).
 assert fmt.P_SCALE_RANGE == 2.0 ** -32 and fmt.P_SCALE_FLOOR == 2.0 ** -126
@@ -55,8 +56,9 @@ def snapmla_decode_sm90(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: to
     - ``free``: both compute every page's P and V^T and apply it to their own 256 columns.
 
     Those two have the same arithmetic, so their results are equal bit for bit. ``narrow`` is
-    the kernel for at most ``NARROW_ROWS`` query rows (``s_q x H``). It computes
-    ``S^T = K Q^T`` and ``O^T = V^T P^T``, so that nothing is padded to 64 rows. Its results
+    the kernel for at most ``NARROW_MAX_ROWS`` query rows (``s_q x H``; a 16-row form up to 16,
+    a 32-row form above). It computes ``S^T = K Q^T`` and ``O^T = V^T P^T``, so that nothing
+    is padded to 64 rows. Its results
     equal the others' up to FP32 rounding: each of its two consumer warpgroups keeps its own
     running state over alternate pages, and the two are merged at the end like two KV splits.
     ``None`` (the default) picks ``narrow`` where it applies, else ``DEFAULT_SCHEDULE``.
@@ -70,9 +72,9 @@ def snapmla_decode_sm90(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: to
         schedule = "narrow" if num_rows <= NARROW_ROWS and promote_pv else DEFAULT_SCHEDULE
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
-    if schedule == "narrow" and num_rows > NARROW_ROWS:
-        raise ValueError(f"schedule 'narrow' takes at most {NARROW_ROWS} query rows (s_q x heads), "
-                         f"got {s_q} x {H}")
+    if schedule == "narrow" and num_rows > NARROW_MAX_ROWS:
+        raise ValueError(f"schedule 'narrow' takes at most {NARROW_MAX_ROWS} query rows "
+                         f"(s_q x heads), got {s_q} x {H}")
     if not promote_pv and schedule != "free":
         raise ValueError(f"promote_pv=False exists only with schedule='free', got {schedule!r}")
     native = ops.native()
@@ -88,7 +90,7 @@ def snapmla_decode_sm90(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: to
         num_sms, shared_mem = _device_limits(device.index if device.index is not None
                                              else torch.cuda.current_device())
         # The Triton heuristic, for this kernel's grid: one CTA per SM and 64-row block (the
-        # narrow kernel's single block of <= 16 rows counts as one).  With one page per split
+        # narrow kernel's single block of <= 32 rows counts as one).  With one page per split
         # the narrow kernel's second consumer has nothing to do; the heuristic does not know.
         rows_padded = triton.cdiv(num_rows, _BLOCK_ROWS) * _BLOCK_ROWS
         num_splits = num_splits_for(B, rows_padded, 1, block_table.shape[1], num_sms, shared_mem)

@@ -97,8 +97,8 @@ void decode_sm90(const at::Tensor& q8, const at::Tensor& q_scale, const at::Tens
                     kOp, ": schedule must be ", sm90::kScheduleFree, " (free), ",
                     sm90::kScheduleSplitRoles, " (split-roles) or ", sm90::kScheduleNarrow,
                     " (narrow), got ", schedule);
-  TORCH_CHECK_VALUE(schedule != sm90::kScheduleNarrow || rows <= sm90::kNarrowRows, kOp,
-                    ": the narrow kernel takes at most ", sm90::kNarrowRows,
+  TORCH_CHECK_VALUE(schedule != sm90::kScheduleNarrow || rows <= sm90::kNarrowMaxRows, kOp,
+                    ": the narrow kernel takes at most ", sm90::kNarrowMaxRows,
                     " query rows (s_q x heads), got ", rows);
   TORCH_CHECK_VALUE(promote_pv || schedule == sm90::kScheduleFree, kOp,
                     ": promote_pv=False exists only with the free schedule (", sm90::kScheduleFree,

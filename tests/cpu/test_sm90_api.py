@@ -35,8 +35,9 @@ def test_schedule_variants_are_fixed_partials():
     assert set(sm90.SCHEDULES) == {"free", "split-roles", "narrow"}
 
 
-def test_narrow_takes_at_most_16_rows():
+def test_narrow_takes_at_most_32_rows():
     q8, q_scale, q_pe, cache, block_table, seq_lens = _inputs()
-    two = (torch.cat([q8, q8], 1), torch.cat([q_scale, q_scale], 1), torch.cat([q_pe, q_pe], 1))
-    with pytest.raises(ValueError, match="at most 16 query rows"):
-        sm90.snapmla_decode_sm90(*two, cache, block_table, seq_lens, 0.1, schedule="narrow")
+    reps = sm90.NARROW_MAX_ROWS // q8.shape[2] + 1   # s_q x H just over the limit
+    wide = (torch.cat([q8] * reps, 1), torch.cat([q_scale] * reps, 1), torch.cat([q_pe] * reps, 1))
+    with pytest.raises(ValueError, match="at most 32 query rows"):
+        sm90.snapmla_decode_sm90(*wide, cache, block_table, seq_lens, 0.1, schedule="narrow")

@@ -147,9 +147,11 @@ def test_rejects_bad_inputs():
             decode(q8, qs, qpe, cache, bt, sl, bad)
 
 
-# The narrow kernel (at most 16 query rows: S^T = K Q^T, V^T in registers).
+# The narrow kernel (at most 32 query rows: S^T = K Q^T, V^T in registers), in its 16-row form
+# (up to 16 rows) and its 32-row form (17-32: 32 heads, 16 heads with MTP).
 
-@pytest.mark.parametrize("H, s_q", [(16, 1), (8, 2), (1, 1), (5, 3)])
+@pytest.mark.parametrize("H, s_q", [(16, 1), (8, 2), (1, 1), (5, 3), (32, 1), (16, 2), (17, 1),
+                                    (6, 5)])
 @pytest.mark.parametrize("seq_len", [37, 64, 129])
 def test_narrow_few_pages_one_split(seq_len, H, s_q):
     q, qp, cache, bt, sl = _case([seq_len], H, s_q, seed=seq_len + H)
@@ -164,7 +166,8 @@ def test_narrow_few_pages_one_split(seq_len, H, s_q):
 
 @pytest.mark.parametrize("H, s_q, num_splits, causal", [
     (16, 1, None, True), (16, 1, 1, True), (16, 1, 5, True), (8, 2, 3, True), (8, 2, 2, False),
-    (4, 4, None, True)])
+    (4, 4, None, True), (32, 1, None, True), (32, 1, 1, False), (16, 2, 5, True),
+    (8, 4, 3, True), (12, 2, None, False)])
 def test_narrow_ragged_batch(H, s_q, num_splits, causal):
     """Ragged lengths (empty requests, one-token and page-edge lengths, empty splits) with NaN in
     every unused cache slot, against both references."""
@@ -175,10 +178,11 @@ def test_narrow_ragged_batch(H, s_q, num_splits, causal):
     _check(out, lse, q, qp, cache, bt, sl, causal=causal)
 
 
-def test_narrow_is_the_default_for_16_rows_and_matches_split_roles():
+@pytest.mark.parametrize("H, s_q", [(16, 1), (32, 1), (16, 2)])
+def test_narrow_is_the_default_up_to_its_rows_and_matches_split_roles(H, s_q):
     """Same per-row arithmetic as the 64-row kernel; only FP32 summation orders differ (and so,
     rarely, an e4m3 rounding of P), far below a layout or masking bug's error."""
-    q, qp, cache, bt, sl = _case(RAGGED + [5000], 16, 1, seed=44)
+    q, qp, cache, bt, sl = _case(RAGGED + [5000], H, s_q, seed=44 + H + s_q)
     q8, qs, qpe = ref.quantize_q(q, qp)
     out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, num_splits=3)
     n_out, n_lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, num_splits=3, schedule="narrow")
@@ -190,19 +194,20 @@ def test_narrow_is_the_default_for_16_rows_and_matches_split_roles():
     assert _rel(n_out, w_out.double()) <= 5e-3
 
 
+@pytest.mark.parametrize("H, s_q", [(16, 1), (32, 1), (16, 2)])
 @pytest.mark.parametrize("seq_lens, num_splits, q_std", [
     ([131072, 5000], None, 1.0), ([131072], 1, 1.0), ([3000, 200], 3, 8.0)])
-def test_narrow_long_and_peaked(seq_lens, num_splits, q_std):
+def test_narrow_long_and_peaked(seq_lens, num_splits, q_std, H, s_q):
     """128k tokens in one split (the per-page PV promotion over 2048 pages) and a sharp softmax
     (P scales jumping between pages)."""
-    q, qp, cache, bt, sl = _case(seq_lens, 16, 1, seed=45, q_std=q_std)
+    q, qp, cache, bt, sl = _case(seq_lens, H, s_q, seed=45 + H, q_std=q_std)
     q8, qs, qpe = ref.quantize_q(q, qp)
     out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, num_splits=num_splits, schedule="narrow")
     _check(out, lse, q, qp, cache, bt, sl)
 
 
-def test_narrow_refuses_more_than_16_rows():
-    q, qp, cache, bt, sl = _case([100], 16, 2, seed=46)
+def test_narrow_refuses_more_than_32_rows():
+    q, qp, cache, bt, sl = _case([100], 16, 3, seed=46)
     q8, qs, qpe = ref.quantize_q(q, qp)
-    with pytest.raises(ValueError, match="at most 16 query rows"):
+    with pytest.raises(ValueError, match="at most 32 query rows"):
         decode(q8, qs, qpe, cache, bt, sl, SCALE, schedule="narrow")

@@ -115,12 +115,13 @@ static_assert((kQkPromoteCols % kWgmmaK8 == 0 && kSwizzleRowBytes % kQkPromoteCo
                   (kQkPromoteCols % kSwizzleRowBytes == 0 && kKvLoraRank % kQkPromoteCols == 0),
               "promotion chunks must tile the four 128-column content tiles");
 
-// ------------------------------------------------------------------ the narrow kernel
-// snapmla_decode_sm90_narrow.cuh, for requests of at most kNarrowRows query rows (DeepSeek-V3's
-// 16 heads per TP8 rank).  It computes S^T = K . Q^T (M = 64 tokens, N = 16 rows), so nothing is
-// padded to 64 rows, and O^T = V^T . P^T with V^T built in registers (no V^T in shared memory).
-constexpr int kScheduleNarrow = 2;       // DecodeParams::schedule of the narrow kernel
-constexpr int kNarrowRows = 16;          // N of its WGMMAs: query rows per CTA
+// ------------------------------------------------------------------ the narrow kernels
+// snapmla_decode_sm90_narrow.cuh, for requests of at most kNarrowMaxRows query rows (DeepSeek-V3's
+// 16 heads per TP8 rank, with MTP or 32 heads).  It computes S^T = K . Q^T (M = 64 tokens, N = 16
+// or 32 rows), so nothing is padded to 64 rows, and O^T = V^T . P^T with V^T's A fragments built
+// in registers (no V^T in shared memory).
+constexpr int kScheduleNarrow = 2;       // DecodeParams::schedule of the narrow kernels
+constexpr int kNarrowMaxRows = 32;       // the wider of its two forms (N of its WGMMAs)
 // Two consumer warpgroups take alternate pages, each with its own softmax state and O^T, merged
 // at the end: each one's page is a serial chain (QK, cross-warp reductions, PV), and a second
 // warp per scheduler hides its latencies.  WG2 is the TMA producer (setmaxnreg as in the 64-row
@@ -128,35 +129,55 @@ constexpr int kNarrowRows = 16;          // N of its WGMMAs: query rows per CTA
 constexpr int kNarrowConsumers = 2;
 constexpr int kNarrowThreads = 128 * (kNarrowConsumers + 1);
 constexpr int kNarrowStages = 4;         // pages in flight (no V^T buffers: the room is free)
-constexpr int kNarrowQkParts = 4;        // QK promotion chunks in flight (8 registers each)
-static_assert(kNarrowQkParts >= 1 && kNarrowQkParts <= 4, "the QK wait ladder goes up to 3 pending");
 // Consumer c takes split-local pages c, c + kNarrowConsumers, ...: with a ring of a multiple of
 // kNarrowConsumers stages every stage (and its full barrier) belongs to one consumer, whose
 // waits then see its phases in order.
 static_assert(kNarrowStages % kNarrowConsumers == 0, "a ring stage would serve two consumers");
-// The narrow kernel has tensor-core time to spare, so its content QK promotes after every WGMMA
-// (32 columns, not kQkPromoteCols): the tensor core's reduced-precision accumulation then spans
-// a single instruction's 32 terms.
-constexpr int kNarrowQkPromoteCols = kWgmmaK8;
-constexpr int kNarrowQkChunks = kKvLoraRank / kNarrowQkPromoteCols;            // 16
 constexpr int kNarrowPTiles = kKvLoraRank / 64;  // O^T's 64-column M tiles (8)
-constexpr int kNarrowQ8 = kNarrowStages * kStageBytes;
-constexpr int kNarrowQTileBytes = kNarrowRows * kSwizzleRowBytes;               // 2 KB
-constexpr int kNarrowQpe = kNarrowQ8 + kContentTiles * kNarrowQTileBytes;
-// Per consumer, P^T: [16 rows][64 token positions] e4m3, two buffers (bytes 0-63 and 64-127 of
-// each row).
-constexpr int kNarrowPt = kNarrowQpe + kNarrowQTileBytes;
-// Per consumer, cross-warp reductions: [2 page parities][2: max, amax][16 rows][4 warps] floats.
-constexpr int kNarrowRedBytes = 2 * 2 * kNarrowRows * 4 * 4;
-constexpr int kNarrowRed = kNarrowPt + kNarrowConsumers * kNarrowQTileBytes;
-// The merge: consumer 1's O^T fragments ([64 values][128 threads] floats) and its rows' final
-// m, l and amax ([16 rows][4] floats).
-constexpr int kNarrowMerge = kNarrowRed + kNarrowConsumers * kNarrowRedBytes;
-constexpr int kNarrowMergeBytes = kNarrowPTiles * 8 * 128 * 4 + kNarrowRows * 4 * 4;
-constexpr int kNarrowSmemBarriers = kNarrowMerge + kNarrowMergeBytes;
-constexpr int kNarrowSmemAlloc = kNarrowSmemBarriers + 2 * kNarrowStages * 8 + 1024;
-static_assert(kNarrowQ8 % 1024 == 0 && kNarrowQTileBytes % 1024 == 0 && kNarrowQpe % 1024 == 0 &&
-                  kNarrowPt % 1024 == 0, "swizzled tiles must be 1024-byte aligned");
-static_assert(kNarrowSmemAlloc <= 227 * 1024, "exceeds Hopper's per-block shared memory");
+
+// The shared-memory layout and register-shaped constants of the kRows-row form (16 or 32).
+//   16 rows: O^T is 64 registers, so the page's whole V^T (64 A registers) is built during the
+//            QK and the stage released before the softmax;
+//   32 rows: O^T is 128 registers, so V^T is built one 64-column M tile at a time during the PV
+//            (ldmatrix.trans from the stage), and the stage is released after the PV.
+template <int kRows>
+struct NarrowConfig {
+  static_assert(kRows == 16 || kRows == 32, "the narrow kernel exists for 16 and 32 rows");
+  static constexpr bool kVtInPv = kRows == 32;
+  static constexpr int kAcc = kRows / 2;       // accumulator registers of one 64 x kRows tile
+  static constexpr int kSlots = kRows / 4;     // query rows per thread
+  // The narrow kernels have tensor-core time to spare, so their content QK promotes after every
+  // WGMMA (32 columns, not kQkPromoteCols): the tensor core's reduced-precision accumulation then
+  // spans a single instruction's 32 terms.
+  static constexpr int kQkPromoteCols = kWgmmaK8;
+  static constexpr int kQkChunks = kKvLoraRank / kQkPromoteCols;               // 16
+  static constexpr int kQkParts = kRows == 16 ? 4 : 2;   // QK chunks in flight (kAcc each)
+  static_assert(kQkParts >= 1 && kQkParts <= 4, "the QK wait ladder goes up to 3 pending");
+  static constexpr int kQTileBytes = kRows * kSwizzleRowBytes;                 // 2 or 4 KB
+  static constexpr int kQ8 = kNarrowStages * kStageBytes;
+  static constexpr int kQpe = kQ8 + kContentTiles * kQTileBytes;
+  // Per consumer, P^T: [kRows rows][64 token positions] e4m3, two buffers (bytes 0-63 and
+  // 64-127 of each row).
+  static constexpr int kPt = kQpe + kQTileBytes;
+  // Per consumer, cross-warp reductions: [2 page parities][2: max, amax][kRows][4 warps] floats.
+  static constexpr int kRedBytes = 2 * 2 * kRows * 4 * 4;
+  static constexpr int kRed = kPt + kNarrowConsumers * kQTileBytes;
+  // Row state kept in shared memory to spare the 32-row form's registers: the rows' score
+  // scales ([4 q][kSlots] floats: a thread's slots are contiguous) and, per consumer, each
+  // thread's share of the row sums l ([kSlots][128 threads] floats).
+  static constexpr int kRowScale = kRed + kNarrowConsumers * kRedBytes;
+  static constexpr int kRowSums = kRowScale + kRows * 4;
+  static constexpr int kRowSumsBytes = kSlots * 128 * 4;
+  static constexpr int kBarriers = kRowSums + kNarrowConsumers * kRowSumsBytes;
+  static constexpr int kSmemAlloc = kBarriers + 2 * kNarrowStages * 8 + 1024;
+  // The merge reuses the page ring (idle by then): consumer 1's O^T fragments ([kRows / 2 x 8
+  // values][128 threads] floats), then its rows' final m, l and amax ([kRows][4] floats).
+  static constexpr int kMergeRows = kNarrowPTiles * kAcc * 128 * 4;
+  static constexpr int kMergeBytes = kMergeRows + kRows * 4 * 4;
+  static_assert(kQ8 % 1024 == 0 && kQTileBytes % 1024 == 0 && kQpe % 1024 == 0 &&
+                    kPt % 1024 == 0, "swizzled tiles must be 1024-byte aligned");
+  static_assert(kSmemAlloc <= 227 * 1024, "exceeds Hopper's per-block shared memory");
+  static_assert(kMergeBytes <= kQ8, "the merge does not fit into the page ring");
+};
 
 }  // namespace snapmla::sm90

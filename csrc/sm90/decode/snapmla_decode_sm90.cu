@@ -53,16 +53,20 @@ const char* launch_decode_sm90(const DecodeParams& params, const uint8_t* kv_cac
     return "decode_sm90 needs an sm_90 (Hopper) GPU; use vllm_snapmla.triton.decode elsewhere";
   }
   const bool narrow = params.schedule == kScheduleNarrow;
-  if (narrow && params.num_rows > kNarrowRows) {
-    return "decode_sm90: the narrow kernel takes at most 16 query rows (s_q x heads)";
+  if (narrow && params.num_rows > kNarrowMaxRows) {
+    return "decode_sm90: the narrow kernel takes at most 32 query rows (s_q x heads)";
   }
-  const auto kernel = narrow                                  ? decode_narrow_kernel
+  const bool narrow16 = narrow && params.num_rows <= 16;
+  const auto kernel = narrow16                                ? decode_narrow_kernel<16>
+                      : narrow                                ? decode_narrow_kernel<32>
                       : !params.promote_pv                    ? decode_kernel<kScheduleFree, false>
                       : params.schedule == kScheduleSplitRoles
                           ? decode_kernel<kScheduleSplitRoles>
                           : decode_kernel<kScheduleFree>;
   const int threads = narrow ? kNarrowThreads : kThreads;
-  const int smem_bytes = narrow ? kNarrowSmemAlloc : kSmemAlloc;
+  const int smem_bytes = narrow16 ? NarrowConfig<16>::kSmemAlloc
+                         : narrow ? NarrowConfig<32>::kSmemAlloc
+                                  : kSmemAlloc;
   // The kernel body exists only in sm_90a code; compute_89 PTX JIT-compiled for this GPU would
   // run an empty kernel.
   cudaFuncAttributes attr;

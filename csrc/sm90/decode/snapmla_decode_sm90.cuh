@@ -269,6 +269,17 @@ __device__ __forceinline__ void wgmma_m64n32k32_e4m3(float (&d)[16], uint64_t de
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
+// D[64x32 fp32] (+)= A[64x16 bf16] . B[32x16 bf16]^T, both K-major in shared memory.
+__device__ __forceinline__ void wgmma_m64n32k16_bf16(float (&d)[16], uint64_t desc_a,
+                                                     uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+      : SNAPMLA_ACC16(d)
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
 // D[64x64 fp32] (+)= A[64x32 e4m3] . B[64x32 e4m3]^T, both K-major in shared memory.
 __device__ __forceinline__ void wgmma_m64n64k32_e4m3(float (&d)[32], uint64_t desc_a,
                                                      uint64_t desc_b, int accumulate) {
