@@ -4,7 +4,7 @@
 # Stages: stash K (move .devcache/vllm-site.partK aside; carry that part with the call) |
 #         setup (unpack vLLM, build the extension) | kernels | sm90 | e2e | serve | bench | train | parity
 #         | ncu [SCHEDULES] | promotion | e2e-sm90 | bench-e2e ARGS | iter | narrow | narrow-bench
-#         | ab PATCH...
+#         | verify | ab PATCH...
 #         | lease6, quick (after stash 2)
 # A whole lease in five calls (docs/development.md): `stash 0`, `stash 1` (each carrying its
 # part), `stash 2 && lease4` (carrying part 2), `lease5` (carrying .whl).  Each lease call packs
@@ -92,6 +92,19 @@ case "$stage" in
     run timeout $(left 580) python3 benchmarks/bench_decode.py --out /root/bench_decode \
         --heads ${NARROW_HEADS:-16 32} --backends "$backends"
     pack /root/bench_decode "$log" ;;
+  verify)   # after `stash 2`: build, all of tests/gpu, the 1-draft n-gram e2e (the narrow
+            # 32-row form under vLLM's FULL graphs), then page times with the pages in HBM and
+            # in L2 (tools/profile_sm90.py --time --distinct-blocks)
+    unpack; build
+    run timeout $(left 300) python3 -m pytest tests/gpu -q -p no:cacheprovider
+    SNAPMLA_DECODE_KERNEL=sm90 run timeout $(left 520) python3 -m pytest \
+        tests/e2e/test_cuda_graphs_spec_decode.py -q -rs -p no:cacheprovider -k 1-drafts
+    for shape in 64,16,32768,1 64,16,32768,2 16,32,65536,1; do
+      for d in 0 64; do
+        [ "$(left 580)" -gt 15 ] && run timeout $(left 580) python3 tools/profile_sm90.py --time \
+            --shape $shape --schedules narrow,split-roles --distinct-blocks $d
+      done
+    done ;;
   ab)   # same-lease A/B without vLLM: main's tree, then each PATCH (git apply) in turn, built and
         # timed by bench_decode.py (snapmla-sm90, plus the bench names a patch adds; a patch
         # only after its few_pages/bit-identity tests pass), BENCH_ARGS default --heads 128;

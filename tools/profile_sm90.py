@@ -3,7 +3,7 @@
     ncu --clock-control none --kernel-name regex:decode_kernel python3 tools/profile_sm90.py
     python3 tools/profile_sm90.py --time [--distinct-blocks 64]
 
---time prints each schedule's median time (CUDA events, 50 launches) instead.
+--time prints each schedule's median time (CUDA events around 50 CUDA-graph replays) instead.
 --distinct-blocks K points every block-table entry at one of K cache blocks, so the pages come
 from L2 rather than HBM: if the time per page drops, the kernel waits on its loads.
 """
@@ -47,18 +47,24 @@ def main():
                                             fmt.HEAD_SIZE ** -0.5, schedule=schedule)
         launch()
         if args.time:
+            # CUDA-graph replays, as in benchmarks/bench_decode.py: timed as eager calls, the
+            # Python side of each launch left the GPU idle inside the events (medians varied 2x
+            # between repeats on 2026-12-02).
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                launch()
             # Warm up for ~0.5 s first: timed from idle, the GPU's clocks were still ramping up
             # (3x slower medians on 2026-12-01).
-            torch.cuda.synchronize()
             start_s = time.perf_counter()
             while time.perf_counter() - start_s < 0.5:
-                launch()
+                graph.replay()
                 torch.cuda.synchronize()
             events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                       for _ in range(50)]
             for start, end in events:
                 start.record()
-                launch()
+                graph.replay()
                 end.record()
             torch.cuda.synchronize()
             us = sorted(1e3 * start.elapsed_time(end) for start, end in events)[len(events) // 2]

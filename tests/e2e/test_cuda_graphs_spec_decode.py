@@ -1,15 +1,15 @@
 """fp8_snapmla decode inside FULL CUDA graphs, and with speculative decoding (n-gram), on the GPU.
 
-Three engines on the tiny random-weight DeepSeek-V3 (V1 model runner), each in its own process,
+Four engines on the tiny random-weight DeepSeek-V3 (V1 model runner), each in its own process,
 all fp8_snapmla and greedy:
 
 * ``eager``: ``enforce_eager=True`` (no compilation, no graphs), the reference;
 * ``compiled``: vLLM's default mode (torch.compile, FULL_AND_PIECEWISE graphs): with
   ``SnapMLAMetadataBuilder._cudagraph_support = UNIFORM_BATCH`` decode batches replay FULL graphs
   (attention included), padded to the next capture size (11 requests run in the 16 graph);
-* ``ngram``: ``compiled`` plus n-gram speculation with 2 draft tokens: uniform verification
-  batches decode 3 query tokens per request (s_q = 3) in FULL graphs; the others go down the
-  prefill path.
+* ``ngram``: ``compiled`` plus n-gram speculation with 2 draft tokens, and again with 1 (what
+  DeepSeek-V3's MTP drafts): uniform verification batches decode 3 or 2 query tokens per
+  request (s_q = 3, 2) in FULL graphs; the others go down the prefill path.
 
 Each runs the same prompts: a batch of 11, then an echo round (``p + out(p) + p``, which makes
 the n-gram proposer find matches), then the first echo prompt alone (batches of one request,
@@ -18,9 +18,10 @@ rule of ``test_llm_generate``: equal tokens until the first divergence, which mu
 in the reference's log-probabilities.  Compilation and graphs change summation orders in other
 layers, so exact equality is not expected.
 
-About 2-3 minutes on an H200 (three engines, two of them compiled).  The tiny model has 16 heads,
-so decode runs the Triton kernel (s_q x H < 64 rows); ``SNAPMLA_DECODE_KERNEL=sm90`` in the
-environment puts the sm_90a kernel under the same graphs.
+About 3-4 minutes on an H200 (four engines, three of them compiled).  The tiny model has 16
+heads, so on an H200 plain decode steps run the sm_90a narrow kernel's 16-row form, s_q = 2 its
+32-row form and s_q = 3 the 64-row kernel (``SNAPMLA_DECODE_KERNEL=sm90`` makes sure of it;
+``triton`` puts the portable kernel under the same graphs).
 """
 
 import importlib.util
@@ -37,10 +38,10 @@ KV = "fp8_snapmla"
 MAX_TOKENS = 24
 TOP_LOGPROBS = 20
 NEAR_TIE_NATS = 1.0
-NUM_SPEC = 2
+NUM_SPECS = (2, 1)   # draft tokens: s_q = 3 (48 query rows with 16 heads) and 2 (32 rows)
 # vLLM's CPU n-gram proposer needs numba; without it, its GPU twin (same proposals).
 NGRAM = {"method": "ngram" if importlib.util.find_spec("numba") else "ngram_gpu",
-         "num_speculative_tokens": NUM_SPEC, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+         "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 ENGINE = {"max_num_seqs": 16, "max_num_batched_tokens": 512, "enable_prefix_caching": True}
 # The V1 runner logs every batch's cudagraph mode at DEBUG (tests/e2e/generate.py parses it).
 DEBUG = {"VLLM_LOGGING_LEVEL": "DEBUG", "VLLM_USE_V2_MODEL_RUNNER": "0"}
@@ -78,9 +79,11 @@ def compiled(model_dir):
     return generate(_spec(model_dir, enforce_eager=False), env=DEBUG)
 
 
-@pytest.fixture(scope="module")
-def ngram(model_dir):
-    return generate(_spec(model_dir, enforce_eager=False, speculative_config=NGRAM), env=DEBUG)
+@pytest.fixture(scope="module", params=NUM_SPECS, ids=lambda k: f"{k}-drafts")
+def ngram(model_dir, request):
+    config = {**NGRAM, "num_speculative_tokens": request.param}
+    return request.param, generate(_spec(model_dir, enforce_eager=False,
+                                         speculative_config=config), env=DEBUG)
 
 
 def _compare(base: dict, test: dict, what: str) -> tuple[int, list[str]]:
@@ -141,19 +144,20 @@ def test_full_graph_outputs_match_eager(eager, compiled):
 
 
 def test_ngram_speculation_matches_plain_decoding(compiled, ngram):
+    num_spec, ngram = ngram
     m = ngram["metrics"]
     drafts = m.get("vllm:spec_decode_num_draft_tokens") or 0
     accepted = m.get("vllm:spec_decode_num_accepted_tokens") or 0
     full = _full_batches(ngram)
-    multi = [(n, reqs) for n, reqs in full if n == (1 + NUM_SPEC) * reqs]
+    multi = [(n, reqs) for n, reqs in full if n == (1 + num_spec) * reqs]
     print(f"{NGRAM['method']}: {m.get('vllm:spec_decode_num_drafts')} drafts, {drafts} draft tokens, "
-          f"{accepted} accepted; FULL decode graphs with s_q = {1 + NUM_SPEC}: "
+          f"{accepted} accepted; FULL decode graphs with s_q = {1 + num_spec}: "
           f"{len(multi)} batches {sorted(set(multi))}")
     assert ngram["cudagraph_mode"] == "FULL_AND_PIECEWISE"
     assert drafts > 0, "the n-gram proposer drafted nothing: no multi-token decode ran"
-    # Uniform verification batches (every request with 2 drafts) ran as s_q = 3 decodes in FULL
-    # graphs; the solo round makes every drafted step such a batch.
-    assert multi, "no s_q = 3 decode batch ran in a FULL CUDA graph"
+    # Uniform verification batches (every request with num_spec drafts) ran as s_q = 1 + num_spec
+    # decodes in FULL graphs; the solo round makes every drafted step such a batch.
+    assert multi, f"no s_q = {1 + num_spec} decode batch ran in a FULL CUDA graph"
     compared, problems = _compare(compiled, ngram, "ngram")
     _print_outputs(compiled, ngram, ("plain", "ngram"))
     print(f"compared {compared} tokens")
