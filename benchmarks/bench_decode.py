@@ -40,6 +40,7 @@ SNAPMLA_KERNELS = {
     "snapmla-sm90": "vllm_snapmla.sm90:snapmla_decode_sm90",
     "snapmla-sm90-free": "vllm_snapmla.sm90:snapmla_decode_sm90_free",
     "snapmla-sm90-split-roles": "vllm_snapmla.sm90:snapmla_decode_sm90_split_roles",
+    "snapmla-sm90-narrow-16": "vllm_snapmla.sm90:snapmla_decode_sm90_narrow16",
 }
 # Backends that run only where a predicate ("module:function", no arguments) says so.
 SNAPMLA_AVAILABLE = {name: "vllm_snapmla.sm90:available" for name in SNAPMLA_KERNELS

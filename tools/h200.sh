@@ -92,19 +92,23 @@ case "$stage" in
     run timeout $(left 580) python3 benchmarks/bench_decode.py --out /root/bench_decode \
         --heads ${NARROW_HEADS:-16 32} --backends "$backends"
     pack /root/bench_decode "$log" ;;
-  verify)   # after `stash 2`: build, all of tests/gpu, the 1-draft n-gram e2e (the narrow
-            # 32-row form under vLLM's FULL graphs), then page times with the pages in HBM and
-            # in L2 (tools/profile_sm90.py --time --distinct-blocks)
+  verify)   # after `stash 2`: build, all of tests/gpu, timing at 16 and 32 heads (ours by default,
+            # narrow-16, split-roles, FlashMLA), the 1-draft n-gram e2e (the narrow 32-row form
+            # under vLLM's FULL graphs), then page times with the pages in HBM and in L2
     unpack; build
     run timeout $(left 300) python3 -m pytest tests/gpu -q -p no:cacheprovider
-    SNAPMLA_DECODE_KERNEL=sm90 run timeout $(left 520) python3 -m pytest \
+    run timeout $(left 360) python3 benchmarks/bench_decode.py --out /root/bench_decode \
+        --heads 16 32 --backends flashmla-bf16,flashmla-fp8,snapmla-sm90,snapmla-sm90-narrow-16,snapmla-sm90-split-roles
+    pack /root/bench_decode "$log"
+    SNAPMLA_DECODE_KERNEL=sm90 run timeout $(left 540) python3 -m pytest \
         tests/e2e/test_cuda_graphs_spec_decode.py -q -rs -p no:cacheprovider -k 1-drafts
-    for shape in 64,16,32768,1 64,16,32768,2 16,32,65536,1; do
+    for shape in 64,16,32768,1 64,16,32768,2; do
       for d in 0 64; do
-        [ "$(left 580)" -gt 15 ] && run timeout $(left 580) python3 tools/profile_sm90.py --time \
-            --shape $shape --schedules narrow,split-roles --distinct-blocks $d
+        [ "$(left 585)" -gt 15 ] && run timeout $(left 585) python3 tools/profile_sm90.py --time \
+            --shape $shape --schedules narrow,narrow-16 --distinct-blocks $d
       done
-    done ;;
+    done
+    pack /root/bench_decode "$log" ;;
   ab)   # same-lease A/B without vLLM: main's tree, then each PATCH (git apply) in turn, built and
         # timed by bench_decode.py (snapmla-sm90, plus the bench names a patch adds; a patch
         # only after its few_pages/bit-identity tests pass), BENCH_ARGS default --heads 128;

@@ -20,7 +20,8 @@ _BLOCK_ROWS = 64   # query rows per CTA (csrc/sm90/decode/config.h kBlockRows)
 # How the two consumer warpgroups divide the work (config.h kSchedule*).  "narrow" is another
 # kernel (csrc/sm90/decode/snapmla_decode_sm90_narrow.cuh, a 16- and a 32-row form) for requests
 # of at most NARROW_MAX_ROWS query rows; those of at most NARROW_ROWS take it by default.
-SCHEDULES = {"free": 0, "split-roles": 1, "narrow": 2}
+# "narrow-16" (measurement) runs any row count as 16-row blocks of its 16-row form.
+SCHEDULES = {"free": 0, "split-roles": 1, "narrow": 2, "narrow-16": 3}
 NARROW_MAX_ROWS = 32
 NARROW_ROWS = 32
 DEFAULT_SCHEDULE = "split-roles"
@@ -58,7 +59,9 @@ def snapmla_decode_sm90(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: to
     Those two have the same arithmetic, so their results are equal bit for bit. ``narrow`` is
     the kernel for at most ``NARROW_MAX_ROWS`` query rows (``s_q x H``; a 16-row form up to 16,
     a 32-row form above). It computes ``S^T = K Q^T`` and ``O^T = V^T P^T``, so that nothing
-    is padded to 64 rows. Its results
+    is padded to 64 rows. ``narrow-16`` (measurement) runs any row count as blocks of 16 rows
+    of the 16-row form, one CTA each, a request's blocks adjacent in the grid so that they read
+    each page at about the same time (all but the first from L2). Their results
     equal the others' up to FP32 rounding: each of its two consumer warpgroups keeps its own
     running state over alternate pages, and the two are merged at the end like two KV splits.
     ``None`` (the default) picks ``narrow`` where it applies, else ``DEFAULT_SCHEDULE``.
@@ -90,9 +93,12 @@ def snapmla_decode_sm90(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: to
         num_sms, shared_mem = _device_limits(device.index if device.index is not None
                                              else torch.cuda.current_device())
         # The Triton heuristic, for this kernel's grid: one CTA per SM and 64-row block (the
-        # narrow kernel's single block of <= 32 rows counts as one).  With one page per split
+        # narrow kernel's single block of <= 32 rows counts as one, narrow-16's blocks of 16
+        # as one each).  With one page per split
         # the narrow kernel's second consumer has nothing to do; the heuristic does not know.
-        rows_padded = triton.cdiv(num_rows, _BLOCK_ROWS) * _BLOCK_ROWS
+        blocks = (triton.cdiv(num_rows, 16) if schedule == "narrow-16"
+                  else triton.cdiv(num_rows, _BLOCK_ROWS))
+        rows_padded = blocks * _BLOCK_ROWS
         num_splits = num_splits_for(B, rows_padded, 1, block_table.shape[1], num_sms, shared_mem)
     num_splits = max(int(num_splits), 1)
     # Like the Triton kernel (and vLLM's persistent buffers), accept tables with more rows than
@@ -132,3 +138,4 @@ def schedule_variant(schedule: str):
 
 snapmla_decode_sm90_free = schedule_variant("free")
 snapmla_decode_sm90_split_roles = schedule_variant("split-roles")
+snapmla_decode_sm90_narrow16 = schedule_variant("narrow-16")

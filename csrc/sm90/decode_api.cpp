@@ -93,10 +93,10 @@ void decode_sm90(const at::Tensor& q8, const at::Tensor& q_scale, const at::Tens
   TORCH_CHECK_VALUE(num_splits >= 1 && num_splits <= 65535, kOp,
                     ": num_splits must be in [1, 65535], got ", num_splits);
   TORCH_CHECK_VALUE(schedule == sm90::kScheduleFree || schedule == sm90::kScheduleSplitRoles ||
-                        schedule == sm90::kScheduleNarrow,
+                        schedule == sm90::kScheduleNarrow || schedule == sm90::kScheduleNarrow16,
                     kOp, ": schedule must be ", sm90::kScheduleFree, " (free), ",
-                    sm90::kScheduleSplitRoles, " (split-roles) or ", sm90::kScheduleNarrow,
-                    " (narrow), got ", schedule);
+                    sm90::kScheduleSplitRoles, " (split-roles), ", sm90::kScheduleNarrow,
+                    " (narrow) or ", sm90::kScheduleNarrow16, " (narrow-16), got ", schedule);
   TORCH_CHECK_VALUE(schedule != sm90::kScheduleNarrow || rows <= sm90::kNarrowMaxRows, kOp,
                     ": the narrow kernel takes at most ", sm90::kNarrowMaxRows,
                     " query rows (s_q x heads), got ", rows);
@@ -115,7 +115,8 @@ void decode_sm90(const at::Tensor& q8, const at::Tensor& q_scale, const at::Tens
   TORCH_CHECK_VALUE(out.is_contiguous() && lse.is_contiguous(), kOp,
                     ": out and lse must be contiguous");
   check_rows_aligned("out", out);   // the epilogues store 16-byte vectors
-  TORCH_CHECK_VALUE(batch <= 2147483647 && rows <= 65535 * 64 && kv_cache.size(0) <= 2147483647,
+  TORCH_CHECK_VALUE(batch <= 2147483647 && rows <= 65535 * 64 && kv_cache.size(0) <= 2147483647 &&
+                        batch * ((rows + 15) / 16) <= 2147483647,
                     kOp, ": batch, rows or num_blocks exceeds the launch limits");
   if (batch == 0 || rows == 0) return;
 

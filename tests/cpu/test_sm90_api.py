@@ -32,7 +32,7 @@ def test_schedule_variants_are_fixed_partials():
     with pytest.raises(ValueError, match="schedule must be one of"):
         sm90.schedule_variant("fast")
     assert sm90.snapmla_decode_sm90_split_roles.__name__ == "snapmla_decode_sm90[split-roles]"
-    assert set(sm90.SCHEDULES) == {"free", "split-roles", "narrow"}
+    assert set(sm90.SCHEDULES) == {"free", "split-roles", "narrow", "narrow-16"}
 
 
 def test_narrow_takes_at_most_32_rows():

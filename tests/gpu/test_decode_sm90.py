@@ -206,6 +206,39 @@ def test_narrow_long_and_peaked(seq_lens, num_splits, q_std, H, s_q):
     _check(out, lse, q, qp, cache, bt, sl)
 
 
+# narrow-16 (measurement): any row count as 16-row blocks of the 16-row form, one CTA each.
+
+@pytest.mark.parametrize("H, s_q, num_splits, causal", [
+    (32, 1, None, True), (16, 2, 3, True), (64, 1, 1, False), (8, 4, None, True),
+    (24, 1, 2, True)])
+def test_narrow16_ragged_batch(H, s_q, num_splits, causal):
+    q, qp, cache, bt, sl = _case(RAGGED, H, s_q, seed=50 + H + s_q)
+    q8, qs, qpe = ref.quantize_q(q, qp)
+    out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, causal, num_splits=num_splits,
+                      schedule="narrow-16")
+    _check(out, lse, q, qp, cache, bt, sl, causal=causal)
+
+
+def test_narrow16_blocks_equal_the_16_row_form_on_their_rows():
+    """Each 16-head block of a 32-head request is the 16-row form run on those heads alone, bit
+    for bit: the row offset reaches the query, its scales, the outputs and the LSE."""
+    q, qp, cache, bt, sl = _case(RAGGED + [5000], 32, 1, seed=51)
+    q8, qs, qpe = ref.quantize_q(q, qp)
+    out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, num_splits=3, schedule="narrow-16")
+    for h0 in (0, 16):
+        heads = slice(h0, h0 + 16)
+        o, l = decode(q8[:, :, heads], qs[:, :, heads], qpe[:, :, heads], cache, bt, sl, SCALE,
+                      num_splits=3, schedule="narrow")
+        assert torch.equal(out[:, :, heads], o) and torch.equal(lse[:, heads], l), f"heads {heads}"
+
+
+def test_narrow16_long():
+    q, qp, cache, bt, sl = _case([131072, 700], 16, 2, seed=52)
+    q8, qs, qpe = ref.quantize_q(q, qp)
+    out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, schedule="narrow-16")
+    _check(out, lse, q, qp, cache, bt, sl)
+
+
 def test_narrow_refuses_more_than_32_rows():
     q, qp, cache, bt, sl = _case([100], 16, 3, seed=46)
     q8, qs, qpe = ref.quantize_q(q, qp)

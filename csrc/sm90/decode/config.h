@@ -121,6 +121,10 @@ static_assert((kQkPromoteCols % kWgmmaK8 == 0 && kSwizzleRowBytes % kQkPromoteCo
 // or 32 rows), so nothing is padded to 64 rows, and O^T = V^T . P^T with V^T's A fragments built
 // in registers (no V^T in shared memory).
 constexpr int kScheduleNarrow = 2;       // DecodeParams::schedule of the narrow kernels
+// Measurement: any row count as 16-row blocks of the 16-row form, one CTA each, the blocks of a
+// request and split adjacent in the grid so that they read each page at about the same time
+// (the later reads from L2).
+constexpr int kScheduleNarrow16 = 3;
 constexpr int kNarrowMaxRows = 32;       // the wider of its two forms (N of its WGMMAs)
 // Two consumer warpgroups take alternate pages, each with its own softmax state and O^T, merged
 // at the end: each one's page is a serial chain (QK, cross-warp reductions, PV), and a second

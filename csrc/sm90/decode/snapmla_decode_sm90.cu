@@ -52,11 +52,11 @@ const char* launch_decode_sm90(const DecodeParams& params, const uint8_t* kv_cac
   if (major != 9 || minor != 0) {
     return "decode_sm90 needs an sm_90 (Hopper) GPU; use vllm_snapmla.triton.decode elsewhere";
   }
-  const bool narrow = params.schedule == kScheduleNarrow;
-  if (narrow && params.num_rows > kNarrowMaxRows) {
+  const bool narrow = params.schedule == kScheduleNarrow || params.schedule == kScheduleNarrow16;
+  if (params.schedule == kScheduleNarrow && params.num_rows > kNarrowMaxRows) {
     return "decode_sm90: the narrow kernel takes at most 32 query rows (s_q x heads)";
   }
-  const bool narrow16 = narrow && params.num_rows <= 16;
+  const bool narrow16 = narrow && (params.num_rows <= 16 || params.schedule == kScheduleNarrow16);
   const auto kernel = narrow16                                ? decode_narrow_kernel<16>
                       : narrow                                ? decode_narrow_kernel<32>
                       : !params.promote_pv                    ? decode_kernel<kScheduleFree, false>
@@ -94,8 +94,13 @@ const char* launch_decode_sm90(const DecodeParams& params, const uint8_t* kv_cac
       cudaSuccess) {
     return cudaGetErrorString(cudaGetLastError());
   }
-  const int row_blocks = narrow ? 1 : (params.num_rows + kBlockRows - 1) / kBlockRows;
-  const dim3 grid(batch, row_blocks, params.num_splits);
+  // The narrow kernel's grid x is (request, row block) with the row block fastest; the 64-row
+  // kernel's row blocks are its y.
+  const int narrow_rows = narrow16 ? 16 : kNarrowMaxRows;
+  const int row_blocks = (params.num_rows + (narrow ? narrow_rows : kBlockRows) - 1) /
+                         (narrow ? narrow_rows : kBlockRows);
+  const dim3 grid = narrow ? dim3(batch * row_blocks, 1, params.num_splits)
+                           : dim3(batch, row_blocks, params.num_splits);
   kernel<<<grid, threads, smem_bytes, stream>>>(content_map, rope_map, scale_map, params);
   const cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);

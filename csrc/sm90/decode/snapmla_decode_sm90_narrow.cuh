@@ -184,7 +184,12 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
   const uint32_t full_bar = smem_base + C::kBarriers;           // + 8 * stage: page landed
   const uint32_t empty_bar = full_bar + 8 * kNarrowStages;      // + 8 * stage: slot free
 
-  const int b = blockIdx.x;
+  // The grid's x is (request, row block), the row block fastest: a request's blocks (more than
+  // one only with kScheduleNarrow16, in the 16-row form) run side by side and share its pages
+  // through L2.
+  const int row_blocks = kRows == kNarrowMaxRows ? 1 : (p.num_rows + kRows - 1) / kRows;
+  const int b = blockIdx.x / row_blocks;
+  const int row0 = kRows * (blockIdx.x % row_blocks);
   const int split = blockIdx.z;
   const auto [seq_len, first_page, num_iters] = split_pages(p, b, split);
 
@@ -219,15 +224,16 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
   const uint32_t wg_barrier = 2 + consumer;   // named barrier 1: both consumers
 
   // The query rows into the swizzled B tiles (zeros past num_rows), once.
-  stage_query<kRows>(smem + C::kQ8, C::kQTileBytes, smem + C::kQpe, p, b, 0, threadIdx.x, 256);
+  stage_query<kRows>(smem + C::kQ8, C::kQTileBytes, smem + C::kQpe, p, b, row0, threadIdx.x,
+                     256);
   fence_proxy_async();
 
   // Per-row state of the thread's query rows (slots).  Query i of s_q sees positions
   // < seq_len - s_q + i + 1 when causal; padded rows see nothing.  Only the last pages need the
   // mask (pages past min_visible), so the per-row limits are recomputed there.
-  const auto row_of = [&](int k) { return 8 * (k >> 1) + 2 * q + (k & 1); };
+  const auto row_of = [&](int k) { return 8 * (k >> 1) + 2 * q + (k & 1); };   // in the block
   const auto visible_of = [&](int k) {
-    const int r = row_of(k);
+    const int r = row0 + row_of(k);
     return r < p.num_rows ? seq_len - p.causal * (p.s_q - 1 - r / p.num_heads) : 0;
   };
   float m[kSlots], peak[kSlots], amax_prev[kSlots];
@@ -237,7 +243,7 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
   int min_visible = seq_len;
 #pragma unroll
   for (int k = 0; k < kSlots; ++k) {
-    const int r = row_of(k);
+    const int r = row0 + row_of(k);
     const bool row_ok = r < p.num_rows;
     const int qi = row_ok ? r / p.num_heads : 0, qh = row_ok ? r % p.num_heads : 0;
     min_visible = min(min_visible, visible_of(k));
@@ -557,9 +563,9 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
   if (consumer == 1) return;
 #pragma unroll
   for (int k = 0; k < kSlots; ++k) {
-    const int r = row_of(k);
+    const int r = row0 + row_of(k);   // the request's row
     if (r >= p.num_rows) continue;
-    const float4 other = *reinterpret_cast<const float4*>(merge_rows + r * 4);
+    const float4 other = *reinterpret_cast<const float4*>(merge_rows + row_of(k) * 4);
     const float m_max = fmaxf(m[k], other.x);
     const float w0 = m_max == -INFINITY ? 0.f : exp2f(m[k] - m_max);
     const float w1 = m_max == -INFINITY ? 0.f : exp2f(other.x - m_max);
