@@ -92,15 +92,18 @@ case "$stage" in
     run timeout $(left 580) python3 benchmarks/bench_decode.py --out /root/bench_decode \
         --heads ${NARROW_HEADS:-16 32} --backends "$backends"
     pack /root/bench_decode "$log" ;;
-  verify)   # after `stash 2`: build, all of tests/gpu, timing at 16 and 32 heads (ours by default,
-            # narrow-16, split-roles, FlashMLA), the 1-draft n-gram e2e (the narrow 32-row form
-            # under vLLM's FULL graphs), then page times with the pages in HBM and in L2
-    unpack; build
+  verify)   # build, all of tests/gpu, timing at 16 and 32 heads (ours by default, narrow-16,
+            # split-roles), then page times with the pages in HBM and in L2; with the vLLM
+            # bundle stashed also FlashMLA in the timing and the 1-draft n-gram e2e (the narrow
+            # 32-row form under vLLM's FULL graphs)
+    fm=""
+    if [ -f /root/stash/vllm-site.part2 ]; then unpack; fm=flashmla-bf16,flashmla-fp8,; fi
+    build
     run timeout $(left 300) python3 -m pytest tests/gpu -q -p no:cacheprovider
     run timeout $(left 360) python3 benchmarks/bench_decode.py --out /root/bench_decode \
-        --heads 16 32 --backends flashmla-bf16,flashmla-fp8,snapmla-sm90,snapmla-sm90-narrow-16,snapmla-sm90-split-roles
+        --heads 16 32 --backends ${fm}snapmla-sm90,snapmla-sm90-narrow-16,snapmla-sm90-split-roles
     pack /root/bench_decode "$log"
-    SNAPMLA_DECODE_KERNEL=sm90 run timeout $(left 540) python3 -m pytest \
+    [ -n "$fm" ] && SNAPMLA_DECODE_KERNEL=sm90 run timeout $(left 540) python3 -m pytest \
         tests/e2e/test_cuda_graphs_spec_decode.py -q -rs -p no:cacheprovider -k 1-drafts
     for shape in 64,16,32768,1 64,16,32768,2; do
       for d in 0 64; do
