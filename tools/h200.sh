@@ -51,12 +51,13 @@ case "$stage" in
   train)  run timeout 590 "${TRAIN_TINY[@]}" && cp /root/tiny-mla/train_log.json "$OUT/" ;;
   parity) run timeout 590 python3 eval/parity_tiny.py --model /root/tiny-mla --out /root/parity-tiny &&
           cp -r /root/parity-tiny "$OUT/" ;;
-  ncu)      # Nsight Compute on one launch of sm90 schedules (arg: schedules; no vLLM needed)
+  ncu)      # Nsight Compute on one launch of sm90 schedules (args: schedules, then B,H,N,s_q;
+            # no vLLM needed); the narrow kernel's launches match too
     build
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
-    run timeout 300 "$NCU" --clock-control none --kernel-name regex:decode_kernel --set full \
-        --import-source no -f -o /root/sm90 python3 tools/profile_sm90.py \
-        --schedules "${2:-free,split-roles}"
+    run timeout 300 "$NCU" --clock-control none --kernel-name "regex:decode_(narrow_)?kernel" \
+        --set full --import-source no -f -o /root/sm90 python3 tools/profile_sm90.py \
+        --schedules "${2:-free,split-roles}" --shape "${3:-32,128,16384,1}"
     "$NCU" -i /root/sm90.ncu-rep --page details --print-details all > /root/ncu_details.txt 2>&1 ||
       "$NCU" -i /root/sm90.ncu-rep --page details > /root/ncu_details.txt 2>&1
     "$NCU" -i /root/sm90.ncu-rep --page source --csv --print-source sass > /root/ncu_sass.csv 2>&1
@@ -115,7 +116,8 @@ case "$stage" in
   ab)   # same-lease A/B without vLLM: main's tree, then each PATCH (git apply) in turn, built and
         # timed by bench_decode.py (snapmla-sm90, plus the bench names a patch adds; a patch
         # only after its few_pages/bit-identity tests pass), BENCH_ARGS default --heads 128;
-        # each patch is reverted after its run
+        # AB_ACCURACY=1 adds benchmarks/narrow_accuracy.py per build; each patch is reverted
+        # after its run
     mkdir -p /root/ab
     for v in main "${@:2}"; do
       name=$(basename "$v" .patch)
@@ -134,6 +136,8 @@ case "$stage" in
       fi
       run timeout $(left 560) python3 benchmarks/bench_decode.py --out "/root/ab/$name" \
           --backends "$backends" ${BENCH_ARGS:---heads 128}
+      [ "${AB_ACCURACY:-0}" = 1 ] && run timeout $(left 560) python3 benchmarks/narrow_accuracy.py \
+          --seeds 4
       [ "$v" != main ] && git apply -R "$v"
       [ "$(left 560)" -lt 60 ] && { echo "stopping: out of time" | tee -a "$log"; break; }
     done
