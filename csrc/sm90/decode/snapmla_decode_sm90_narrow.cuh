@@ -18,11 +18,13 @@
 // arithmetic is the 64-row kernel's (docs/format.md "Decode"): FP32 promotion of the content QK
 // (here after every WGMMA), the page's sigma_P, a fresh FP32 accumulator for each page's PV.
 // The softmax's per-row reductions over the page's tokens run across the four warps (shared
-// memory, one named barrier each), and the row sums l are kept per thread and reduced once, at
-// the end.
+// memory, one named barrier each), and the row sums l are kept per thread (in shared memory) and
+// reduced once, at the end.
 //
 // 384 threads: WG0 and WG1 the consumers (pages of even and odd split-local index), WG2 the TMA
-// producer (one thread, a kNarrowStages ring).
+// producer (one thread, a kNarrowStages ring).  The grid's x is (request, row block): one block
+// of at most kRows rows per request, except with kScheduleNarrow16 (measurement), where the
+// 16-row form takes any row count as adjacent 16-row blocks.
 #pragma once
 
 #include "sm90/decode/snapmla_decode_sm90.cuh"
