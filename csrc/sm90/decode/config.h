@@ -176,8 +176,8 @@ struct NarrowConfig {
   static constexpr int kSmemAlloc = kBarriers + 2 * kNarrowStages * 8 + 1024;
   // The merge reuses the page ring (idle by then): consumer 1's O^T fragments ([kRows / 2 x 8
   // values][128 threads] floats), then its rows' final m, l and amax ([kRows][4] floats).
-  static constexpr int kMergeRows = kNarrowPTiles * kAcc * 128 * 4;
-  static constexpr int kMergeBytes = kMergeRows + kRows * 4 * 4;
+  static constexpr int kMergeOBytes = kNarrowPTiles * kAcc * 128 * 4;
+  static constexpr int kMergeBytes = kMergeOBytes + kRows * 4 * 4;
   static_assert(kQ8 % 1024 == 0 && kQTileBytes % 1024 == 0 && kQpe % 1024 == 0 &&
                     kPt % 1024 == 0, "swizzled tiles must be 1024-byte aligned");
   static_assert(kSmemAlloc <= 227 * 1024, "exceeds Hopper's per-block shared memory");

@@ -96,9 +96,8 @@ const char* launch_decode_sm90(const DecodeParams& params, const uint8_t* kv_cac
   }
   // The narrow kernel's grid x is (request, row block) with the row block fastest; the 64-row
   // kernel's row blocks are its y.
-  const int narrow_rows = narrow16 ? 16 : kNarrowMaxRows;
-  const int row_blocks = (params.num_rows + (narrow ? narrow_rows : kBlockRows) - 1) /
-                         (narrow ? narrow_rows : kBlockRows);
+  const int block_rows = narrow16 ? 16 : narrow ? kNarrowMaxRows : kBlockRows;
+  const int row_blocks = (params.num_rows + block_rows - 1) / block_rows;
   const dim3 grid = narrow ? dim3(batch * row_blocks, 1, params.num_splits)
                            : dim3(batch, row_blocks, params.num_splits);
   kernel<<<grid, threads, smem_bytes, stream>>>(content_map, rope_map, scale_map, params);

@@ -546,7 +546,7 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
   for (int k = 0; k < kSlots; ++k) l_sum[k] = l[k * 128];
   reduce_rows(l_sum, own & 1, 0, true);
   float* const merge = reinterpret_cast<float*>(smem);   // [8 kAcc][128 threads], then rows
-  float* const merge_rows = merge + C::kMergeRows / 4;    // [kRows][4]: m, l, amax
+  float* const merge_rows = merge + C::kMergeOBytes / 4;    // [kRows][4]: m, l, amax
   named_barrier_sync(1, 256);
   if (consumer == 1) {
 #pragma unroll
