@@ -150,11 +150,13 @@ struct NarrowConfig {
   static constexpr bool kVtInPv = kRows == 32;
   static constexpr int kAcc = kRows / 2;       // accumulator registers of one 64 x kRows tile
   static constexpr int kSlots = kRows / 4;     // query rows per thread
-  // The narrow kernels have tensor-core time to spare, so their content QK promotes after every
-  // WGMMA (32 columns, not kQkPromoteCols): the tensor core's reduced-precision accumulation then
-  // spans a single instruction's 32 terms.
-  static constexpr int kQkPromoteCols = kWgmmaK8;
-  static constexpr int kQkChunks = kKvLoraRank / kQkPromoteCols;               // 16
+  // The 16-row form has tensor-core time to spare, so its content QK promotes after every WGMMA
+  // (32 columns): the tensor core's reduced-precision accumulation then spans one instruction's
+  // 32 terms.  The 32-row form promotes every kQkPromoteCols (64) like the 64-row kernel: half
+  // the FP32 adds, 4-5% faster, and the same LSE error as split-roles on sharp softmaxes
+  // (5.0-6.5e-3 at q_std 8, benchmarks/narrow_accuracy.py; RESULTS.md twenty-second run).
+  static constexpr int kQkPromoteCols = kRows == 32 ? sm90::kQkPromoteCols : kWgmmaK8;
+  static constexpr int kQkChunks = kKvLoraRank / kQkPromoteCols;               // 16 or 8
   static constexpr int kQkParts = kRows == 16 ? 4 : 2;   // QK chunks in flight (kAcc each)
   static_assert(kQkParts >= 1 && kQkParts <= 4, "the QK wait ladder goes up to 3 pending");
   static constexpr int kQTileBytes = kRows * kSwizzleRowBytes;                 // 2 or 4 KB

@@ -217,7 +217,9 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
 
   // ------------------------------------------------------------------ consumers
   setmaxnreg_inc<kConsumerRegs>();
-  const int consumer = threadIdx.x / 128;   // pages consumer, consumer + 2, ...
+  // Broadcast from lane 0, so that the compiler knows it is warp-uniform: the page, stage and
+  // descriptor arithmetic derived from it then runs in uniform registers.
+  const int consumer = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);   // pages c, c + 2, ...
   const int wg_tid = threadIdx.x % 128;
   const int warp = wg_tid / 32;
   const int lane = threadIdx.x % 32;
@@ -278,27 +280,31 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
   float* const red =   // [2][2][kRows][4 warps]
       reinterpret_cast<float*>(smem + C::kRed + consumer * C::kRedBytes);
 
-  // The maximum (`sum` false) or sum over the warpgroup's 64 tokens of each slot's values:
-  // shuffles over the 8 lanes sharing q, then the 4 warps through `red` (one named barrier).
-  // `buf` alternates by page: the page's later barriers already order its reads before the next
-  // page's writes, so the second buffer is a margin, not a necessity.
-  const auto reduce_rows = [&](float (&x)[kSlots], int buf, int kind, bool sum) {
+  // The maxima (`sum` false) or sums over the warpgroup's 64 tokens of kSlots values per slot
+  // (x[j * kSlots + k]: quantity j of slot k, j < 2): shuffles over the 8 lanes sharing q, then
+  // the 4 warps through `red` (one named barrier for all of them).  `buf` alternates by page:
+  // the page's later barriers already order its reads before the next page's writes, so the
+  // second buffer is a margin, not a necessity.
+  const auto reduce_rows = [&](auto& x, int buf, bool sum) {
+    constexpr int kN = sizeof(x) / sizeof(x[0]);
+    static_assert(kN == kSlots || kN == 2 * kSlots, "one or two quantities per slot");
 #pragma unroll
-    for (int k = 0; k < kSlots; ++k)
+    for (int k = 0; k < kN; ++k)
 #pragma unroll
       for (int d = 4; d < 32; d *= 2) {
         const float y = __shfl_xor_sync(0xffffffff, x[k], d);
         x[k] = sum ? x[k] + y : fmaxf(x[k], y);
       }
-    float* r = red + (buf * 2 + kind) * kRows * 4;
+    float* r = red + buf * 2 * kRows * 4;
     if (g == 0) {
 #pragma unroll
-      for (int k = 0; k < kSlots; ++k) r[row_of(k) * 4 + warp] = x[k];
+      for (int k = 0; k < kN; ++k) r[((k / kSlots) * kRows + row_of(k % kSlots)) * 4 + warp] = x[k];
     }
     named_barrier_sync(wg_barrier, 128);
 #pragma unroll
-    for (int k = 0; k < kSlots; ++k) {
-      const float4 w = *reinterpret_cast<const float4*>(r + row_of(k) * 4);
+    for (int k = 0; k < kN; ++k) {
+      const float4 w =
+          *reinterpret_cast<const float4*>(r + ((k / kSlots) * kRows + row_of(k % kSlots)) * 4);
       x[k] = sum ? (w.x + w.y) + (w.z + w.w) : fmaxf(fmaxf(w.x, w.y), fmaxf(w.z, w.w));
     }
   };
@@ -399,22 +405,31 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
         s[v] = pos < visible_of(2 * (v >> 2) + (v & 1)) ? s[v] : -INFINITY;
       }
     }
-    float x[kSlots];
+    // One reduction gives each row both its page maximum of s and that of s + log2 sigma_K:
+    // amax(P') = max_t 2^(s_t - m) sigma_K,t = 2^(max_t (s_t + log2 sigma_K,t) - m), as exp2 is
+    // monotonic, so the page's sigma_P needs no second cross-warp reduction after the exps.
+    // (It differs from the max of the rounded P' by an ulp or two, far below what FP8 resolves;
+    // empty or masked tokens give -inf.)
+    float x[2 * kSlots];
+    {
+      const float log_k_scale[2] = {__log2f(k_scale[0]), __log2f(k_scale[1])};
 #pragma unroll
-    for (int k = 0; k < kSlots; ++k) {
-      const int v0 = 4 * (k >> 1) + (k & 1);
-      x[k] = fmaxf(s[v0], s[v0 + 2]);
+      for (int k = 0; k < kSlots; ++k) {
+        const int v0 = 4 * (k >> 1) + (k & 1);
+        x[k] = fmaxf(s[v0], s[v0 + 2]);
+        x[kSlots + k] = fmaxf(s[v0] + log_k_scale[0], s[v0 + 2] + log_k_scale[1]);
+      }
     }
-    reduce_rows(x, own & 1, 0, false);
+    reduce_rows(x, own & 1, false);
     float m_ref[kSlots], alpha[kSlots], e_sum[kSlots], amax[kSlots];
 #pragma unroll
     for (int k = 0; k < kSlots; ++k) {
       const float m_new = fmaxf(m[k], x[k]);
       m_ref[k] = m_new == -INFINITY ? 0.f : m_new;   // rows that have seen nothing yet
       alpha[k] = exp2_approx(m[k] - m_ref[k]);
+      amax[k] = exp2_approx(x[kSlots + k] - m_ref[k]);
       m[k] = m_new;
       e_sum[k] = 0.f;
-      amax[k] = 0.f;
     }
 #pragma unroll
     for (int v = 0; v < kAcc; ++v) {
@@ -422,9 +437,7 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
       const float e = exp2_approx(s[v] - m_ref[k]);
       e_sum[k] += e;
       s[v] = e * k_scale[(v >> 1) & 1];    // scale fusion: P' = P * sigma_V
-      amax[k] = fmaxf(amax[k], s[v]);
     }
-    reduce_rows(amax, own & 1, 1, false);
     float inv_amax[kSlots], gamma[kSlots];
 #pragma unroll
     for (int k = 0; k < kSlots; ++k) {
@@ -544,7 +557,7 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
   float l_sum[kSlots];
 #pragma unroll
   for (int k = 0; k < kSlots; ++k) l_sum[k] = l[k * 128];
-  reduce_rows(l_sum, own & 1, 0, true);
+  reduce_rows(l_sum, own & 1, true);
   float* const merge = reinterpret_cast<float*>(smem);   // [8 kAcc][128 threads], then rows
   float* const merge_rows = merge + C::kMergeOBytes / 4;    // [kRows][4]: m, l, amax
   named_barrier_sync(1, 256);
