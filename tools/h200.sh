@@ -113,31 +113,34 @@ case "$stage" in
       done
     done
     pack /root/bench_decode "$log" ;;
-  ab)   # same-lease A/B without vLLM: main's tree, then each PATCH (git apply) in turn, built and
-        # timed by bench_decode.py (snapmla-sm90, plus the bench names a patch adds; a patch
-        # only after its few_pages/bit-identity tests pass), BENCH_ARGS default --heads 128;
-        # AB_ACCURACY=1 adds benchmarks/narrow_accuracy.py per build; each patch is reverted
-        # after its run
+  ab)   # same-lease A/B: main's tree, then each PATCH (git apply) in turn, built and timed by
+        # bench_decode.py (snapmla-sm90, plus the bench names a patch adds, plus FlashMLA when
+        # the vLLM bundle is stashed; a patch only after its tests pass: AB_TESTS, a pytest -k
+        # expression on tests/gpu/test_decode_sm90.py, default its few_pages/bit-identity
+        # tests), BENCH_ARGS default --heads 128; AB_ACCURACY=1 adds
+        # benchmarks/narrow_accuracy.py per patch; each patch is reverted after its run
     mkdir -p /root/ab
+    fm=""
+    if [ -f /root/stash/vllm-site.part2 ]; then unpack; fm=flashmla-bf16,flashmla-fp8,; fi
     for v in main "${@:2}"; do
       name=$(basename "$v" .patch)
       if [ "$v" != main ] && ! git apply "$v"; then echo "== $name does not apply" | tee -a "$log"; continue; fi
       build > /dev/null
-      backends=snapmla-sm90
+      backends=${fm}snapmla-sm90
       [ "$v" != main ] && for b in $(grep -oE '^\+ +"snapmla-sm90-[a-z0-9-]+"' "$v" | grep -oE 'snapmla-sm90-[a-z0-9-]+'); do
         backends=$backends,$b
       done
       echo "== $name ($(( $(date +%s) - start )) s)" | tee -a "$log"
       # the smallest cases and the bit-identity tests first, with a short timeout: a variant's
       # missed barrier arrival hangs
-      if [ "$v" != main ] && ! run timeout 90 python3 -m pytest tests/gpu/test_decode_sm90.py -q -x \
-          -p no:cacheprovider -k "few_pages or bit_identical"; then
+      if [ "$v" != main ] && ! run timeout 150 python3 -m pytest tests/gpu/test_decode_sm90.py -q -x \
+          -p no:cacheprovider -k "${AB_TESTS:-few_pages or bit_identical}"; then
         echo "== $name failed its tests: not timed" | tee -a "$log"; git apply -R "$v"; continue
       fi
       run timeout $(left 560) python3 benchmarks/bench_decode.py --out "/root/ab/$name" \
           --backends "$backends" ${BENCH_ARGS:---heads 128}
-      [ "${AB_ACCURACY:-0}" = 1 ] && run timeout $(left 560) python3 benchmarks/narrow_accuracy.py \
-          --seeds 4
+      [ "${AB_ACCURACY:-0}" = 1 ] && [ "$v" != main ] && run timeout $(left 560) \
+          python3 benchmarks/narrow_accuracy.py --seeds 4
       [ "$v" != main ] && git apply -R "$v"
       [ "$(left 560)" -lt 60 ] && { echo "stopping: out of time" | tee -a "$log"; break; }
     done
