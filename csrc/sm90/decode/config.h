@@ -157,7 +157,7 @@ struct NarrowConfig {
   // (5.0-6.5e-3 at q_std 8, benchmarks/narrow_accuracy.py; RESULTS.md twenty-second run).
   static constexpr int kQkPromoteCols = kRows == 32 ? sm90::kQkPromoteCols : kWgmmaK8;
   static constexpr int kQkChunks = kKvLoraRank / kQkPromoteCols;               // 16 or 8
-  static constexpr int kQkParts = kRows == 16 ? 4 : 2;   // QK chunks in flight (kAcc each)
+  static constexpr int kQkParts = kRows == 16 ? 4 : 3;   // QK chunks in flight (kAcc each)
   static_assert(kQkParts >= 1 && kQkParts <= 4, "the QK wait ladder goes up to 3 pending");
   static constexpr int kQTileBytes = kRows * kSwizzleRowBytes;                 // 2 or 4 KB
   static constexpr int kQ8 = kNarrowStages * kStageBytes;
@@ -169,10 +169,11 @@ struct NarrowConfig {
   static constexpr int kRedBytes = 2 * 2 * kRows * 4 * 4;
   static constexpr int kRed = kPt + kNarrowConsumers * kQTileBytes;
   // Row state kept in shared memory to spare the 32-row form's registers: the rows' score
-  // scales ([4 q][kSlots] floats: a thread's slots are contiguous) and, per consumer, each
-  // thread's share of the row sums l ([kSlots][128 threads] floats).
+  // scales and causal limits ([4 q][kSlots] floats and ints: a thread's slots are contiguous)
+  // and, per consumer, each thread's share of the row sums l ([kSlots][128 threads] floats).
   static constexpr int kRowScale = kRed + kNarrowConsumers * kRedBytes;
-  static constexpr int kRowSums = kRowScale + kRows * 4;
+  static constexpr int kRowVisible = kRowScale + kRows * 4;
+  static constexpr int kRowSums = kRowVisible + kRows * 4;
   static constexpr int kRowSumsBytes = kSlots * 128 * 4;
   static constexpr int kBarriers = kRowSums + kNarrowConsumers * kRowSumsBytes;
   static constexpr int kSmemAlloc = kBarriers + 2 * kNarrowStages * 8 + 1024;

@@ -172,6 +172,15 @@ __device__ __forceinline__ float exp2_approx(float x) {
   return y;
 }
 
+// 1 / x by one MUFU.RCP (at most 1 ulp off) where the IEEE division would add a refinement and
+// a slow-path branch (about 9 instructions): the narrow kernel's per-row sigma_P reciprocals.
+// x is in [2^-126, 2^126] (kPScaleFloor), so the result is normal.
+__device__ __forceinline__ float rcp_approx(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Four floats to four e4m3 bytes (round to nearest even, saturating), x0 in the lowest byte.
 __device__ __forceinline__ uint32_t pack_e4m3x4(float x0, float x1, float x2, float x3) {
   uint16_t lo, hi;

@@ -90,6 +90,15 @@ __device__ __forceinline__ void load_v_fragments(const uint8_t* tile, int g, int
     }
 }
 
+// c ? a : b as one SELP: written as a conditional on two elements of a register array, nvcc
+// may turn it into a dynamically indexed load, which puts the array in local memory.
+__device__ __forceinline__ float select(bool c, float a, float b) {
+  float r;
+  asm("{\n .reg .pred p;\n setp.ne.u32 p, %1, 0;\n selp.f32 %0, %2, %3, p;\n}"
+      : "=f"(r) : "r"(static_cast<uint32_t>(c)), "f"(a), "f"(b));
+  return r;
+}
+
 // The K position (0..63) of token t in the PV operands (load_v_fragments's order).
 __device__ __forceinline__ int narrow_position(int t) {
   const int a = t >> 3, q = (t >> 1) & 3, i = 2 * (a & 1) + (t & 1);
@@ -104,9 +113,10 @@ __device__ __forceinline__ int narrow_position(int t) {
 // (matrix mi = 4 kk + register), gives the thread 16-bit column g of rows 2 q and 2 q + 1: the
 // bytes of columns 2 g, 2 g + 1 of tokens 8 mi + 2 q, 8 mi + 2 q + 1.  Two matrices' registers
 // permuted give the four tokens of one column, in load_v_fragments's K order (narrow_position):
-// P8^T is the same for both forms.  Empty slots (token >= live) are zeroed after the load.
-__device__ __forceinline__ void load_v_tile(uint32_t content, int mt, int warp, int lane, int q,
-                                            int live, uint32_t (&a)[2][4]) {
+// P8^T is the same for both forms.  Empty slots (token >= live) must hold zeros: the kernel
+// clears them in the stage before the PV (their bytes may be NaN, and 0 x NaN is NaN).
+__device__ __forceinline__ void load_v_tile(uint32_t content, int mt, int warp, int lane,
+                                            uint32_t (&a)[2][4]) {
   const int row = lane & 7;
   const uint32_t base = content + (mt >> 1) * kContentTileBytes +
                         ((((4 * (mt & 1) + warp) ^ row) & 7) << 4);
@@ -114,13 +124,6 @@ __device__ __forceinline__ void load_v_tile(uint32_t content, int mt, int warp, 
   for (int kk = 0; kk < 2; ++kk) {
     uint32_t r[4];
     ldmatrix_x4_trans(base + (8 * (4 * kk + (lane >> 3)) + row) * kSwizzleRowBytes, r);
-    if (live < kPageSize) {
-#pragma unroll
-      for (int m = 0; m < 4; ++m) {
-        const int t = 8 * (4 * kk + m) + 2 * q;
-        r[m] &= (t < live ? 0x0000FFFFu : 0u) | (t + 1 < live ? 0xFFFF0000u : 0u);
-      }
-    }
 #pragma unroll
     for (int jh = 0; jh < 2; ++jh) {
       a[kk][2 * jh] = __byte_perm(r[2 * jh], r[2 * jh + 1], 0x6420);       // column 2 g
@@ -234,7 +237,7 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
 
   // Per-row state of the thread's query rows (slots).  Query i of s_q sees positions
   // < seq_len - s_q + i + 1 when causal; padded rows see nothing.  Only the last pages need the
-  // mask (pages past min_visible), so the per-row limits are recomputed there.
+  // mask (pages past min_visible), which reads the per-row limits from row_visible.
   const auto row_of = [&](int k) { return 8 * (k >> 1) + 2 * q + (k & 1); };   // in the block
   const auto visible_of = [&](int k) {
     const int r = row0 + row_of(k);
@@ -242,6 +245,7 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
   };
   float m[kSlots], peak[kSlots], amax_prev[kSlots];
   float* const row_scale = reinterpret_cast<float*>(smem + C::kRowScale) + q * kSlots;
+  int* const row_visible = reinterpret_cast<int*>(smem + C::kRowVisible) + q * kSlots;
   float* const l = reinterpret_cast<float*>(smem + C::kRowSums + consumer * C::kRowSumsBytes) +
                    wg_tid;   // l[k * 128]: this thread's share of row k's sum of exp
   int min_visible = seq_len;
@@ -255,6 +259,7 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
       row_scale[k] = row_ok ? p.q_scale[b * p.q_scale_stride[0] + qi * p.q_scale_stride[1] +
                                         qh * p.q_scale_stride[2]] * p.qk_scale_log2
                             : 0.f;
+      row_visible[k] = visible_of(k);
     }
     m[k] = -INFINITY;              // running max logit (log2 units)
     peak[k] = 0.f;                 // largest P' so far, at the current m
@@ -281,31 +286,54 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
       reinterpret_cast<float*>(smem + C::kRed + consumer * C::kRedBytes);
 
   // The maxima (`sum` false) or sums over the warpgroup's 64 tokens of kSlots values per slot
-  // (x[j * kSlots + k]: quantity j of slot k, j < 2): shuffles over the 8 lanes sharing q, then
-  // the 4 warps through `red` (one named barrier for all of them).  `buf` alternates by page:
-  // the page's later barriers already order its reads before the next page's writes, so the
-  // second buffer is a margin, not a necessity.
+  // (x[j * kSlots + k]: quantity j of slot k, j < 2).  First over the 8 lanes sharing q, as a
+  // reduce-scatter: at each of the three butterfly steps a lane keeps half of its values and
+  // trades the other half with its partner, so it ends with kN / 8 of them (kN / 4 + 2 kN / 8 +
+  // ... shuffles instead of 3 kN).  Then over the 4 warps through `red` (one named barrier),
+  // where every thread reads the results of its own slots.  `buf` alternates by page: the
+  // page's later barriers already order its reads before the next page's writes, so the second
+  // buffer is a margin, not a necessity.
   const auto reduce_rows = [&](auto& x, int buf, bool sum) {
     constexpr int kN = sizeof(x) / sizeof(x[0]);
     static_assert(kN == kSlots || kN == 2 * kSlots, "one or two quantities per slot");
+    constexpr int kKeep = kN >= 8 ? kN / 8 : 1;   // values a lane holds after the butterfly
+    const auto op = [&](float a, float b) { return sum ? a + b : fmaxf(a, b); };
+    float y[kN];
 #pragma unroll
-    for (int k = 0; k < kN; ++k)
+    for (int j = 0; j < kN; ++j) y[j] = x[j];
+    int first = 0;   // x index of y[0]
+    // One butterfly step with partner lane ^ d, holding kWidth values before it.
+    const auto step = [&](auto width, int d) {
+      constexpr int kWidth = decltype(width)::value;
+      const bool upper = lane & d;
+      if constexpr (kWidth > kKeep) {
+        constexpr int kHalf = kWidth / 2;
 #pragma unroll
-      for (int d = 4; d < 32; d *= 2) {
-        const float y = __shfl_xor_sync(0xffffffff, x[k], d);
-        x[k] = sum ? x[k] + y : fmaxf(x[k], y);
+        for (int j = 0; j < kHalf; ++j) {
+          const float give = select(upper, y[j], y[kHalf + j]);
+          const float keep = select(upper, y[kHalf + j], y[j]);
+          y[j] = op(keep, __shfl_xor_sync(0xffffffff, give, d));
+        }
+        first += upper ? kHalf : 0;
+      } else {
+#pragma unroll
+        for (int j = 0; j < kWidth; ++j) y[j] = op(y[j], __shfl_xor_sync(0xffffffff, y[j], d));
       }
+    };
+    constexpr int kWidth1 = kN > kKeep ? kN / 2 : kN;
+    constexpr int kWidth2 = kWidth1 > kKeep ? kWidth1 / 2 : kWidth1;
+    step(std::integral_constant<int, kN>{}, 16);   // g's bit 2
+    step(std::integral_constant<int, kWidth1>{}, 8);
+    step(std::integral_constant<int, kWidth2>{}, 4);
     float* r = red + buf * 2 * kRows * 4;
-    if (g == 0) {
+    const auto at = [&](int j) { return ((j / kSlots) * kRows + row_of(j % kSlots)) * 4; };
 #pragma unroll
-      for (int k = 0; k < kN; ++k) r[((k / kSlots) * kRows + row_of(k % kSlots)) * 4 + warp] = x[k];
-    }
+    for (int j = 0; j < kKeep; ++j) r[at(first + j) + warp] = y[j];
     named_barrier_sync(wg_barrier, 128);
 #pragma unroll
-    for (int k = 0; k < kN; ++k) {
-      const float4 w =
-          *reinterpret_cast<const float4*>(r + ((k / kSlots) * kRows + row_of(k % kSlots)) * 4);
-      x[k] = sum ? (w.x + w.y) + (w.z + w.w) : fmaxf(fmaxf(w.x, w.y), fmaxf(w.z, w.w));
+    for (int j = 0; j < kN; ++j) {
+      const float4 w = *reinterpret_cast<const float4*>(r + at(j));
+      x[j] = sum ? (w.x + w.y) + (w.z + w.w) : fmaxf(fmaxf(w.x, w.y), fmaxf(w.z, w.w));
     }
   };
 
@@ -384,8 +412,23 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
       for (int v = 0; v < kAcc; ++v) s[v] += acc[v];
       if (c + kParts < C::kQkChunks) issue_chunk(c + kParts);
     }
-    // 16 rows: QK done, V and the scales are in registers.
-    if constexpr (!C::kVtInPv) mbar_arrive(empty_bar + 8 * stage);
+    if constexpr (!C::kVtInPv) {
+      // 16 rows: QK done, V and the scales are in registers.
+      mbar_arrive(empty_bar + 8 * stage);
+    } else if (live < kPageSize) {
+      // 32 rows, the request's last page: zeros into the empty token rows of the content tiles
+      // for the PV's ldmatrix (load_v_tile).  This warp's QK is complete; another warp's may
+      // still read these rows, but their logits are masked.  The barrier before the PV orders
+      // the stores before every warp's loads, and the proxy fence before it the TMA's later
+      // writes of the stage after them.
+      uint8_t* const content = smem + stage * kStageBytes + kStageContent;
+      constexpr int kChunks = kContentTiles * kSwizzleRowBytes / 16;   // 16-byte chunks per token
+      for (int c = wg_tid; c < (kPageSize - live) * kChunks; c += 128) {
+        const int t = live + c / kChunks, tile = c % kChunks / 8, chunk = c % 8;
+        *reinterpret_cast<uint4*>(content + tile * kContentTileBytes + t * kSwizzleRowBytes +
+                                  16 * chunk) = make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
 
     // The SnapMLA P pipeline of the page, per query row (the 64-row kernel's softmax).
     float scale[kSlots];
@@ -399,10 +442,16 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
       s[v] *= scale[2 * (v >> 2) + (v & 1)] * k_scale[(v >> 1) & 1];
     }
     if ((page + 1) * kPageSize > min_visible) {
+      int visible[kSlots];
+#pragma unroll
+      for (int k = 0; k < kSlots; k += 4) {
+        const int4 w = *reinterpret_cast<const int4*>(row_visible + k);
+        visible[k] = w.x, visible[k + 1] = w.y, visible[k + 2] = w.z, visible[k + 3] = w.w;
+      }
 #pragma unroll
       for (int v = 0; v < kAcc; ++v) {
         const int pos = page * kPageSize + token0 + 8 * ((v >> 1) & 1);
-        s[v] = pos < visible_of(2 * (v >> 2) + (v & 1)) ? s[v] : -INFINITY;
+        s[v] = pos < visible[2 * (v >> 2) + (v & 1)] ? s[v] : -INFINITY;
       }
     }
     // One reduction gives each row both its page maximum of s and that of s + log2 sigma_K:
@@ -443,7 +492,7 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
     for (int k = 0; k < kSlots; ++k) {
       peak[k] = fmaxf(peak[k] * alpha[k], amax[k]);
       const float amax_new = fmaxf(fmaxf(amax[k], peak[k] * kPScaleRange), kPScaleFloor);
-      inv_amax[k] = 1.f / amax_new;                                  // <= 2**126: finite
+      inv_amax[k] = rcp_approx(amax_new);                            // <= 2**126: finite
       gamma[k] = alpha[k] * (amax_prev[k] * inv_amax[k]);            // exp(m_old - m) s_old / s
       l[k * 128] = l[k * 128] * alpha[k] + e_sum[k];
       amax_prev[k] = amax_new;
@@ -519,7 +568,7 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
       float pv[2][kAcc];
       const auto issue_tile = [&](int mt) {
         uint32_t(&frag)[2][4] = at[mt & 1];
-        load_v_tile(content, mt, warp, lane, q, live, frag);
+        load_v_tile(content, mt, warp, lane, frag);
         fence_operands(frag[0]);
         fence_operands(frag[1]);
         fence_operands(pv[mt & 1]);
