@@ -145,60 +145,88 @@ def _time(fn, rep, warmup, eager):
 
 
 def _plot(rows, path):
-    """Three panels, one colour per backend: H=128 TFLOP/s and speedup over BF16 FlashMLA
-    against context length (the paper's Figures 1 and 6), and the speedup at the other shapes."""
+    """One colour per backend: H=128 TFLOP/s and speedup over BF16 FlashMLA against context
+    length (the paper's Figures 1 and 6), when the run has that sweep, and the speedup at the
+    other shapes.  Returns the panels' titles (empty without matplotlib)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib not importable: no plot", flush=True)
-        return
+        return []
     backends = sorted({r["backend"] for r in rows})
     colour = {b: f"C{i}" for i, b in enumerate(backends)}
-    fig, (ax_tf, ax_sp, ax_bar) = plt.subplots(1, 3, figsize=(17, 5))
     sweep = [r for r in rows if r["H"] == 128 and r["s_q"] == 1]
-    for backend in backends:
-        pts = sorted((r["N"], r["tflops"], r.get("speedup_vs_bf16")) for r in sweep
-                     if r["backend"] == backend)
-        if not pts:
-            continue
-        ax_tf.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colour[backend],
-                   label=backend)
-        if all(p[2] for p in pts):
-            ax_sp.plot([p[0] for p in pts], [p[2] for p in pts], marker="o",
-                       color=colour[backend], label=backend)
-    for ax, title in ((ax_tf, "H=128, s_q=1: TFLOP/s"),
-                      (ax_sp, "H=128, s_q=1: speedup over BF16 FlashMLA")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("context length N (tokens)")
-        ax.set_title(title)
-        ax.grid(True, alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-    ax_sp.axhline(1.0, color="gray", lw=0.8)
     others = sorted({(r["H"], r["s_q"], r["B"], r["N"]) for r in rows
                      if (r["H"], r["s_q"]) != (128, 1)})
-    width = 0.8 / max(len(backends), 1)
-    for i, backend in enumerate(backends):
-        values = [next((r.get("speedup_vs_bf16") or 0 for r in rows if r["backend"] == backend
-                        and (r["H"], r["s_q"], r["B"], r["N"]) == shape), 0) for shape in others]
-        ax_bar.bar([x + i * width for x in range(len(others))], values, width,
-                   color=colour[backend], label=backend)
-    ax_bar.set_xticks([x + 0.4 - width / 2 for x in range(len(others))])
-    ax_bar.set_xticklabels([f"H={h} s_q={q}\nB={b} N={n // 1024}k" for h, q, b, n in others],
-                           fontsize=7, rotation=30, ha="right")
-    ax_bar.axhline(1.0, color="gray", lw=0.8)
-    ax_bar.set_title("other shapes: speedup over BF16 FlashMLA")
-    ax_bar.grid(True, axis="y", alpha=0.3)
-    ax_bar.legend(fontsize=8)
-    if not any(r.get("speedup_vs_bf16") for r in rows):
-        for ax in (ax_sp, ax_bar):
+    panels = (["H=128, s_q=1: TFLOP/s", "H=128, s_q=1: speedup over BF16 FlashMLA"] if sweep
+              else []) + ([("other shapes: " if sweep else "") + "speedup over BF16 FlashMLA"]
+                          if others else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(17 if sweep else 10, 5), squeeze=False)
+    axes = dict(zip(panels, axes[0]))
+    has_flashmla = any(r.get("speedup_vs_bf16") for r in rows)
+    if sweep:
+        ax_tf, ax_sp = axes[panels[0]], axes[panels[1]]
+        for backend in backends:
+            pts = sorted((r["N"], r["tflops"], r.get("speedup_vs_bf16")) for r in sweep
+                         if r["backend"] == backend)
+            if not pts:
+                continue
+            ax_tf.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                       color=colour[backend], label=backend)
+            if all(p[2] for p in pts):
+                ax_sp.plot([p[0] for p in pts], [p[2] for p in pts], marker="o",
+                           color=colour[backend], label=backend)
+        for ax in (ax_tf, ax_sp):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("context length N (tokens)")
+            ax.grid(True, alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=8)
+        ax_sp.axhline(1.0, color="gray", lw=0.8)
+    if others:
+        ax_bar = axes[panels[-1]]
+        width = 0.8 / max(len(backends), 1)
+        for i, backend in enumerate(backends):
+            values = [next((r.get("speedup_vs_bf16") or 0 for r in rows
+                            if r["backend"] == backend
+                            and (r["H"], r["s_q"], r["B"], r["N"]) == shape), 0)
+                      for shape in others]
+            ax_bar.bar([x + i * width for x in range(len(others))], values, width,
+                       color=colour[backend], label=backend)
+        ax_bar.set_xticks([x + 0.4 - width / 2 for x in range(len(others))])
+        ax_bar.set_xticklabels([f"H={h} s_q={q}\nB={b} N={n // 1024}k" for h, q, b, n in others],
+                               fontsize=7, rotation=30, ha="right")
+        ax_bar.axhline(1.0, color="gray", lw=0.8)
+        ax_bar.grid(True, axis="y", alpha=0.3)
+        ax_bar.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))   # off the bars
+    for title, ax in axes.items():
+        ax.set_title(title)
+        if "speedup" in title and not has_flashmla:
             ax.text(0.5, 0.5, "FlashMLA not available in this run", ha="center",
                     transform=ax.transAxes)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
     print(f"wrote {path}", flush=True)
+    return panels
+
+
+def _read_csv(path):
+    """decode.csv's rows with numbers as numbers (empty cells None), as _plot takes them."""
+    ints, floats = ("B", "H", "N", "s_q"), ("us", "tflops", "gbps", "relerr", "speedup_vs_bf16",
+                                            "speedup_vs_fp8")
+    rows = []
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            row = dict(r)
+            for c in ints:
+                row[c] = int(r[c])
+            for c in floats:
+                row[c] = float(r[c]) if r.get(c) not in (None, "") else None
+            rows.append(row)
+    return rows
 
 
 def main():
@@ -209,7 +237,13 @@ def main():
     parser.add_argument("--backends", help="comma-separated subset of: flashmla-bf16, "
                         "flashmla-fp8, " + ", ".join(SNAPMLA_KERNELS) + " (default: all)")
     parser.add_argument("--heads", type=int, nargs="+", help="only the shapes of these head counts")
+    parser.add_argument("--replot", metavar="CSV", help="no timing: redraw a decode.csv's plot "
+                        "into --out")
     args = parser.parse_args()
+    if args.replot:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        _plot(_read_csv(args.replot), Path(args.out) / "decode.png")
+        return
     known = {"flashmla-bf16", "flashmla-fp8", *SNAPMLA_KERNELS}
     wanted = set(args.backends.split(",")) if args.backends else known
     if wanted - known:

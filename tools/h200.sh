@@ -27,6 +27,9 @@ unpack() {   # the vLLM bundle, stashed by the three `stash` calls
 }
 build() {
   run nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
+  # From scratch: build outputs outlive the calls of a lease, and the tree each call lays down
+  # may be older than them, so ninja would keep an earlier call's objects (an A/B's last patch).
+  rm -rf build vllm_snapmla/_C*.so
   run timeout 200 python3 -m pip install -q -v --no-build-isolation --no-deps -e . \
       | grep -E "registers|spill|error"
 }
