@@ -16,10 +16,12 @@
 // state (m, peak, sigma_P) and O^T, and are merged at the end like two KV splits (a page is a
 // serial chain in one warpgroup, and the other's warps hide its latencies).  Per page and row the
 // arithmetic is the 64-row kernel's (docs/format.md "Decode"): FP32 promotion of the content QK
-// (here after every WGMMA), the page's sigma_P, a fresh FP32 accumulator for each page's PV.
-// The softmax's per-row reductions over the page's tokens run across the four warps (shared
-// memory, one named barrier each), and the row sums l are kept per thread (in shared memory) and
-// reduced once, at the end.
+// (16 rows: after every WGMMA; 32 rows: every 64 columns, as the 64-row kernel), the page's
+// sigma_P, a fresh FP32 accumulator for each page's PV.  The softmax's per-row reductions over
+// the page's tokens run across the four warps (shared memory, one named barrier per page for the
+// maxima), and the row sums l are kept per thread (in shared memory) and reduced once, at the
+// end.  The 32-row form is bound by its per-page chain of dependent instructions (two consumer
+// warps per scheduler hide little), so instruction counts on that chain are its speed.
 //
 // 384 threads: WG0 and WG1 the consumers (pages of even and odd split-local index), WG2 the TMA
 // producer (one thread, a kNarrowStages ring).  The grid's x is (request, row block): one block
