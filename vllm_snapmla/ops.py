@@ -142,7 +142,8 @@ def quantize_q(q_nope: torch.Tensor, q_pe: torch.Tensor):
 DECODE_KERNELS = ("auto", "sm90", "triton")
 # The sm90 kernels take any row count: the narrow kernel's 16-row form (1-16 query rows, s_q x
 # heads) costs the same at 1 row as at 16, where it runs 1.28-1.31x the 64-row kernel's speed
-# (benchmarks/RESULTS.md, eighth run; its 32-row form, 17-32 rows, 1.00-1.07x in the twentieth),
+# (benchmarks/RESULTS.md, eighth run; its 32-row form, 17-32 rows, 1.14-1.19x in the
+# twenty-second, before the twenty-third run's further 6-11%),
 # and the Triton kernel pads to 16 rows too.
 SM90_MIN_ROWS = 1
 
