@@ -25,6 +25,12 @@ unpack() {   # the vLLM bundle, stashed by the three `stash` calls
     { mkdir -p /root/site && cat /root/stash/vllm-site.part* | xz -d -T0 | tar x -C /root/site; }
   export PYTHONPATH=/root/site:$PWD
 }
+# fm: the FlashMLA backends' bench_decode.py prefix when the vLLM bundle is stashed (unpacked
+# then), else empty.
+flashmla_if_stashed() {
+  fm=""
+  if [ -f /root/stash/vllm-site.part2 ]; then unpack; fm=flashmla-bf16,flashmla-fp8,; fi
+}
 build() {
   run nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
   # From scratch: build outputs outlive the calls of a lease, and the tree each call lays down
@@ -88,10 +94,7 @@ case "$stage" in
     run timeout $(left 580) python3 benchmarks/narrow_accuracy.py --seeds 4 ;;
   narrow-bench)   # after `narrow` on the same machine: timing at NARROW_HEADS (default 16 32)
                   # against split-roles, and FlashMLA when the vLLM bundle is stashed
-    backends=snapmla-sm90,snapmla-sm90-split-roles
-    if [ -f /root/stash/vllm-site.part2 ]; then
-      unpack; backends=flashmla-bf16,flashmla-fp8,$backends
-    fi
+    flashmla_if_stashed; backends=${fm}snapmla-sm90,snapmla-sm90-split-roles
     python3 -c "import vllm_snapmla._C" 2>/dev/null || build
     run timeout $(left 580) python3 benchmarks/bench_decode.py --out /root/bench_decode \
         --heads ${NARROW_HEADS:-16 32} --backends "$backends"
@@ -100,8 +103,7 @@ case "$stage" in
             # split-roles), then page times with the pages in HBM and in L2; with the vLLM
             # bundle stashed also FlashMLA in the timing and the 1-draft n-gram e2e (the narrow
             # 32-row form under vLLM's FULL graphs)
-    fm=""
-    if [ -f /root/stash/vllm-site.part2 ]; then unpack; fm=flashmla-bf16,flashmla-fp8,; fi
+    flashmla_if_stashed
     build
     run timeout $(left 300) python3 -m pytest tests/gpu -q -p no:cacheprovider
     run timeout $(left 360) python3 benchmarks/bench_decode.py --out /root/bench_decode \
@@ -123,8 +125,7 @@ case "$stage" in
         # tests), BENCH_ARGS default --heads 128; AB_ACCURACY=1 adds
         # benchmarks/narrow_accuracy.py per patch; each patch is reverted after its run
     mkdir -p /root/ab
-    fm=""
-    if [ -f /root/stash/vllm-site.part2 ]; then unpack; fm=flashmla-bf16,flashmla-fp8,; fi
+    flashmla_if_stashed
     for v in main "${@:2}"; do
       name=$(basename "$v" .patch)
       if [ "$v" != main ] && ! git apply "$v"; then echo "== $name does not apply" | tee -a "$log"; continue; fi
