@@ -213,18 +213,20 @@ def _plot(rows, path):
     return panels
 
 
+# decode.csv's columns: the backend, the shape's integers, then measured floats.
+CSV_COLUMNS = ["backend", "B", "H", "N", "s_q", "us", "tflops", "gbps", "relerr",
+               "speedup_vs_bf16", "speedup_vs_fp8"]
+_CSV_INTS = CSV_COLUMNS[1:5]
+
+
 def _read_csv(path):
     """decode.csv's rows with numbers as numbers (empty cells None), as _plot takes them."""
-    ints, floats = ("B", "H", "N", "s_q"), ("us", "tflops", "gbps", "relerr", "speedup_vs_bf16",
-                                            "speedup_vs_fp8")
     rows = []
     with open(path, newline="") as f:
         for r in csv.DictReader(f):
             row = dict(r)
-            for c in ints:
-                row[c] = int(r[c])
-            for c in floats:
-                row[c] = float(r[c]) if r.get(c) not in (None, "") else None
+            for c in CSV_COLUMNS[1:]:
+                row[c] = int(r[c]) if c in _CSV_INTS else float(r[c]) if r.get(c) else None
             rows.append(row)
     return rows
 
@@ -299,8 +301,7 @@ def main():
         del inp, runners
         torch.cuda.empty_cache()
 
-    cols = ["backend", "B", "H", "N", "s_q", "us", "tflops", "gbps", "relerr",
-            "speedup_vs_bf16", "speedup_vs_fp8"]
+    cols = CSV_COLUMNS
     print("\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for r in rows:
         print("| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |")

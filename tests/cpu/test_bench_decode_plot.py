@@ -14,9 +14,6 @@ _spec = importlib.util.spec_from_file_location("bench_decode", _PATH)
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 
-_COLS = ["backend", "B", "H", "N", "s_q", "us", "tflops", "gbps", "relerr", "speedup_vs_bf16",
-         "speedup_vs_fp8"]
-
 
 def _rows(rng, shapes, with_flashmla):
     rows = []
@@ -61,7 +58,7 @@ def test_replot_reads_back_the_csv_it_writes(tmp_path):
     pytest.importorskip("matplotlib")
     rows = _rows(random.Random(4), [(128, 16, 8192, 1), (128, 16, 8192, 2)], False)
     with open(tmp_path / "decode.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=_COLS)
+        writer = csv.DictWriter(f, fieldnames=bench.CSV_COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
     back = bench._read_csv(tmp_path / "decode.csv")
