@@ -679,20 +679,21 @@ __global__ void __launch_bounds__(kThreads, 1)
                   smem_addr(vt), fresh_vt_map(), buf, live_of(i));
   };
 
-  // S of page i = qpe' . kpe'^T (BF16, exact FP32 accumulation) + q8 . k8^T (FP8, promoted per
-  // chunk).  The FP8 part runs as groups of one chunk and kQkN tokens (two WGMMAs): group g
-  // (chunk g / kQkHalves, tokens kQkN (g % kQkHalves) on) goes into accumulator
-  // part[g % kQkParts] and is then added into its tokens' values of s.  kQkParts - 1 groups
-  // stay in the tensor core while one is promoted, so a wait rarely costs a whole WGMMA latency.
+  // S of page i = q8 . k8^T (FP8, promoted per chunk) + qpe' . kpe'^T (BF16, FP32
+  // accumulation).  The FP8 part runs as groups of one chunk and kQkN tokens (two WGMMAs):
+  // group g (chunk g / kQkHalves, tokens kQkN (g % kQkHalves) on).  Chunk 0's groups write s
+  // itself, fresh, and the RoPE WGMMAs accumulate onto it, which saves chunk 0's promotion: a
+  // BF16 WGMMA adds onto a running value in FP32, where an FP8 one would keep only about 14
+  // bits of it (the errors of benchmarks/narrow_accuracy.py were unchanged to three digits).
+  // Later groups go into accumulator part[g % kQkParts] and are then added into their tokens'
+  // values of s; kQkParts - 1 of them stay in the tensor core while one is promoted, so a wait
+  // rarely costs a whole WGMMA latency.
   const auto compute_s = [&](int i, float (&s)[32]) {
     const uint64_t stage_desc = sw128_desc(smem_base + kSmemStages + stage_of(i) * kStageBytes);
     constexpr int kQkHalves = kPageSize / kQkN;
     constexpr int kGroups = kQkHalves * kQkChunks;
     float part[kQkParts][kQkN / 2];
-    const auto issue_group = [&](int g) {
-      float(&acc)[kQkN / 2] = part[g % kQkParts];
-      fence_operands(acc);   // the previous `s += acc` stays above the fence
-      wgmma_fence();
+    const auto fp8_group = [&](int g, float (&acc)[kQkN / 2]) {
 #pragma unroll
       for (int k = 0; k < kQkPromoteCols / kWgmmaK8; ++k) {
         const int col = (g / kQkHalves) * kQkPromoteCols + k * kWgmmaK8;
@@ -706,21 +707,31 @@ __global__ void __launch_bounds__(kThreads, 1)
           wgmma_m64n32k32_e4m3(acc, desc_at(q8_desc, offset), desc_b, k);
         }
       }
+    };
+    const auto issue_group = [&](int g) {
+      float(&acc)[kQkN / 2] = part[g % kQkParts];
+      fence_operands(acc);   // the previous `s += acc` stays above the fence
+      wgmma_fence();
+      fp8_group(g, acc);
       wgmma_commit();
     };
     wgmma_fence();
 #pragma unroll
+    for (int h = 0; h < kQkHalves; ++h) {
+      fp8_group(h, *reinterpret_cast<float(*)[kQkN / 2]>(s + (kQkN / 2) * h));
+    }
+#pragma unroll
     for (int k = 0; k < kRopeDim / kWgmmaK16; ++k) {
       wgmma_m64n64k16_bf16(s, desc_at(qpe_desc, k * 32),
-                           desc_at(stage_desc, kStageRope + k * 32), k);
+                           desc_at(stage_desc, kStageRope + k * 32), 1);
     }
     wgmma_commit();
 #pragma unroll
-    for (int g = 0; g < kQkParts; ++g) issue_group(g);
+    for (int g = kQkHalves; g < kQkHalves + kQkParts; ++g) issue_group(g);
 #pragma unroll
-    for (int g = 0; g < kGroups; ++g) {
-      // Groups g + 1 .. min(g + kQkParts - 1, last) may stay in flight (the RoPE group, the
-      // oldest, is complete with group 0).
+    for (int g = kQkHalves; g < kGroups; ++g) {
+      // Groups g + 1 .. min(g + kQkParts - 1, last) may stay in flight (chunk 0's group, the
+      // oldest, is complete with group g).
       const int pending = min(g + kQkParts - 1, kGroups - 1) - g;
       if (pending >= 2) {
         wgmma_wait<2>();
