@@ -99,7 +99,7 @@ case "$stage" in
     run timeout $(left 580) python3 benchmarks/bench_decode.py --out /root/bench_decode \
         --heads ${NARROW_HEADS:-16 32} --backends "$backends"
     pack /root/bench_decode "$log" ;;
-  verify)   # build, all of tests/gpu, timing at 16 and 32 heads (ours by default, narrow-16,
+  verify)   # build, all of tests/gpu, timing at VERIFY_HEADS (default 16 32 64: ours, narrow-16,
             # split-roles), then page times with the pages in HBM and in L2; with the vLLM
             # bundle stashed also FlashMLA in the timing and the 1-draft n-gram e2e (the narrow
             # 32-row form under vLLM's FULL graphs)
@@ -107,7 +107,8 @@ case "$stage" in
     build
     run timeout $(left 300) python3 -m pytest tests/gpu -q -p no:cacheprovider
     run timeout $(left 360) python3 benchmarks/bench_decode.py --out /root/bench_decode \
-        --heads 16 32 --backends ${fm}snapmla-sm90,snapmla-sm90-narrow-16,snapmla-sm90-split-roles
+        --heads ${VERIFY_HEADS:-16 32 64} \
+        --backends ${fm}snapmla-sm90,snapmla-sm90-narrow-16,snapmla-sm90-split-roles
     pack /root/bench_decode "$log"
     [ -n "$fm" ] && SNAPMLA_DECODE_KERNEL=sm90 run timeout $(left 540) python3 -m pytest \
         tests/e2e/test_cuda_graphs_spec_decode.py -q -rs -p no:cacheprovider -k 1-drafts
