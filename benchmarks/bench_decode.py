@@ -163,7 +163,10 @@ def _plot(rows, path):
     panels = (["H=128, s_q=1: TFLOP/s", "H=128, s_q=1: speedup over BF16 FlashMLA"] if sweep
               else []) + ([("other shapes: " if sweep else "") + "speedup over BF16 FlashMLA"]
                           if others else [])
-    fig, axes = plt.subplots(1, len(panels), figsize=(17 if sweep else 10, 5), squeeze=False)
+    # The bar panel gets the room of its many shape labels.
+    ratios = [1] * (len(panels) - 1 if others else len(panels)) + ([1.6] if others else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(19 if sweep else 10, 5.5), squeeze=False,
+                             gridspec_kw={"width_ratios": ratios})
     axes = dict(zip(panels, axes[0]))
     has_flashmla = any(r.get("speedup_vs_bf16") for r in rows)
     if sweep:
@@ -196,8 +199,8 @@ def _plot(rows, path):
             ax_bar.bar([x + i * width for x in range(len(others))], values, width,
                        color=colour[backend], label=backend)
         ax_bar.set_xticks([x + 0.4 - width / 2 for x in range(len(others))])
-        ax_bar.set_xticklabels([f"H={h} s_q={q}\nB={b} N={n // 1024}k" for h, q, b, n in others],
-                               fontsize=7, rotation=30, ha="right")
+        ax_bar.set_xticklabels([f"H={h} s_q={q} B={b} N={n // 1024}k" for h, q, b, n in others],
+                               fontsize=7, rotation=40, ha="right", rotation_mode="anchor")
         ax_bar.axhline(1.0, color="gray", lw=0.8)
         ax_bar.grid(True, axis="y", alpha=0.3)
         ax_bar.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))   # off the bars
