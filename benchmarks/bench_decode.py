@@ -163,8 +163,9 @@ def _plot(rows, path):
     panels = (["H=128, s_q=1: TFLOP/s", "H=128, s_q=1: speedup over BF16 FlashMLA"] if sweep
               else []) + ([("other shapes: " if sweep else "") + "speedup over BF16 FlashMLA"]
                           if others else [])
-    # The bar panel gets the room of its many shape labels.
-    ratios = [1] * (len(panels) - 1 if others else len(panels)) + ([1.6] if others else [])
+    ratios = [1] * len(panels)
+    if others:
+        ratios[-1] = 1.6   # the bar panel, the last, gets the room of its many shape labels
     fig, axes = plt.subplots(1, len(panels), figsize=(19 if sweep else 10, 5.5), squeeze=False,
                              gridspec_kw={"width_ratios": ratios})
     axes = dict(zip(panels, axes[0]))
