@@ -5,6 +5,8 @@ query; the kernel must match it to FP32/bf16 rounding) and ``reference.decode(ex
 (float64 attention; the kernel may not be noticeably worse than the reference algorithm itself).
 """
 
+import math
+
 import pytest
 import torch
 
@@ -154,6 +156,39 @@ def test_peaked_attention(decode):
     q, qp, cache, bt, sl = _case([3000, 200], 64, 1, seed=11, q_std=8.0)
     q8, qs, qpe = ref.quantize_q(q, qp)
     out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, num_splits=3)
+    _check(out, lse, q, qp, cache, bt, sl)
+
+
+@pytest.mark.parametrize("growth, pages", [(0.5, 40), (6.0, 6)])
+def test_rising_maxima(growth, pages, decode):
+    """Keys along the queries' mean direction d, scaled by a ramp over the positions so that the
+    row maxima rise by about `growth` (log2 units, times |q.d| / mean |q.d|) from page to page
+    where q.d > 0, and fall where q.d < 0: by 0.5 per page the running maximum moves a little on
+    most pages, by 6 it jumps on every page (the rescale of O and l, and P's scale, change by
+    2^6 and more between pages).  (The logits stay below about 60: far larger ones, e.g. a rise
+    of 12 over 40 pages, move the LSE by more than the 1e-2 bound through the FP8 QK's
+    reduced-precision accumulation alone, in every kernel: 4.9-7.2e-2 at an LSE of 834, on the
+    H200 on 2026-12-02.)"""
+    seq_lens = [64 * pages + 17, 300]
+    H, s_q = 64, 2
+    gen = torch.Generator().manual_seed(60 + pages)
+    q = torch.randn(len(seq_lens), s_q, H, fmt.KV_LORA_RANK, generator=gen).bfloat16()
+    qp = torch.randn(len(seq_lens), s_q, H, fmt.ROPE_DIM, generator=gen).bfloat16()
+    kv = []
+    for b, n in enumerate(seq_lens):
+        d = q[b].float().mean((0, 1))
+        d /= d.norm()
+        q_dot_d = (q[b].float() @ d).abs().mean().item()
+        per_token = growth * math.log(2) / (SCALE * q_dot_d * fmt.PAGE_SIZE)
+        ramp = per_token * torch.arange(n, dtype=torch.float32)
+        kv_c = torch.randn(n, fmt.KV_LORA_RANK, generator=gen) * 0.3 + ramp[:, None] * d
+        kv.append((kv_c.bfloat16(), torch.randn(n, fmt.ROPE_DIM, generator=gen).bfloat16()))
+    cache, bt, _ = build_cache(seq_lens, kv=kv, gen=gen)
+    cache = _poison_unused(cache, bt, seq_lens, gen).cuda()
+    q, qp, bt = q.cuda(), qp.cuda(), bt.cuda()
+    sl = torch.tensor(seq_lens, dtype=torch.int32).cuda()
+    q8, qs, qpe = ref.quantize_q(q, qp)
+    out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, num_splits=2)
     _check(out, lse, q, qp, cache, bt, sl)
 
 
