@@ -169,7 +169,7 @@ def _vllm_decode_batch(seq_lens, s_q, gen):
         ql_nope, q_pe
 
 
-@pytest.mark.parametrize("s_q", [1, 2, 3])
+@pytest.mark.parametrize("s_q", [1, 2, 3, 4])
 @pytest.mark.parametrize("as_tuple", [True, False], ids=["tuple", "concat"])
 def test_forward_mqa_uniform_queries_match_ops_decode(s_q, as_tuple):
     gen = torch.Generator().manual_seed(s_q)

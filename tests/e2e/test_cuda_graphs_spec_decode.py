@@ -1,26 +1,26 @@
 """fp8_snapmla decode inside FULL CUDA graphs, and with speculative decoding (n-gram), on the GPU.
 
-Four engines on the tiny random-weight DeepSeek-V3 (V1 model runner), each in its own process,
+Five engines on the tiny random-weight DeepSeek-V3 (V1 model runner), each in its own process,
 all fp8_snapmla and greedy:
 
 * ``eager``: ``enforce_eager=True`` (no compilation, no graphs), the reference;
 * ``compiled``: vLLM's default mode (torch.compile, FULL_AND_PIECEWISE graphs): with
   ``SnapMLAMetadataBuilder._cudagraph_support = UNIFORM_BATCH`` decode batches replay FULL graphs
   (attention included), padded to the next capture size (11 requests run in the 16 graph);
-* ``ngram``: ``compiled`` plus n-gram speculation with 2 draft tokens, and again with 1 (what
-  DeepSeek-V3's MTP drafts): uniform verification batches decode 3 or 2 query tokens per
-  request (s_q = 3, 2) in FULL graphs; the others go down the prefill path.
+* ``ngram``: ``compiled`` plus n-gram speculation with 3 draft tokens, again with 2 and with 1
+  (what DeepSeek-V3's MTP drafts): uniform verification batches decode 4, 3 or 2 query tokens
+  per request (s_q = 4, 3, 2) in FULL graphs; the others go down the prefill path.
 
 Each runs the same prompts: a batch of 11, then an echo round (``p + out(p) + p``, which makes
 the n-gram proposer find matches), then the first echo prompt alone (batches of one request,
-where every drafted step is a uniform s_q = 3 decode).  Outputs are compared with the near-tie
+where every drafted step is a uniform s_q = 1 + drafts decode).  Outputs are compared with the near-tie
 rule of ``test_llm_generate``: equal tokens until the first divergence, which must be a near-tie
 in the reference's log-probabilities.  Compilation and graphs change summation orders in other
 layers, so exact equality is not expected.
 
-About 3-4 minutes on an H200 (four engines, three of them compiled).  The tiny model has 16
+About 4-5 minutes on an H200 (five engines, four of them compiled).  The tiny model has 16
 heads, so on an H200 plain decode steps run the sm_90a narrow kernel's 16-row form, s_q = 2 its
-32-row form and s_q = 3 the 64-row kernel (``SNAPMLA_DECODE_KERNEL=sm90`` makes sure of it;
+32-row form and s_q = 3 and 4 the 64-row kernel (``SNAPMLA_DECODE_KERNEL=sm90`` makes sure of it;
 ``triton`` puts the portable kernel under the same graphs).
 """
 
@@ -38,7 +38,7 @@ KV = "fp8_snapmla"
 MAX_TOKENS = 24
 TOP_LOGPROBS = 20
 NEAR_TIE_NATS = 1.0
-NUM_SPECS = (2, 1)   # draft tokens: s_q = 3 (48 query rows with 16 heads) and 2 (32 rows)
+NUM_SPECS = (3, 2, 1)   # draft tokens: s_q = 4 (64 query rows with 16 heads), 3 (48) and 2 (32)
 # vLLM's CPU n-gram proposer needs numba; without it, its GPU twin (same proposals).
 NGRAM = {"method": "ngram" if importlib.util.find_spec("numba") else "ngram_gpu",
          "prompt_lookup_max": 4, "prompt_lookup_min": 2}
