@@ -13,15 +13,16 @@ all fp8_snapmla and greedy:
 
 Each runs the same prompts: a batch of 11, then an echo round (``p + out(p) + p``, which makes
 the n-gram proposer find matches), then the first echo prompt alone (batches of one request,
-where every drafted step is a uniform s_q = 1 + drafts decode).  Outputs are compared with the near-tie
-rule of ``test_llm_generate``: equal tokens until the first divergence, which must be a near-tie
-in the reference's log-probabilities.  Compilation and graphs change summation orders in other
-layers, so exact equality is not expected.
+where every drafted step is a uniform s_q = 1 + drafts decode).  Outputs are compared with the
+near-tie rule of ``test_llm_generate``: equal tokens until the first divergence, which must be a
+near-tie in the reference's log-probabilities.  Compilation and graphs change summation orders
+in other layers, so exact equality is not expected.
 
-About 4-5 minutes on an H200 (five engines, four of them compiled).  The tiny model has 16
-heads, so on an H200 plain decode steps run the sm_90a narrow kernel's 16-row form, s_q = 2 its
-32-row form and s_q = 3 and 4 the 64-row kernel (``SNAPMLA_DECODE_KERNEL=sm90`` makes sure of it;
-``triton`` puts the portable kernel under the same graphs).
+On an H200 the four engines before the 3-draft one took 3-4 minutes; ``-k 3-drafts`` alone
+(``compiled`` and that engine) took 162 s.  The tiny model has 16 heads, so on an H200 plain
+decode steps run the sm_90a narrow kernel's 16-row form, s_q = 2 its 32-row form and s_q = 3 and
+4 the 64-row kernel (``SNAPMLA_DECODE_KERNEL=sm90`` makes sure of it; ``triton`` puts the
+portable kernel under the same graphs).
 """
 
 import importlib.util
