@@ -1,20 +1,46 @@
 """Decode attention, one layer: SnapMLA kernels vs vLLM 0.26.0's bundled FlashMLA, in one process.
 
-    python benchmarks/bench_decode.py --out out/bench_decode [--quick]
+    python -m benchmarks.bench_decode --out out/bench_decode [--quick] [--shapes 64x16x1024 ...]
+        [--table-width 2560] [--ragged] [--backends snapmla,flashmla-bf16,flashmla-fp8]
+    python -m benchmarks.bench_decode --replot out/bench_decode/decode.csv --out DIR   # no GPU
 
-Backends, on the same random data and shapes (those of /work/shared/anchors/h200-baselines.md):
+Backends, on the same random data and shapes (default: those of
+/work/shared/anchors/h200-baselines.md; ``--shapes BxHxN[xS_Q]`` instead):
 
 * ``flashmla-bf16``: FlashMLA over a bf16 cache (vLLM's default MLA decode);
 * ``flashmla-fp8``: FlashMLA's dense FP8 path (``--kv-cache-dtype fp8``): q and the 576-wide row
   in e4m3 with per-tensor scale 1.0; its q cast is not timed;
-* every entry of ``SNAPMLA_KERNELS`` over the ``fp8_snapmla`` cache; the timed call includes the
-  query quantization (``ops.quantize_q``) and the split combine.
+* ``snapmla``: ``vllm_snapmla.ops.decode`` from the BF16 query, exactly what vLLM's backend calls
+  per layer (query quantization, kernel choice, splits and combine included);
+* every other entry of ``SNAPMLA_KERNELS``: one kernel from the quantized query over the
+  ``fp8_snapmla`` cache; the timed call includes the query quantization (``ops.quantize_q``) and
+  the split combine.
 
-Times are ``triton.testing.do_bench`` medians of a CUDA-graph replay of one call (as vLLM runs
-decode; ``--eager`` times the Python call instead, launch overhead included).  do_bench overwrites
-a 256 MB buffer before every timed call, so each call reads its cache from HBM.
-TFLOP/s counts ``2*B*H*s_q*N*(576+512)``; GB/s counts each backend's own cache bytes per token
-(1152 bf16, 576 fp8, 656 fp8_snapmla).  Writes ``decode.csv`` and ``decode.png`` to ``--out``.
+What users meet, as options: ``--table-width W`` gives the block table W columns (vLLM's is
+max_model_len / 64 wide: 2560 for DeepSeek-V3.1), the entries past a request's pages 0 as vLLM
+pads them; ``--ragged`` draws each request's length in [N/8, N] (seeded) instead of N.
+
+Times per backend and shape, in µs:
+
+* ``us``: ``triton.testing.do_bench`` median of a CUDA-graph replay of one call (as vLLM's FULL
+  graphs run decode; ``--eager`` times the Python call instead).  do_bench overwrites a 256 MB
+  buffer before every timed call, so each call reads its cache from HBM;
+* ``host_us``: the CPU time of one eager call, the mean over many calls of ``time.perf_counter()``
+  around the call, with the GPU idle before each (synchronized before, not inside): what a step
+  that runs attention eagerly (``enforce_eager``, or a batch mixing prefill and decode) pays per
+  layer on the CPU;
+* ``eager_us``: CUDA events around many back-to-back eager calls, divided by their number: the
+  per-layer time of eager decode, the larger of the launch-bound host time and the GPU time (no
+  buffer is rewritten between calls, so small caches stay in L2);
+* for FlashMLA, ``metadata_host_us``, ``metadata_eager_us`` and ``metadata_us``: the same three
+  for the scheduling metadata, which vLLM computes once per step for all layers (BF16:
+  ``get_mla_metadata``, whose schedule the first ``flash_mla_with_kvcache`` call computes; FP8:
+  ``get_mla_metadata_dense_fp8``), each the time of (fresh metadata + call) minus that of the
+  call with metadata computed before, which ``us``, ``host_us`` and ``eager_us`` time.
+
+TFLOP/s counts ``2*H*s_q*(sum of lengths)*(576+512)``; GB/s counts each backend's own cache bytes
+per token (1152 bf16, 576 fp8, 656 fp8_snapmla), both on ``us``.  Writes ``decode.csv`` and
+``decode.png`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -23,28 +49,40 @@ import argparse
 import csv
 import importlib
 import math
-import sys
+import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.provenance import describe, run_info
+from vllm_snapmla import format as fmt
+from vllm_snapmla import ops, reference
 
-from vllm_snapmla import format as fmt  # noqa: E402
-from vllm_snapmla import ops, reference  # noqa: E402
 
-# Kernels with snapmla_decode's signature: name -> "module:function".  A later CUDA kernel is one
-# more line here.
+def _sm90_kernel(schedule=None):
+    """Loader of the sm90 kernel (``schedule``: a fixed one; None: the kernel's own choice)."""
+    def load():
+        sm90 = importlib.import_module("vllm_snapmla.kernels.sm90")
+        if not sm90.available():
+            raise ImportError("not built for or not running on this GPU")
+        return sm90.schedule_variant(schedule) if schedule else sm90.snapmla_decode_sm90
+    return load
+
+
+def _triton_kernel():
+    return importlib.import_module("vllm_snapmla.kernels.triton_decode").snapmla_decode
+
+
+# Kernels that take the quantized query (snapmla_decode_sm90's signature): name -> loader.
 SNAPMLA_KERNELS = {
-    "snapmla-triton": "vllm_snapmla.triton.decode:snapmla_decode",
-    "snapmla-sm90": "vllm_snapmla.sm90:snapmla_decode_sm90",
-    "snapmla-sm90-free": "vllm_snapmla.sm90:snapmla_decode_sm90_free",
-    "snapmla-sm90-split-roles": "vllm_snapmla.sm90:snapmla_decode_sm90_split_roles",
-    "snapmla-sm90-narrow-16": "vllm_snapmla.sm90:snapmla_decode_sm90_narrow16",
+    "snapmla-triton": _triton_kernel,
+    "snapmla-sm90": _sm90_kernel(),
+    "snapmla-sm90-free": _sm90_kernel("free"),
+    "snapmla-sm90-split-roles": _sm90_kernel("split-roles"),
+    "snapmla-sm90-narrow": _sm90_kernel("narrow"),
 }
-# Backends that run only where a predicate ("module:function", no arguments) says so.
-SNAPMLA_AVAILABLE = {name: "vllm_snapmla.sm90:available" for name in SNAPMLA_KERNELS
-                     if name.startswith("snapmla-sm90")}
+OPS_DECODE = "snapmla"   # vllm_snapmla.ops.decode, BF16 query in
+FLASHMLA = ("flashmla-bf16", "flashmla-fp8")
 
 # (batch, heads, context, s_q)
 SHAPES = [
@@ -60,6 +98,30 @@ QUICK_SHAPES = [(32, 128, 4096, 1), (8, 128, 65536, 1), (64, 16, 32768, 1), (32,
 BYTES_PER_TOKEN = {"flashmla-bf16": 2 * fmt.HEAD_SIZE, "flashmla-fp8": fmt.HEAD_SIZE}
 
 
+def parse_shape(text: str) -> tuple[int, int, int, int]:
+    """``BxHxN`` or ``BxHxNxS_Q`` as (B, H, N, s_q)."""
+    parts = text.lower().split("x")
+    if len(parts) not in (3, 4) or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"a shape is BxHxN or BxHxNxS_Q, got {text!r}")
+    B, H, N, s_q = (int(p) for p in parts + ["1"] * (4 - len(parts)))
+    return B, H, N, s_q
+
+
+def request_lengths(B: int, N: int, ragged: bool, gen: torch.Generator) -> list[int]:
+    """Every request N tokens, or with ``ragged`` lengths drawn uniformly in [N/8, N]."""
+    if not ragged:
+        return [N] * B
+    return torch.randint(max(1, N // 8), N + 1, (B,), generator=gen).tolist()
+
+
+def block_table_rows(pages: list[list[int]], width: int) -> list[list[int]]:
+    """Each request's pages, then 0 up to ``width`` columns (vLLM pads its table with 0)."""
+    if any(len(p) > width for p in pages):
+        raise ValueError(f"a request has {max(len(p) for p in pages)} pages, more than the "
+                         f"table's {width} columns")
+    return [p + [0] * (width - len(p)) for p in pages]
+
+
 def _flashmla():
     """vLLM's FlashMLA entry points, or the reason they cannot be used."""
     try:
@@ -70,21 +132,22 @@ def _flashmla():
     return (fm, None) if ok else (None, reason)
 
 
-def _load(spec: str):
-    module, fn = spec.split(":")
-    return getattr(importlib.import_module(module), fn)
-
-
-def _make_inputs(B, H, N, s_q, gen):
-    """Random q and cache contents, a shuffled block table, and every backend's cache layout."""
+def _make_inputs(B, H, N, s_q, gen, table_width=None, ragged=False):
+    """Random q and cache contents, request lengths, a shuffled block table padded to
+    ``table_width`` columns, and every backend's cache layout."""
     dev = "cuda"
-    blocks_per_seq = N // fmt.PAGE_SIZE
-    nb = B * blocks_per_seq
-    perm = torch.randperm(nb, generator=gen).cuda()
-    block_table = perm.view(B, blocks_per_seq).int()
+    lengths = request_lengths(B, N, ragged, gen)
+    max_pages = math.ceil(N / fmt.PAGE_SIZE)
+    nb = B * max_pages
+    perm = torch.randperm(nb, generator=gen)
+    # Request b owns pages perm[b * max_pages:][:its page count]; the rest of its row is 0.
+    pages = [perm[b * max_pages:b * max_pages + math.ceil(n / fmt.PAGE_SIZE)].tolist()
+             for b, n in enumerate(lengths)]
+    width = max(table_width or 0, max_pages)
+    block_table = torch.tensor(block_table_rows(pages, width), dtype=torch.int32, device=dev)
+    perm = perm.cuda()
     kv_c = torch.randn(nb * fmt.PAGE_SIZE, fmt.KV_LORA_RANK, device=dev, dtype=torch.bfloat16)
     k_pe = torch.randn(nb * fmt.PAGE_SIZE, fmt.ROPE_DIM, device=dev, dtype=torch.bfloat16)
-    # Token t of request b lives in block perm[b * blocks_per_seq + t // 64].
     snap = torch.empty(nb, fmt.PAGE_SIZE, fmt.BYTES_PER_TOKEN, dtype=torch.uint8, device=dev)
     snap[perm] = reference.quantize_kv(kv_c, k_pe).view(nb, fmt.PAGE_SIZE, -1)
     bf16 = torch.empty(nb, fmt.PAGE_SIZE, 1, fmt.HEAD_SIZE, dtype=torch.bfloat16, device=dev)
@@ -92,36 +155,48 @@ def _make_inputs(B, H, N, s_q, gen):
     del kv_c, k_pe
     q_nope = torch.randn(B, s_q, H, fmt.KV_LORA_RANK, device=dev, dtype=torch.bfloat16)
     q_pe = torch.randn(B, s_q, H, fmt.ROPE_DIM, device=dev, dtype=torch.bfloat16)
-    seq_lens = torch.full((B,), N, dtype=torch.int32, device=dev)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device=dev)
     return dict(q_nope=q_nope, q_pe=q_pe, snap=snap, bf16=bf16, block_table=block_table,
-                seq_lens=seq_lens)
+                seq_lens=seq_lens, tokens=sum(lengths))
 
 
 def _runners(inp, fm, scale, quantize, wanted):
-    """name -> zero-argument callable returning (out, lse), for the backends in ``wanted``."""
-    runners = {}
+    """name -> zero-argument callable returning (out, lse), for the backends in ``wanted``; and
+    for FlashMLA, name -> the same call with fresh scheduling metadata."""
+    runners, with_metadata = {}, {}
     bt, sl = inp["block_table"], inp["seq_lens"]
     B, s_q, H, _ = inp["q_nope"].shape
     q = torch.cat([inp["q_nope"], inp["q_pe"]], -1) if fm is not None else None
     if fm is not None and "flashmla-bf16" in wanted:
-        meta, _ = fm.get_mla_metadata()
-        runners["flashmla-bf16"] = lambda: fm.flash_mla_with_kvcache(
-            q, inp["bf16"], bt, sl, fmt.KV_LORA_RANK, meta, softmax_scale=scale, causal=True)
+        meta, _ = fm.get_mla_metadata()   # scheduled by its first call, reused by the others
+
+        def bf16(meta_of=lambda: meta):
+            return fm.flash_mla_with_kvcache(q, inp["bf16"], bt, sl, fmt.KV_LORA_RANK, meta_of(),
+                                             softmax_scale=scale, causal=True)
+        runners["flashmla-bf16"] = bf16
+        with_metadata["flashmla-bf16"] = lambda: bf16(lambda: fm.get_mla_metadata()[0])
     if fm is not None and "flashmla-fp8" in wanted:
         q8 = q.to(torch.float8_e4m3fn)
         cache8 = inp["bf16"].to(torch.float8_e4m3fn)
         one = torch.ones(1, dtype=torch.float32, device="cuda")
-        sched, splits = fm.get_mla_metadata_dense_fp8(sl, s_q * H, 1)
-        runners["flashmla-fp8"] = lambda: fm.flash_mla_with_kvcache_fp8(
-            q8, cache8, bt, sl, fmt.KV_LORA_RANK, sched, splits, softmax_scale=scale, causal=True,
-            descale_q=one, descale_k=one)
-    for name, spec in SNAPMLA_KERNELS.items():
+        metadata = fm.get_mla_metadata_dense_fp8(sl, s_q * H, 1)
+
+        def fp8(metadata_of=lambda: metadata):
+            sched, splits = metadata_of()
+            return fm.flash_mla_with_kvcache_fp8(
+                q8, cache8, bt, sl, fmt.KV_LORA_RANK, sched, splits, softmax_scale=scale,
+                causal=True, descale_q=one, descale_k=one)
+        runners["flashmla-fp8"] = fp8
+        with_metadata["flashmla-fp8"] = lambda: fp8(
+            lambda: fm.get_mla_metadata_dense_fp8(sl, s_q * H, 1))
+    if OPS_DECODE in wanted:
+        runners[OPS_DECODE] = lambda: ops.decode(inp["q_nope"], inp["q_pe"], inp["snap"], bt, sl,
+                                                 scale)
+    for name, load in SNAPMLA_KERNELS.items():
         if name not in wanted:
             continue
         try:
-            kernel = _load(spec)
-            if name in SNAPMLA_AVAILABLE and not _load(SNAPMLA_AVAILABLE[name])():
-                raise ImportError("not built for or not running on this GPU")
+            kernel = load()
         except (ImportError, AttributeError) as e:
             print(f"  {name}: not available ({e})", flush=True)
             continue
@@ -130,7 +205,7 @@ def _runners(inp, fm, scale, quantize, wanted):
             q8, qs, qpe = quantize(inp["q_nope"], inp["q_pe"])
             return kernel(q8, qs, qpe, inp["snap"], bt, sl, scale, True)
         runners[name] = run
-    return runners
+    return runners, with_metadata
 
 
 def _time(fn, rep, warmup, eager):
@@ -142,6 +217,32 @@ def _time(fn, rep, warmup, eager):
             fn()
         fn = graph.replay
     return do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e3
+
+
+def _host_us(fn, calls):
+    """Mean CPU microseconds of one eager call, the GPU idle before each."""
+    fn()
+    total = 0.0
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        total += time.perf_counter() - start
+    torch.cuda.synchronize()
+    return total / calls * 1e6
+
+
+def _eager_us(fn, calls):
+    """Microseconds per call of ``calls`` back-to-back eager calls, by CUDA events."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / calls
 
 
 def _plot(rows, path):
@@ -217,32 +318,59 @@ def _plot(rows, path):
     return panels
 
 
-# decode.csv's columns: the backend, the shape's integers, then measured floats.
+# decode.csv's columns: the backend, the shape's integers, the measured floats, then (added later,
+# so that older files still read) the table options, what ``us`` timed and the other times.
 CSV_COLUMNS = ["backend", "B", "H", "N", "s_q", "us", "tflops", "gbps", "relerr",
-               "speedup_vs_bf16", "speedup_vs_fp8"]
-_CSV_INTS = CSV_COLUMNS[1:5]
+               "speedup_vs_bf16", "speedup_vs_fp8", "table_width", "ragged", "timing", "host_us",
+               "eager_us", "metadata_host_us", "metadata_eager_us", "metadata_us"]
+_CSV_INTS = {"B", "H", "N", "s_q", "table_width", "ragged"}
+_CSV_TEXT = {"backend", "timing"}
 
 
 def _read_csv(path):
-    """decode.csv's rows with numbers as numbers (empty cells None), as _plot takes them."""
+    """decode.csv's rows with numbers as numbers (empty or absent cells None), as _plot takes
+    them."""
     rows = []
     with open(path, newline="") as f:
         for r in csv.DictReader(f):
             row = dict(r)
-            for c in CSV_COLUMNS[1:]:
-                row[c] = int(r[c]) if c in _CSV_INTS else float(r[c]) if r.get(c) else None
+            for c in CSV_COLUMNS:
+                if c in _CSV_TEXT:
+                    continue
+                row[c] = (None if not r.get(c) else int(r[c]) if c in _CSV_INTS
+                          else float(r[c]))
             rows.append(row)
     return rows
+
+
+def _measure(name, fn, fresh, rep, warmup, eager, calls):
+    """The times of one backend (see the module docstring); ``fresh``: for FlashMLA, the call
+    with fresh metadata, whose excess over ``fn`` is the metadata's."""
+    times = dict(us=_time(fn, rep, warmup, eager), host_us=_host_us(fn, calls),
+                 eager_us=_eager_us(fn, calls))
+    if fresh is not None:
+        times["metadata_us"] = _time(fresh, rep, warmup, eager) - times["us"]
+        times["metadata_host_us"] = _host_us(fresh, calls) - times["host_us"]
+        times["metadata_eager_us"] = _eager_us(fresh, calls) - times["eager_us"]
+    return times
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="out/bench_decode", help="folder for decode.csv/png")
     parser.add_argument("--quick", action="store_true", help="4 shapes, shorter timing")
-    parser.add_argument("--eager", action="store_true", help="time Python calls, not graphs")
-    parser.add_argument("--backends", help="comma-separated subset of: flashmla-bf16, "
-                        "flashmla-fp8, " + ", ".join(SNAPMLA_KERNELS) + " (default: all)")
+    parser.add_argument("--eager", action="store_true",
+                        help="us times eager Python calls, not graph replays")
+    parser.add_argument("--backends", help="comma-separated subset of: "
+                        + ", ".join([*FLASHMLA, OPS_DECODE, *SNAPMLA_KERNELS]) + " (default: all)")
     parser.add_argument("--heads", type=int, nargs="+", help="only the shapes of these head counts")
+    parser.add_argument("--shapes", type=parse_shape, nargs="+", metavar="BxHxN[xS_Q]",
+                        help="these shapes instead of the default list")
+    parser.add_argument("--table-width", type=int, metavar="PAGES",
+                        help="block-table columns (vLLM: max_model_len / 64, e.g. 2560); default "
+                             "each shape's own pages")
+    parser.add_argument("--ragged", action="store_true",
+                        help="request lengths drawn in [N/8, N] (seeded) instead of N")
     parser.add_argument("--replot", metavar="CSV", help="no timing: redraw a decode.csv's plot "
                         "into --out")
     args = parser.parse_args()
@@ -250,13 +378,22 @@ def main():
         Path(args.out).mkdir(parents=True, exist_ok=True)
         _plot(_read_csv(args.replot), Path(args.out) / "decode.png")
         return
-    known = {"flashmla-bf16", "flashmla-fp8", *SNAPMLA_KERNELS}
+    known = {*FLASHMLA, OPS_DECODE, *SNAPMLA_KERNELS}
     wanted = set(args.backends.split(",")) if args.backends else known
     if wanted - known:
         parser.error(f"unknown backends {sorted(wanted - known)}; known: {sorted(known)}")
+    shapes = args.shapes or [shape for shape in (QUICK_SHAPES if args.quick else SHAPES)
+                             if not args.heads or shape[1] in args.heads]
+    too_narrow = [s for s in shapes if args.table_width
+                  and math.ceil(s[2] / fmt.PAGE_SIZE) > args.table_width]
+    if too_narrow:
+        parser.error(f"--table-width {args.table_width} is narrower than the pages of {too_narrow}")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_decode needs a CUDA GPU (only --replot runs without one)")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
+    print(describe(run_info("benchmarks.bench_decode")), flush=True)
     fm, why = _flashmla()
     if fm is None:
         print(f"FlashMLA unavailable, timing ours only: {why}", flush=True)
@@ -264,57 +401,70 @@ def main():
         quantize, quant_note = ops.quantize_q, "native quantize_q"
     else:
         quantize, quant_note = reference.quantize_q, "torch reference quantize_q (no native build)"
-    print(f"{torch.cuda.get_device_name()}; ours include {quant_note} and the combine; "
-          f"{'eager calls' if args.eager else 'CUDA-graph replays'}", flush=True)
+    timing = "eager" if args.eager else "graph"
+    print(f"{torch.cuda.get_device_name()}; ours include {quant_note} and the combine; us = "
+          f"{'eager calls' if args.eager else 'CUDA-graph replays'}; table width "
+          f"{args.table_width or 'as the context'}; lengths {'ragged' if args.ragged else 'N'}",
+          flush=True)
 
     scale = fmt.HEAD_SIZE ** -0.5
-    rep, warmup = (50, 10) if args.quick else (200, 25)
+    rep, warmup, calls = (50, 10, 30) if args.quick else (200, 25, 100)
     gen = torch.Generator().manual_seed(0)
     rows = []
-    shapes = [shape for shape in (QUICK_SHAPES if args.quick else SHAPES)
-              if not args.heads or shape[1] in args.heads]
     for B, H, N, s_q in shapes:
         print(f"shape B={B} H={H} N={N} s_q={s_q} ...", flush=True)
-        inp = _make_inputs(B, H, N, s_q, gen)
-        runners = _runners(inp, fm, scale, quantize, wanted)
-        flops = 2 * B * H * s_q * N * (fmt.HEAD_SIZE + fmt.KV_LORA_RANK)
-        times, base_out = {}, None
+        inp = _make_inputs(B, H, N, s_q, gen, args.table_width, args.ragged)
+        runners, with_metadata = _runners(inp, fm, scale, quantize, wanted)
+        flops = 2 * H * s_q * inp["tokens"] * (fmt.HEAD_SIZE + fmt.KV_LORA_RANK)
+        times, base_out, shape_rows = {}, None, []
         for name, fn in list(runners.items()):
             try:
                 out = fn()[0].float()
-            except RuntimeError as e:   # e.g. a head count a baseline does not support
-                print(f"  {name:16s} failed on this shape: {str(e).splitlines()[0][:120]}",
+            except (RuntimeError, ValueError, AssertionError) as e:   # e.g. unsupported heads
+                print(f"  {name:24s} failed on this shape: {str(e).splitlines()[0][:120]}",
                       flush=True)
-                del runners[name]
                 continue
             if name == "flashmla-bf16":
                 base_out = out
             relerr = ((out - base_out).norm() / base_out.norm()).item() if base_out is not None \
                 else float("nan")
-            us = _time(fn, rep, warmup, args.eager)
+            measured = _measure(name, fn, with_metadata.get(name), rep, warmup, args.eager, calls)
+            us = measured["us"]
             times[name] = us
-            nbytes = B * N * BYTES_PER_TOKEN.get(name, fmt.BYTES_PER_TOKEN)
-            rows.append(dict(backend=name, B=B, H=H, N=N, s_q=s_q, us=us,
-                             tflops=flops / us * 1e-6, gbps=nbytes / us * 1e-3, relerr=relerr))
-            print(f"  {name:16s} {us:9.1f} us  {flops / us * 1e-6:6.0f} TFLOP/s  "
-                  f"{nbytes / us * 1e-3:6.0f} GB/s  relerr {relerr:.1e}", flush=True)
-        for r in rows[-len(runners):]:
+            nbytes = inp["tokens"] * BYTES_PER_TOKEN.get(name, fmt.BYTES_PER_TOKEN)
+            shape_rows.append(dict(backend=name, B=B, H=H, N=N, s_q=s_q, us=us,
+                                   tflops=flops / us * 1e-6, gbps=nbytes / us * 1e-3,
+                                   relerr=relerr, table_width=inp["block_table"].shape[1],
+                                   ragged=int(args.ragged), timing=timing, **measured))
+            metadata = (f"  metadata {measured['metadata_us']:6.1f} us "
+                        f"(host {measured['metadata_host_us']:5.1f})"
+                        if "metadata_us" in measured else "")
+            print(f"  {name:24s} {us:9.1f} us  {flops / us * 1e-6:6.0f} TFLOP/s  "
+                  f"{nbytes / us * 1e-3:6.0f} GB/s  relerr {relerr:.1e}  host "
+                  f"{measured['host_us']:6.1f} us  eager {measured['eager_us']:7.1f} us"
+                  f"{metadata}", flush=True)
+        for r in shape_rows:
             for base in ("bf16", "fp8"):
                 t = times.get(f"flashmla-{base}")
                 r[f"speedup_vs_{base}"] = t / r["us"] if t else None
-        del inp, runners
+        rows += shape_rows
+        _write_csv(rows, out_dir / "decode.csv")   # after every shape: a cut-short run keeps it
+        del inp, runners, with_metadata
         torch.cuda.empty_cache()
 
     cols = CSV_COLUMNS
     print("\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for r in rows:
         print("| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |")
-    with open(out_dir / "decode.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=cols)
-        writer.writeheader()
-        writer.writerows({c: r.get(c) for c in cols} for r in rows)
     print(f"wrote {out_dir / 'decode.csv'}", flush=True)
     _plot(rows, out_dir / "decode.png")
+
+
+def _write_csv(rows, path):
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        writer.writerows({c: r.get(c) for c in CSV_COLUMNS} for r in rows)
 
 
 def _fmt(v):

@@ -3,20 +3,16 @@
 where the FP8 QK accumulation shows most) and of plain N(0,1) data, for each (H, s_q) asked for
 (default: 16 x 1 for the 16-row form, 32 x 1 and 16 x 2 for the 32-row form).
 
-    python benchmarks/narrow_accuracy.py [--seeds 6] [--shapes 16x1 32x1 16x2]
+    python -m benchmarks.narrow_accuracy [--seeds 6] [--shapes 16x1 32x1 16x2]
 """
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from vllm_snapmla import reference as ref  # noqa: E402
-from vllm_snapmla import sm90  # noqa: E402
-from tests.gpu.test_decode_kernels import SCALE, _case, _rel  # noqa: E402
+from tests.gpu.test_decode_kernels import SCALE, _case, _rel
+from vllm_snapmla import reference as ref
+from vllm_snapmla.kernels import sm90
 
 
 def errors(out, lse, r_out, r_lse):

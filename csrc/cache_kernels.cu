@@ -17,7 +17,8 @@
 #include <type_traits>
 
 #include "cache_kernels.h"
-#include "snapmla_format.h"
+#include "format.h"
+#include "split_kv.h"
 
 namespace snapmla {
 namespace {
@@ -308,8 +309,14 @@ quantize_kv_kernel(StridedRows kv_c, StridedRows k_pe, PagedRows cache, const Sl
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
 quantize_q_kernel(StridedRows q_nope, StridedRows q_pe, int64_t heads, int64_t num_rows,
-                  uint8_t* q8, float* q_scale, __nv_bfloat16* q_pe_scaled) {
+                  uint8_t* q8, float* q_scale, __nv_bfloat16* q_pe_scaled, SplitPlanParams plan,
+                  bool with_plan) {
   const int lane = threadIdx.x % kWarp;
+  // The decode's split planner rides in the last block of this launch: one launch fewer.
+  if (with_plan && blockIdx.x == gridDim.x - 1) {
+    if (threadIdx.x < kWarp) plan_splits_warp(plan, lane);
+    return;
+  }
   const int64_t r = int64_t(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
   if (r >= num_rows) return;
   const int64_t outer = r / heads;
@@ -395,10 +402,12 @@ cudaError_t quantize_kv_typed(StridedRows kv_c, StridedRows k_pe, PagedRows cach
 
 template <typename T>
 cudaError_t quantize_q_typed(StridedRows q_nope, StridedRows q_pe, int64_t outer, int64_t heads,
-                             uint8_t* q8, float* q_scale, void* q_pe_scaled, cudaStream_t stream) {
+                             uint8_t* q8, float* q_scale, void* q_pe_scaled,
+                             const SplitPlanParams* plan, cudaStream_t stream) {
   const int64_t rows = outer * heads;
-  quantize_q_kernel<T><<<blocks_for(rows), kThreads, 0, stream>>>(
-      q_nope, q_pe, heads, rows, q8, q_scale, static_cast<__nv_bfloat16*>(q_pe_scaled));
+  quantize_q_kernel<T><<<blocks_for(rows) + (plan != nullptr ? 1 : 0), kThreads, 0, stream>>>(
+      q_nope, q_pe, heads, rows, q8, q_scale, static_cast<__nv_bfloat16*>(q_pe_scaled),
+      plan != nullptr ? *plan : SplitPlanParams{}, plan != nullptr);
   return cudaGetLastError();
 }
 
@@ -456,16 +465,19 @@ cudaError_t launch_gather_kv(FloatType dst_type, const uint8_t* cache, int64_t b
 
 cudaError_t launch_quantize_q(FloatType dtype, StridedRows q_nope, StridedRows q_pe, int64_t outer,
                               int64_t heads, uint8_t* q8, float* q_scale, void* q_pe_scaled,
-                              cudaStream_t stream) {
-  if (outer <= 0 || heads <= 0) return cudaSuccess;
+                              const SplitPlanParams* plan, cudaStream_t stream) {
+  if ((outer <= 0 || heads <= 0) && plan == nullptr) return cudaSuccess;
+  if (outer <= 0 || heads <= 0) outer = heads = 0;
   switch (dtype) {
     case FloatType::kFloat32:
-      return quantize_q_typed<float>(q_nope, q_pe, outer, heads, q8, q_scale, q_pe_scaled, stream);
+      return quantize_q_typed<float>(q_nope, q_pe, outer, heads, q8, q_scale, q_pe_scaled, plan,
+                                     stream);
     case FloatType::kFloat16:
-      return quantize_q_typed<__half>(q_nope, q_pe, outer, heads, q8, q_scale, q_pe_scaled, stream);
+      return quantize_q_typed<__half>(q_nope, q_pe, outer, heads, q8, q_scale, q_pe_scaled, plan,
+                                      stream);
     case FloatType::kBFloat16:
       return quantize_q_typed<__nv_bfloat16>(q_nope, q_pe, outer, heads, q8, q_scale, q_pe_scaled,
-                                             stream);
+                                             plan, stream);
   }
   return cudaErrorInvalidValue;
 }

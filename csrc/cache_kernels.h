@@ -1,12 +1,14 @@
 // Launchers of the data-path kernels (csrc/cache_kernels.cu).  Plain C++ so that the CUDA file
-// needs no torch headers; csrc/api.cpp checks the tensors and fills these in.
+// needs no torch headers; csrc/api/cache_ops.cpp checks the tensors and fills these in.
 // Every pointer given for 16-byte vector access is 16-byte aligned, and so is every row stride
-// in bytes (api.cpp guarantees it).  Strides are in elements of the pointed-to type.
+// in bytes (csrc/api guarantees it).  Strides are in elements of the pointed-to type.
 #pragma once
 
 #include <cstdint>
 
 #include <cuda_runtime.h>
+
+#include "split_kv.h"
 
 namespace snapmla {
 
@@ -43,9 +45,10 @@ cudaError_t launch_gather_kv(FloatType dst_type, const uint8_t* cache, int64_t b
                              int64_t num_tokens, cudaStream_t stream);
 
 // Quantizes outer * heads query rows into contiguous q8[rows,512] (e4m3), q_scale[rows] and
-// q_pe_scaled[rows,64] (bf16).
+// q_pe_scaled[rows,64] (bf16).  With `plan`, the same launch also runs the decode's split
+// planner (split_kv.h) in one more block.
 cudaError_t launch_quantize_q(FloatType dtype, StridedRows q_nope, StridedRows q_pe, int64_t outer,
                               int64_t heads, uint8_t* q8, float* q_scale, void* q_pe_scaled,
-                              cudaStream_t stream);
+                              const SplitPlanParams* plan, cudaStream_t stream);
 
 }  // namespace snapmla

@@ -1,8 +1,8 @@
-"""Capture per-layer decode queries and BF16 KV from a vLLM run, for ``eval/fidelity.py`` (GPU).
+"""Capture per-layer decode queries and BF16 KV from a vLLM run, for ``eval.fidelity`` (GPU).
 
 Runs the checkpoint in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``enforce_eager``, one
 GPU) with ``--kv-cache-dtype fp8_snapmla`` and wraps two methods of
-``vllm_snapmla.backend.SnapMLAImpl`` from here (the backend itself is untouched):
+``vllm_snapmla.integration.backend.SnapMLAImpl`` from here (the backend itself is untouched):
 
 * ``do_kv_cache_update``: the BF16 ``kv_c_normed`` / ``k_pe`` rows *before* quantization and their
   slots (every prefill and decode write);
@@ -15,8 +15,8 @@ produced.  Prefix caching is off and requests outlive the capture, so no slot is
 it is in use.  The context of a request is stored once; cases of earlier steps are prefix views
 of it (``torch.save`` keeps the sharing).
 
-    python eval/capture_vllm.py --model /models/DeepSeek-V2-Lite-Chat --out runs/capture.pt
-    python eval/capture_vllm.py --tiny --out runs/capture_tiny.pt        # smoke test
+    python -m eval.capture_vllm --model deepseek-ai/DeepSeek-V2-Lite-Chat --out runs/capture.pt
+    python -m eval.capture_vllm --tiny --out runs/capture_tiny.pt        # smoke test
 """
 
 from __future__ import annotations
@@ -28,11 +28,9 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from vllm_snapmla import format as fmt  # noqa: E402
+from vllm_snapmla import format as fmt
 
 
 class Recorder:
@@ -79,7 +77,7 @@ class Recorder:
 
 
 def install(recorder: Recorder) -> None:
-    from vllm_snapmla.backend import SnapMLAImpl
+    from vllm_snapmla.integration.backend import SnapMLAImpl
 
     write, forward = SnapMLAImpl.do_kv_cache_update, SnapMLAImpl.forward_mqa
 
@@ -170,11 +168,12 @@ def _prompts(args, tokenizer_vocab: int) -> list[list[int]]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m eval.capture_vllm",
+                                description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="checkpoint path or name (MLA, kv_lora_rank 512, rope 64)")
     src.add_argument("--tiny", action="store_true",
-                     help="random-weight tiny DeepSeek-V3 from vllm_snapmla.demo (smoke test)")
+                     help="random-weight tiny DeepSeek-V3 from vllm_snapmla.testing (smoke test)")
     p.add_argument("--out", default="runs/capture.pt")
     p.add_argument("--decode-steps", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=4096, help="context length per request")
@@ -199,7 +198,7 @@ def main(argv=None) -> int:
                   max_model_len=args.prompt_len + args.decode_steps + 64,
                   gpu_memory_utilization=args.gpu_memory_utilization, trust_remote_code=True)
     if args.tiny:
-        from vllm_snapmla.demo import TINY_DEEPSEEK_V3, write_tiny_deepseek_v3
+        from vllm_snapmla.testing import TINY_DEEPSEEK_V3, write_tiny_deepseek_v3
         model = str(write_tiny_deepseek_v3(tempfile.mkdtemp(prefix="snapmla-tiny-"),
                                            random_weights=True))
         kwargs.update(skip_tokenizer_init=True, max_model_len=min(

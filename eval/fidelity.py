@@ -18,14 +18,14 @@ A-D, snapmla_kv and the vLLM schemes run float64 attention over the dequantized 
 isolate the storage error (the vLLM ones also quantize Q); snapmla is the whole decode algorithm,
 FP8 Q and FP8 P included.
 
-Input: a ``.pt`` file from ``eval/capture_vllm.py`` (or ``--synthetic``) holding, per layer, a list
+Input: a ``.pt`` file from ``eval.capture_vllm`` (or ``--synthetic``) holding, per layer, a list
 of cases ``{q_nope [T,H,512], q_pe [T,H,64], kv_c [N,512], k_pe [N,64]}`` (BF16; every query
 attends to all N tokens) and the model's ``softmax_scale``.
 Output in ``--out``: ``fidelity.md``, ``fidelity.csv``, ``fidelity.png`` (metric vs layer, log y)
 and ``value_range.png`` / ``value_range.csv`` (content vs RoPE magnitudes per layer).
 
-    python eval/fidelity.py --synthetic --out runs/fidelity_synth
-    python eval/fidelity.py --input runs/capture.pt --out runs/fidelity
+    python -m eval.fidelity --synthetic --out runs/fidelity_synth
+    python -m eval.fidelity --input runs/capture.pt --out runs/fidelity
 """
 
 from __future__ import annotations
@@ -38,9 +38,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from vllm_snapmla import format as fmt  # noqa: E402
-from vllm_snapmla import reference  # noqa: E402
+from vllm_snapmla import format as fmt
+from vllm_snapmla import reference
 
 CONFIGS = ("A", "B", "C", "D", "vllm_fp8", "vllm_fp8_amax", "snapmla_kv", "snapmla")
 METRICS = ("rmse", "cos_diff", "rel_l2")
@@ -296,9 +295,10 @@ def plot(out: Path, rows: list[dict], ranges: list[dict], configs) -> list[Path]
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m eval.fidelity",
+                                description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--input", help=".pt file written by eval/capture_vllm.py")
+    src.add_argument("--input", help=".pt file written by eval.capture_vllm")
     src.add_argument("--synthetic", action="store_true", help="generated inputs, no model")
     p.add_argument("--out", default="runs/fidelity")
     p.add_argument("--configs", default=",".join(CONFIGS))

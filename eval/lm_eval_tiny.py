@@ -1,6 +1,6 @@
 """KV-cache parity of the trained tiny MLA model through lm-eval (held-out perplexity, next token).
 
-Takes the checkpoint written by ``eval/train_tiny_mla.py`` (with its ``heldout_tokens.npy``),
+Takes the checkpoint written by ``eval.train_tiny_mla`` (with its ``heldout_tokens.npy``),
 writes two local lm-eval tasks over its held-out split, and runs lm-eval 0.4.13's ``vllm``
 model on them once per ``--kv`` setting (``auto`` = BF16 cache, ``fp8_snapmla``, ``fp8``), each
 in its own process:
@@ -17,7 +17,7 @@ in its own process:
   continuation, the pair encoded whole, the context alone) gives back exactly the window's
   token ids with a one-token continuation; the others are dropped and counted.
 
-    python eval/lm_eval_tiny.py --model build/tiny-mla --out build/lm-eval-tiny
+    python -m eval.lm_eval_tiny --model build/tiny-mla --out build/lm-eval-tiny
 
 Writes ``lm_eval_tiny.md`` / ``lm_eval_tiny.csv`` (per setting: the metrics, deltas against
 ``auto``, paired per-document comparisons against ``auto``), ``docs_stats.json``, the documents
@@ -44,16 +44,17 @@ import time
 
 import numpy as np
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
-TASK_TEMPLATES = REPO_ROOT / "eval" / "tasks" / "tiny_mla"
+from eval.common import (markdown_cell, mean_se_cell, paired_delta, paired_text,
+                         parse_kv_pairs, script_command, script_env, tiny_engine_settings)
+
+TASK_TEMPLATES = pathlib.Path(__file__).resolve().parent / "tasks" / "tiny_mla"
 PPL_TASK, NEXT_TASK = "tiny_mla_heldout_ppl", "tiny_mla_next_token"
 TASKS = (PPL_TASK, NEXT_TASK)
 DATA_PLACEHOLDER = "@DATA_DIR@"
 DEFAULT_KV = ("auto", "fp8_snapmla", "fp8")
 BASELINE = "auto"
 HF_RUN = "transformers"
-INSTALL_HINT = ("lm-eval is not installed: `pip install lm-eval==0.4.13` (on the offline GPU "
-                "machine, install the wheels listed in eval/README.md, 'lm-eval on the H200')")
+INSTALL_HINT = "lm-eval is not installed: `pip install lm-eval==0.4.13`"
 
 # (task, lm-eval "metric,filter" key, column)
 METRICS = [
@@ -75,7 +76,7 @@ def load_heldout(model: pathlib.Path) -> np.ndarray:
     path = model / "heldout_tokens.npy"
     if not path.is_file():
         raise SystemExit(f"{path} not found: --model must be a checkpoint directory written by "
-                         "eval/train_tiny_mla.py (it saves the held-out token ids there)")
+                         "eval.train_tiny_mla (it saves the held-out token ids there)")
     return np.load(path).astype(np.int64)
 
 
@@ -162,7 +163,7 @@ def build_next_token_docs(tokenizer, tokens: np.ndarray, windows: int, window_le
     """``per_window`` documents in each of ``windows`` held-out windows, at seeded positions.
 
     Windows are ``tokens[i * window_len:(i + 1) * window_len]`` (those of
-    ``eval/parity_tiny.py``).  The target index ``pos`` has ``pos > chunk``: the prediction is
+    ``eval.parity_tiny``).  The target index ``pos`` has ``pos > chunk``: the prediction is
     made at position ``pos - 1 >= chunk``, which a prefill chunk of at most ``chunk`` tokens
     cannot hold together with position 0, so part of its context comes from the KV cache.
     Candidates are tried in a seeded random order; those whose pair does not survive lm-eval's
@@ -245,31 +246,15 @@ def model_args(opts, setting: str, eos_id: int) -> tuple[str, dict]:
                 "dtype": "bfloat16" if device.startswith("cuda") else "float32",
                 "prefix_token_id": eos_id, "batch_size": opts.hf_batch_size}
         return "hf", args
-    args = {"pretrained": str(opts.model), "kv_cache_dtype": setting, "dtype": "bfloat16",
-            "enforce_eager": True, "max_model_len": opts.max_model_len,
-            "enable_chunked_prefill": True, "max_num_batched_tokens": opts.chunk,
-            "max_num_seqs": min(64, opts.chunk), "enable_prefix_caching": False,
-            "gpu_memory_utilization": 0.5, "seed": 0, "batch_size": "auto",
+    # The engine of eval.parity_tiny, so that both harnesses measure the same thing.
+    args = {"pretrained": str(opts.model),
+            **tiny_engine_settings(setting, opts.chunk, opts.max_model_len),
+            "batch_size": "auto",
             # heldout_tokens.npy puts EOS before every file: the rolling windows' first
             # token is predicted after EOS, as in training (lm-eval's default would be BOS).
             "prefix_token_id": eos_id}
     args.update(parse_kv_pairs(opts.model_args))
     return "vllm", args
-
-
-def _eval_module(name: str):
-    """``eval/<name>.py`` (eval/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(f"snapmla_{name}",
-                                                  pathlib.Path(__file__).with_name(f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-parse_kv_pairs = _eval_module("parity").parse_kv_pairs      # the --model-args parser
-_parity_tiny = _eval_module("parity_tiny")                   # the paired statistics
-paired_delta, paired_text = _parity_tiny.paired_delta, _parity_tiny.paired_text
-mean_se_cell, markdown_cell = _parity_tiny.mean_se_cell, _parity_tiny.markdown_cell
 
 
 def lm_eval_command(name: str, args: dict, include_path: pathlib.Path, out_dir: pathlib.Path,
@@ -331,8 +316,7 @@ def run_setting(setting: str, opts, env: dict) -> bool:
     """One setting in a child process; streams its progress, keeps its full log."""
     out = opts.out / setting
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--run-one", setting,
-           *opts.child_argv]
+    cmd = script_command("eval.lm_eval_tiny", "--run-one", setting, *opts.child_argv)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env)
     killer = threading.Timer(opts.timeout, proc.kill)
@@ -382,7 +366,7 @@ def summarize(settings: list[str], opts) -> list[dict]:
         for task, key, column in METRICS:
             value = results.get(task, {}).get(key)
             row[column] = None if value in (None, "N/A") else float(value)
-        # Token-level perplexity (what eval/parity_tiny.py reports): lm-eval's per-document
+        # Token-level perplexity (what eval.parity_tiny reports): lm-eval's per-document
         # log-likelihoods over the documents' token counts; every token is scored once.
         docs = read_samples(opts.out / setting, PPL_TASK)
         if docs:
@@ -420,7 +404,7 @@ def summarize(settings: list[str], opts) -> list[dict]:
 def paired_token_nll(ours: dict, theirs: dict) -> tuple[float, float, int]:
     """Per-token NLL of ``ours`` minus ``theirs`` over their common perplexity documents
     (``read_samples`` dicts), its paired standard error with the documents as the units
-    (``eval/parity_tiny.py``'s ``paired_delta``), and the number of documents."""
+    (``eval.common.paired_delta``), and the number of documents."""
     common = sorted(set(ours) & set(theirs))
     mean, se = paired_delta([theirs[d][0] - ours[d][0] for d in common],
                             [theirs[d][1] for d in common])
@@ -510,9 +494,10 @@ def write_report(rows: list[dict], stats: dict, opts, failed: list[str]) -> str:
 # --- CLI ----------------------------------------------------------------------------------
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m eval.lm_eval_tiny",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, type=pathlib.Path,
-                   help="checkpoint directory from eval/train_tiny_mla.py")
+                   help="checkpoint directory written by eval.train_tiny_mla")
     p.add_argument("--out", required=True, type=pathlib.Path)
     p.add_argument("--kv", default=",".join(DEFAULT_KV),
                    help=f"comma-separated kv_cache_dtype settings (default {','.join(DEFAULT_KV)}"
@@ -568,11 +553,13 @@ def main(argv=None) -> int:
     opts.out.mkdir(parents=True, exist_ok=True)
     settings = opts.kv + ([HF_RUN] if opts.hf else [])
     if not opts.docs_only:
+        # Checked without importing: the runs happen in child processes, and importing
+        # vLLM here would only slow the parent down.
         if importlib.util.find_spec("lm_eval") is None:
             raise SystemExit(INSTALL_HINT)
         if opts.kv and importlib.util.find_spec("vllm") is None:
-            raise SystemExit("vLLM is not importable (on the H200: PYTHONPATH=/root/site, see "
-                             "shared/device/README.md); use --kv none --hf for transformers only")
+            raise SystemExit("vLLM is not installed (`pip install vllm==0.26.0`); "
+                             "use --kv none --hf to run transformers only")
         if not settings:
             raise SystemExit("nothing to run: --kv none without --hf")
     started = time.monotonic()
@@ -586,11 +573,11 @@ def main(argv=None) -> int:
         return 0
     env = os.environ.copy()
     if opts.kv:
-        if str(REPO_ROOT) not in sys.path:    # the plugin from this tree, installed or not
-            sys.path.insert(0, str(REPO_ROOT))
-        from vllm_snapmla.demo import subprocess_env   # loads the plugin in vLLM's processes
+        # loads the plugin from this tree, installed or not, in all of vLLM's processes
+        from vllm_snapmla.testing import subprocess_env
 
         env = subprocess_env()
+    env = script_env(env)
     env.setdefault("HF_DATASETS_OFFLINE", "1")
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("HF_DATASETS_CACHE", str(opts.out / "hf_datasets_cache"))

@@ -10,7 +10,7 @@ through its entry point, in the engine's workers too.  Generated lengths are cou
 token ids vLLM returns (they include the reasoning trace); outputs that lack that record (e.g. a
 plain ``lm_eval`` run) fall back to re-tokenizing the responses in lm-eval's samples files.
 
-    python eval/parity.py --model deepseek-ai/DeepSeek-V3.1 --tp 8 --out runs/parity
+    python -m eval.parity --model deepseek-ai/DeepSeek-V3.1 --tp 8 --out runs/parity
 """
 
 from __future__ import annotations
@@ -19,26 +19,13 @@ import argparse
 import csv
 import json
 import math
-import os
 import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
 
-
-def _load_task_table():
-    # eval/ is not a package; load eval/tasks under a name no other module uses.
-    import importlib.util
-    path = Path(__file__).resolve().parent / "tasks" / "__init__.py"
-    spec = importlib.util.spec_from_file_location("snapmla_parity_tasks", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-_tasks = _load_task_table()
-NOT_IN_LM_EVAL, TASKS, write_overlays = _tasks.NOT_IN_LM_EVAL, _tasks.TASKS, _tasks.write_overlays
+from eval.common import parse_kv_pairs, script_command, script_env
+from eval.tasks import NOT_IN_LM_EVAL, TASKS, write_overlays
 
 DEFAULT_KV_SETTINGS = ("auto", "fp8_snapmla")
 BASELINE = "auto"
@@ -49,28 +36,6 @@ REASONING_GEN_KWARGS = {"do_sample": True, "temperature": 0.6, "top_p": 0.95,
 DEFAULT_MAX_MODEL_LEN = 40960
 LENGTHS_FILE = "gen_lengths.json"
 RESULTS_FILE = "results.json"
-
-
-def parse_kv_pairs(text: str | None) -> dict:
-    """``"a=1,b=x"`` -> ``{"a": 1, "b": "x"}`` (ints, floats and booleans converted)."""
-    out = {}
-    for item in filter(None, (text or "").split(",")):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"expected key=value, got {item!r}")
-        out[key.strip()] = _convert(value.strip())
-    return out
-
-
-def _convert(value: str):
-    if value.lower() in ("true", "false"):
-        return value.lower() == "true"
-    for cast in (int, float):
-        try:
-            return cast(value)
-        except ValueError:
-            pass
-    return value
 
 
 def model_args(model: str, kv_cache_dtype: str, tp: int = 1, dp: int = 1,
@@ -109,10 +74,12 @@ def lm_eval_command(args: dict, task_names: list[str], out_dir: Path, include_pa
 
 def child_command(setting: str, opts: argparse.Namespace) -> list[str]:
     """The subprocess that evaluates one KV setting."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--run-one", setting,
-           "--model", opts.model, "--tasks", ",".join(opts.tasks), "--tp", str(opts.tp),
-           "--dp", str(opts.dp), "--max-model-len", str(opts.max_model_len),
-           "--out", str(opts.out), "--gen-kwargs", format_model_args(opts.gen_kwargs)]
+    cmd = script_command("eval.parity", "--run-one", setting,
+                         "--model", opts.model,
+                         "--tasks", ",".join(opts.tasks), "--tp", str(opts.tp),
+                         "--dp", str(opts.dp), "--max-model-len", str(opts.max_model_len),
+                         "--out", str(opts.out), "--gen-kwargs",
+                         format_model_args(opts.gen_kwargs))
     if opts.limit is not None:
         cmd += ["--limit", str(opts.limit)]
     if opts.model_args:
@@ -313,7 +280,8 @@ def _tokenizer_counter(model: str):
 # ----------------------------------------------------------------------------- CLI
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m eval.parity",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--tasks", default=",".join(TASKS),
                    help=f"comma-separated subset of {', '.join(TASKS)}")
@@ -368,7 +336,7 @@ def main(argv=None) -> int:
         return 0
     failed = []
     if not opts.table_only:
-        env = dict(os.environ)
+        env = script_env()
         for setting in opts.kv:
             print(f"[parity] kv_cache_dtype={setting}", flush=True)
             if subprocess.run(child_command(setting, opts), env=env).returncode != 0:

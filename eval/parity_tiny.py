@@ -1,7 +1,7 @@
 """KV-cache accuracy of the trained tiny MLA model in vLLM: BF16 vs fp8_snapmla vs fp8.
 
 Needs a CUDA GPU with FP8 (sm_89+) and vLLM 0.26.0.  Takes the checkpoint written by
-``eval/train_tiny_mla.py`` (with its ``heldout_tokens.npy``) and, for each KV-cache dtype, in its
+``eval.train_tiny_mla`` (with its ``heldout_tokens.npy``) and, for each KV-cache dtype, in its
 own process (so each gets the whole GPU):
 
 (a) scores ``--windows`` held-out windows of ``--window-len`` tokens with ``prompt_logprobs``:
@@ -18,7 +18,7 @@ own process (so each gets the whole GPU):
 As a check that vLLM runs the trained model faithfully, transformers' own BF16 forward pass
 (no KV cache) scores the same windows.
 
-    python eval/parity_tiny.py --model /tmp/tiny-mla --out eval/results-tiny
+    python -m eval.parity_tiny --model build/tiny-mla --out build/parity-tiny
 
 Writes ``parity_tiny.md`` (table), ``parity_tiny.csv`` and, per run, ``raw_<name>.json``
 to ``--out``.  Finished runs are reused (``--force`` reruns them), so an interrupted
@@ -39,8 +39,8 @@ import time
 
 import numpy as np
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
+from eval.common import (markdown_cell, mean_se_cell, paired_delta, paired_text,
+                         script_command, script_env, tiny_engine_settings)
 
 RESULT_TAG = "PARITY_TINY_RESULT "
 DTYPES = ("auto", "fp8_snapmla", "fp8")
@@ -66,11 +66,7 @@ def _score_entries(prompt_logprobs, tokens: list[int]) -> tuple[list[float], lis
 
 def engine_kwargs(model: str, kv_cache_dtype: str, chunk: int, max_model_len: int) -> dict:
     """``LLM`` arguments of a run: prefill in chunks of ``chunk`` tokens, no prefix caching."""
-    return dict(model=model, kv_cache_dtype=kv_cache_dtype, dtype="bfloat16",
-                enforce_eager=True, seed=0, max_model_len=max_model_len,
-                enable_chunked_prefill=True, max_num_batched_tokens=chunk,
-                max_num_seqs=min(64, chunk), enable_prefix_caching=False,
-                gpu_memory_utilization=0.5)
+    return dict(model=model, **tiny_engine_settings(kv_cache_dtype, chunk, max_model_len))
 
 
 def run_vllm(spec: dict) -> dict:
@@ -162,12 +158,13 @@ def _child() -> None:
 
 
 def run_in_subprocess(spec: dict, timeout: float) -> dict:
-    """One run in a fresh process that loads this plugin (vllm_snapmla.demo's environment)."""
-    from vllm_snapmla.demo import subprocess_env
+    """One run in a fresh process that loads this plugin from this tree, installed or not."""
+    from vllm_snapmla.testing import subprocess_env
 
-    proc = subprocess.Popen([sys.executable, __file__, "--child"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=subprocess_env())
+    proc = subprocess.Popen(script_command("eval.parity_tiny", "--child"),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env=script_env(subprocess_env()))
     proc.stdin.write(json.dumps(spec))
     proc.stdin.close()
     result_line, tail = None, []
@@ -188,26 +185,6 @@ def run_in_subprocess(spec: dict, timeout: float) -> dict:
 
 
 # --- summary -------------------------------------------------------------------------------
-
-def paired_delta(diffs, tokens) -> tuple[float, float]:
-    """Per-token mean of a paired difference summed per document, and its standard error.
-
-    ``diffs[i]`` is document ``i``'s difference between two runs summed over its ``tokens[i]``
-    tokens (e.g. one run's negative log-likelihood minus another's).  The mean is
-    Σ diffs / Σ tokens, every token weighing the same.  Neighbouring tokens' differences are
-    correlated, so the documents, not the tokens, are the independent units: the standard
-    error is the ratio estimator's (delta method),
-    ``sqrt(m / (m - 1) * Σ_i (diffs_i - mean * tokens_i)²) / Σ tokens`` over ``m`` documents,
-    i.e. the standard error of the mean over documents when they are all of one length.  NaN
-    for fewer than two documents.
-    """
-    d, n = np.asarray(diffs, dtype=float), np.asarray(tokens, dtype=float)
-    mean = float(d.sum() / n.sum())
-    m = len(d)
-    if m < 2:
-        return mean, math.nan
-    return mean, math.sqrt(m / (m - 1) * float(((d - mean * n) ** 2).sum())) / float(n.sum())
-
 
 def summarize(name: str, raw: dict, base: dict | None, chunk: int) -> dict:
     logprobs = [np.asarray(w) for w in raw["logprobs"]]
@@ -243,26 +220,6 @@ def summarize(name: str, raw: dict, base: dict | None, chunk: int) -> dict:
                 raw["continuations"], base["continuations"])) / n
             row["greedy_mean_common_prefix"] = float(np.mean(prefixes))
     return row
-
-
-def paired_text(mean: float, se: float, units: int, unit_name: str) -> str:
-    """``mean ± se nats, z paired SE over N units`` for a verdict line."""
-    z = f"{abs(mean) / se:.1f}" if se > 0 else "n/a"
-    return f"{mean:+.2e} ± {se:.1e} nats, {z} paired SE over {units} {unit_name}"
-
-
-def mean_se_cell(key: str):
-    """A Markdown cell ``mean ± standard error`` of ``key`` and ``key + '_se'``."""
-    return lambda row: f"{row[key]:+.2e} ± {row[key + '_se']:.1e}"
-
-
-def markdown_cell(row: dict, key: str, fmt) -> str:
-    """``row[key]`` formatted by ``fmt`` (a format string, or a function of the row); "–" when
-    the value is missing."""
-    value = row.get(key)
-    if value in (None, ""):
-        return "–"
-    return fmt(row) if callable(fmt) else fmt.format(value)
 
 
 COLUMNS = [("run", "run", "{}"),
@@ -340,9 +297,10 @@ def main(argv=None) -> None:
     if argv == ["--child"]:   # a run, its spec on stdin (see run_in_subprocess)
         _child()
         return
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m eval.parity_tiny",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, type=pathlib.Path,
-                        help="checkpoint directory from eval/train_tiny_mla.py")
+                        help="checkpoint directory written by eval.train_tiny_mla")
     parser.add_argument("--out", required=True, type=pathlib.Path)
     parser.add_argument("--dtypes", default=",".join(DTYPES),
                         help=f"comma-separated KV-cache dtypes (default {','.join(DTYPES)})")

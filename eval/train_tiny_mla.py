@@ -1,9 +1,10 @@
 """Train a small DeepSeek-V3-architecture (MLA) model on the Python standard library's source.
 
 The result is a real model with trained weights for KV-cache accuracy comparisons in vLLM
-(``eval/parity_tiny.py``): MLA with the DeepSeek-V3 latent layout (kv_lora_rank 512,
-qk_rope_head_dim 64, qk_nope_head_dim 128, v_head_dim 128, q_lora_rank set, so vLLM takes its
-fused q_a/kv_a path), a dense MLP in every layer, ~50M parameters, 2048-token context.
+(``eval.parity_tiny``, ``eval.lm_eval_tiny``): MLA with the DeepSeek-V3 latent layout
+(kv_lora_rank 512, qk_rope_head_dim 64, qk_nope_head_dim 128, v_head_dim 128, q_lora_rank set,
+so vLLM takes its fused q_a/kv_a path), a dense MLP in every layer, ~50M parameters,
+2048-token context.
 
 Data: Python source available offline.  The held-out set is a seeded 5% of the standard library's
 ``*.py`` files (``sysconfig.get_paths()["stdlib"]``); training uses the other stdlib files plus,
@@ -14,8 +15,8 @@ within a minute on an H200), minus any file whose text equals a held-out file's,
 the ``tokenizers`` package.  The held-out loss is measured every 250 steps and the checkpoint
 saved is the step with the lowest one (early stopping).
 
-    python eval/train_tiny_mla.py --out /tmp/tiny-mla --minutes 8 --seed 0
-    python eval/train_tiny_mla.py --out /tmp/tiny-mla-smoke --smoke      # CPU, seconds
+    python -m eval.train_tiny_mla --out build/tiny-mla --max-steps 1750 --minutes 8 --seed 0
+    python -m eval.train_tiny_mla --out /tmp/tiny-mla-smoke --smoke      # CPU, seconds
 
 ``--out`` becomes a Hugging Face checkpoint directory that vLLM and transformers load directly
 (config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
@@ -40,11 +41,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vllm_snapmla.demo import TINY_DEEPSEEK_V3
+from vllm_snapmla.testing import TINY_DEEPSEEK_V3
 
 BOS, EOS = "<|bos|>", "<|eos|>"   # ids 0 and 1: the first special tokens given to the trainer
 
-# The vLLM-facing shape is vllm_snapmla.demo.TINY_DEEPSEEK_V3's (known to load in vLLM
+# The vLLM-facing shape is vllm_snapmla.testing.TINY_DEEPSEEK_V3's (known to load in vLLM
 # 0.26): no `head_dim` (transformers ties it to qk_rope_head_dim), no `index_topk` (that would
 # be V3.2 sparse attention), default RoPE, silu.  Dense everywhere by first_k_dense_replace =
 # num_hidden_layers, which both transformers and vLLM (deepseek_v2.py: MoE iff layer_idx >=
@@ -170,7 +171,8 @@ def save_checkpoint(out: pathlib.Path, model, config: dict, tokenizer) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m eval.train_tiny_mla",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, type=pathlib.Path, help="checkpoint directory")
     parser.add_argument("--minutes", type=float, default=8.0,
                         help="wall-clock budget for the whole run (default 8)")
@@ -354,7 +356,8 @@ def main(argv=None) -> None:
         f"{history[-1][1]:.4f}")
     save_checkpoint(args.out, model, config, tokenizer)
     train_log = {
-        "steps": step, "selected_step": selected_step, "tokens_seen": tokens_seen, "train_seconds": round(train_s, 1),
+        "steps": step, "selected_step": selected_step, "tokens_seen": tokens_seen,
+        "train_seconds": round(train_s, 1),
         "wall_seconds": round(time.monotonic() - t_start, 1),
         "tokens_per_second": round(tokens_seen / max(train_s, 1e-9)),
         "final_train_loss": final_train_loss, "heldout_loss": held,

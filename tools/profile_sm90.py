@@ -16,7 +16,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vllm_snapmla import format as fmt, ops, reference, sm90  # noqa: E402
+from vllm_snapmla import format as fmt, ops, reference
+from vllm_snapmla.kernels import sm90  # noqa: E402
 
 
 def main():

@@ -2,7 +2,7 @@
 
 vLLM loads ``register`` (entry point ``vllm.general_plugins: snapmla``) in every process it
 starts; after that ``--kv-cache-dtype fp8_snapmla`` is accepted and served by
-``vllm_snapmla.backend.SnapMLABackend``.  Importing this package does not import vLLM.
+``vllm_snapmla.integration.backend.SnapMLABackend``.  Importing this package does not import vLLM.
 """
 
 __version__ = "0.1.0"
@@ -25,7 +25,7 @@ def register() -> None:
             f"{SUPPORTED_VLLM_VERSION}, but vLLM {vllm.__version__} is installed. Install "
             f"vllm=={SUPPORTED_VLLM_VERSION}, or a vllm-snapmla release made for vLLM "
             f"{vllm.__version__}.")
-    from vllm_snapmla import _vllm_patches
+    from vllm_snapmla.integration import patches
 
-    _vllm_patches.apply_all()
+    patches.apply_all()
     _registered = True

@@ -4,232 +4,21 @@ On a CUDA GPU with FP8 (sm_89+) it writes a tiny DeepSeek-V3 config, runs ``LLM.
 with ``kv_cache_dtype="auto"`` and ``"fp8_snapmla"`` (each in its own process, so each gets the
 whole GPU), and prints both outputs, whether they match and the KV-cache capacity vLLM
 reports.  Without such a GPU it prints the accuracy of the reference SnapMLA algorithm.
-
-The helpers here (``write_tiny_deepseek_v3``, ``generate_in_subprocess``) are reused by the
-end-to-end tests.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
-import json
 import math
-import os
 import pathlib
-import re
-import subprocess
-import sys
 import tempfile
 
 import torch
 
 from vllm_snapmla import format as fmt
+from vllm_snapmla import reference as ref
+from vllm_snapmla.testing import generate_in_subprocess, write_tiny_deepseek_v3
 
-# Small enough to start in seconds, shaped like DeepSeek-V3 where it matters: MLA with the
-# 512/64 latent/RoPE split, (128, 64, 128) head dims (what vLLM's SM90 MLA prefill accepts),
-# one dense layer followed by one MoE layer.  No `head_dim`: transformers ties it to
-# qk_rope_head_dim.  No `index_topk`: that would make it DeepSeek-V3.2 sparse attention.
-TINY_DEEPSEEK_V3 = {
-    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-    "torch_dtype": "bfloat16", "vocab_size": 4096, "hidden_size": 1024,
-    "intermediate_size": 2048, "num_hidden_layers": 2, "num_attention_heads": 16,
-    "num_key_value_heads": 16, "q_lora_rank": 256, "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-    "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
-    "moe_intermediate_size": 256, "n_group": 1, "topk_group": 1, "topk_method": "noaux_tc",
-    "scoring_func": "sigmoid", "norm_topk_prob": True, "routed_scaling_factor": 2.5,
-    "first_k_dense_replace": 1, "moe_layer_freq": 1, "hidden_act": "silu",
-    "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "rope_theta": 10000.0,
-    "rope_scaling": None, "attention_bias": False, "tie_word_embeddings": False,
-    "bos_token_id": 0, "eos_token_id": 1,
-}
-
-RESULT_TAG = "SNAPMLA_RESULT "
-_KV_TOKENS_LOG = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
-
-
-def write_tiny_deepseek_v3(path, *, random_weights: bool = False, seed: int = 0,
-                           **overrides) -> pathlib.Path:
-    """Write ``config.json`` of the tiny DeepSeek-V3 (``overrides`` replace or add keys).
-
-    With ``random_weights`` also write ``model.safetensors`` holding random weights of
-    trained-model scale (N(0, 0.02) matrices, unit norms).  vLLM's ``load_format="dummy"``
-    weights are U(-1e-3, 1e-3) everywhere, norms included, which shrinks every attention
-    output to ~1e-4 of the residual stream: attention, and so the KV cache, then barely
-    moves the logits.  Use real weights to compare KV-cache formats.
-    """
-    path = pathlib.Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    config = {**TINY_DEEPSEEK_V3, **overrides}
-    (path / "config.json").write_text(json.dumps(config, indent=1))
-    if random_weights:
-        from safetensors.torch import save_file
-
-        save_file(_random_deepseek_v3_weights(config, seed), str(path / "model.safetensors"),
-                  metadata={"format": "pt"})
-    return path
-
-
-def _random_deepseek_v3_weights(c: dict, seed: int) -> dict[str, torch.Tensor]:
-    """DeepSeek-V3 checkpoint tensors (HF names, per-expert MoE layout) for config ``c``."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def matrix(rows, cols):
-        return (torch.randn(rows, cols, generator=gen) * 0.02).to(torch.bfloat16)
-
-    def norm(n):
-        return (1.0 + 0.1 * torch.randn(n, generator=gen)).to(torch.bfloat16)
-
-    H, N = c["hidden_size"], c["num_attention_heads"]
-    nope, rope, v = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
-    rank = c["kv_lora_rank"]
-    w = {"model.embed_tokens.weight": matrix(c["vocab_size"], H),
-         "model.norm.weight": norm(H),
-         "lm_head.weight": matrix(c["vocab_size"], H)}
-    for i in range(c["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        w[p + "input_layernorm.weight"] = norm(H)
-        w[p + "post_attention_layernorm.weight"] = norm(H)
-        a = p + "self_attn."
-        if c.get("q_lora_rank"):
-            w[a + "q_a_proj.weight"] = matrix(c["q_lora_rank"], H)
-            w[a + "q_a_layernorm.weight"] = norm(c["q_lora_rank"])
-            w[a + "q_b_proj.weight"] = matrix(N * (nope + rope), c["q_lora_rank"])
-        else:
-            w[a + "q_proj.weight"] = matrix(N * (nope + rope), H)
-        w[a + "kv_a_proj_with_mqa.weight"] = matrix(rank + rope, H)
-        w[a + "kv_a_layernorm.weight"] = norm(rank)
-        w[a + "kv_b_proj.weight"] = matrix(N * (nope + v), rank)
-        w[a + "o_proj.weight"] = matrix(H, N * v)
-        is_moe = (c.get("n_routed_experts") and i >= c["first_k_dense_replace"]
-                  and i % c["moe_layer_freq"] == 0)
-        if not is_moe:
-            mlp = {p + "mlp.": c["intermediate_size"]}
-        else:
-            E, inter = c["n_routed_experts"], c["moe_intermediate_size"]
-            w[p + "mlp.gate.weight"] = matrix(E, H)
-            if c.get("topk_method") == "noaux_tc":
-                w[p + "mlp.gate.e_score_correction_bias"] = 0.01 * torch.randn(E, generator=gen)
-            mlp = {f"{p}mlp.experts.{e}.": inter for e in range(E)}
-            if c.get("n_shared_experts"):
-                mlp[p + "mlp.shared_experts."] = inter * c["n_shared_experts"]
-        for prefix, inter in mlp.items():
-            w[prefix + "gate_proj.weight"] = matrix(inter, H)
-            w[prefix + "up_proj.weight"] = matrix(inter, H)
-            w[prefix + "down_proj.weight"] = matrix(H, inter)
-    return w
-
-
-# --- running vLLM in a child process -------------------------------------------------------
-
-def _plugin_visible() -> bool:
-    from importlib.metadata import entry_points
-
-    return any(ep.value.startswith("vllm_snapmla") for ep in
-               entry_points(group="vllm.general_plugins"))
-
-
-@functools.cache
-def _entry_point_dir() -> str:
-    """A directory whose ``.dist-info`` declares the plugin's entry point (as pyproject does)."""
-    meta = pathlib.Path(tempfile.mkdtemp(prefix="snapmla-entry-point-"))
-    info = meta / "vllm_snapmla_source-0.0.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: vllm-snapmla-source\nVersion: 0.0.0\n")
-    (info / "entry_points.txt").write_text(
-        "[vllm.general_plugins]\nsnapmla = vllm_snapmla:register\n")
-    return str(meta)
-
-
-def subprocess_env(extra: dict | None = None) -> dict:
-    """Environment for a vLLM process that must load this plugin from this source tree.
-
-    vLLM finds plugins through entry points, in the API server, the engine core and every
-    worker; when vllm-snapmla is not pip-installed, a ``.dist-info`` on ``PYTHONPATH``
-    declares the entry point.
-    """
-    env = dict(os.environ)
-    paths = [str(pathlib.Path(__file__).resolve().parent.parent)]
-    if not _plugin_visible():
-        paths.append(_entry_point_dir())
-    env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [env.get("PYTHONPATH")] if p])
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    try:
-        import flashinfer  # noqa: F401
-    except ImportError:
-        env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"   # vLLM imports it for sampling by default
-    env.update(extra or {})
-    return env
-
-
-def run_generation(spec: dict) -> dict:
-    """Build one ``LLM`` and run ``spec["rounds"]`` (lists of prompts) through it, in order.
-
-    ``spec``: ``model``, ``kv_cache_dtype``, ``rounds`` (list of lists of token-id prompts),
-    ``max_tokens``, optional ``logprobs`` and ``llm_kwargs``.  Returns per round and prompt
-    the generated ``token_ids``, the top ``logprobs`` per step (``{token: logprob}``) and
-    ``num_cached_tokens``, plus the KV-cache capacity.
-    """
-    from vllm import LLM, SamplingParams
-
-    kwargs = dict(load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
-                  dtype="bfloat16", max_model_len=2048, gpu_memory_utilization=0.4, seed=0)
-    kwargs.update(spec.get("llm_kwargs", {}))
-    llm = LLM(model=spec["model"], kv_cache_dtype=spec["kv_cache_dtype"], **kwargs)
-    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True,
-                            logprobs=spec.get("logprobs"))
-    rounds = []
-    for prompts in spec["rounds"]:
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                               use_tqdm=False)
-        rounds.append([{
-            "token_ids": list(o.outputs[0].token_ids),
-            "logprobs": [{str(t): lp.logprob for t, lp in step.items()}
-                         for step in (o.outputs[0].logprobs or [])],
-            "num_cached_tokens": o.num_cached_tokens or 0,
-        } for o in outputs])
-    cache = llm.llm_engine.vllm_config.cache_config
-    return {"rounds": rounds, "num_gpu_blocks": cache.num_gpu_blocks,
-            "block_size": cache.block_size,
-            "kv_cache_tokens": cache.num_gpu_blocks * cache.block_size}
-
-
-def run_json_child(args: list[str], spec: dict, env: dict | None, timeout: float
-                   ) -> tuple[dict, str]:
-    """``python <args>`` with ``spec`` as JSON on stdin, in this plugin's environment: the JSON
-    after its last ``RESULT_TAG`` line, and everything it printed."""
-    proc = subprocess.run([sys.executable, *args], input=json.dumps(spec), capture_output=True,
-                          text=True, timeout=timeout, env=subprocess_env(env))
-    log = proc.stdout + proc.stderr
-    result_lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
-    if proc.returncode != 0 or not result_lines:
-        raise RuntimeError(f"vLLM run failed (exit {proc.returncode}) for "
-                           f"{spec['kv_cache_dtype']}; last output:\n{log[-6000:]}")
-    return json.loads(result_lines[-1][len(RESULT_TAG):]), log
-
-
-def generate_in_subprocess(spec: dict, env: dict | None = None, timeout: float = 900) -> dict:
-    """``run_generation`` in a fresh Python process (it owns the GPU until it exits).
-
-    Adds ``log`` (everything the processes printed) and ``log_kv_cache_tokens`` (the
-    capacity vLLM logs) to the result.
-    """
-    result, log = run_json_child(["-m", "vllm_snapmla.demo", "--child"], spec, env, timeout)
-    logged = _KV_TOKENS_LOG.findall(log)
-    result["log_kv_cache_tokens"] = int(logged[-1].replace(",", "")) if logged else None
-    result["log"] = log
-    return result
-
-
-def _child() -> None:
-    spec = json.loads(sys.stdin.read())
-    result = run_generation(spec)
-    print(RESULT_TAG + json.dumps(result), flush=True)
-
-
-# --- the demo ------------------------------------------------------------------------------
 
 def _has_fp8_gpu() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
@@ -278,8 +67,6 @@ def _rel_l2(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def cpu_report() -> None:
-    from vllm_snapmla import reference as ref
-
     gen = torch.Generator().manual_seed(0)
     print("No CUDA GPU with FP8 (sm_89+) here: the SnapMLA kernels and the vLLM run need one.\n"
           "Accuracy of the reference SnapMLA algorithm (vllm_snapmla.reference) instead:\n")
@@ -333,11 +120,8 @@ def main(argv=None) -> None:
     parser.add_argument("--random-weights", action="store_true",
                         help="write random weights of trained-model scale instead of "
                              "load_format=dummy (GPU run only)")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.child:
-        _child()
-    elif _has_fp8_gpu():
+    if _has_fp8_gpu():
         gpu_demo(args.random_weights)
     else:
         cpu_report()

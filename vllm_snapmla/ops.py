@@ -2,9 +2,10 @@
 
 Every function takes CPU or CUDA tensors.  CPU tensors run the exact PyTorch reference
 (``vllm_snapmla.reference``); CUDA tensors run our kernels: the native extension
-(``vllm_snapmla._C``, ``csrc/``) for the data path, and for decode the sm_90a kernel on Hopper
-(``vllm_snapmla.sm90``) or the portable Triton split-KV kernel elsewhere.  All give the same
-results within the tolerances the tests state.
+(``vllm_snapmla._C``, ``csrc/``) for the data path, and for decode the sm_90a kernels on Hopper
+(``vllm_snapmla.kernels.sm90``, one op call) or the portable Triton split-KV kernel elsewhere
+(``vllm_snapmla.kernels.triton_decode``).  All give the same results within the tolerances the
+tests state.
 
 ``SNAPMLA_DECODE_KERNEL`` picks the decode kernel: ``auto`` (default: sm90 where it is built and
 the GPU is sm_90, Triton otherwise), ``sm90`` (always; refuse to run without it) or ``triton``.
@@ -19,26 +20,12 @@ import torch
 
 from vllm_snapmla import format as fmt
 from vllm_snapmla import reference
-
-
-@functools.cache
-def native():
-    """The compiled extension's op namespace, or None if it was not built (SNAPMLA_SKIP_BUILD=1)."""
-    try:
-        import vllm_snapmla._C  # noqa: F401  (registers torch.ops._snapmla_C)
-    except ImportError:
-        return None
-    return torch.ops._snapmla_C
+from vllm_snapmla._native import require_native
+from vllm_snapmla.kernels import sm90, triton_decode
 
 
 def _require_native(what: str):
-    ops = native()
-    if ops is None:
-        raise RuntimeError(
-            f"vllm_snapmla.ops.{what} on a CUDA tensor needs the native extension, which is not "
-            "built in this install. Reinstall without SNAPMLA_SKIP_BUILD=1: "
-            "`pip install --no-build-isolation --force-reinstall --no-deps vllm-snapmla`.")
-    return ops
+    return require_native(f"vllm_snapmla.ops.{what}")
 
 
 def _check_rows(name: str, t: torch.Tensor, width: int) -> None:
@@ -140,38 +127,33 @@ def quantize_q(q_nope: torch.Tensor, q_pe: torch.Tensor):
 
 
 DECODE_KERNELS = ("auto", "sm90", "triton")
-# The sm90 kernels take any row count: the narrow kernel's 16-row form (1-16 query rows, s_q x
-# heads) costs the same at 1 row as at 16, where it runs 1.28-1.31x the 64-row kernel's speed
-# (benchmarks/RESULTS.md, eighth run; its 32-row form, 17-32 rows, 1.14-1.19x in the
-# twenty-second, before the twenty-third run's further 6-11%),
-# and the Triton kernel pads to 16 rows too.
-SM90_MIN_ROWS = 1
 
 
 @functools.cache
 def _sm90_available(device: torch.device) -> bool:
-    from vllm_snapmla import sm90
     return sm90.available(device)
 
 
-def decode_kernel(device: torch.device, num_rows: int = SM90_MIN_ROWS):
-    """The CUDA decode kernel for ``num_rows = s_q * heads`` query rows on ``device``.
-
-    ``SNAPMLA_DECODE_KERNEL`` (see the module docstring) is read on every call.
-    """
+def _use_sm90(device: torch.device) -> bool:
+    """``SNAPMLA_DECODE_KERNEL`` (read on every call, see the module docstring) on ``device``."""
     choice = os.environ.get("SNAPMLA_DECODE_KERNEL", "auto")
-    if choice not in DECODE_KERNELS:
-        raise ValueError(f"SNAPMLA_DECODE_KERNEL={choice!r}; expected one of {DECODE_KERNELS}")
-    if choice == "sm90" and not _sm90_available(device):
-        raise RuntimeError(
-            "SNAPMLA_DECODE_KERNEL=sm90 needs an sm_90 GPU and an extension built with "
-            "SNAPMLA_ARCHS containing 90a; unset it to fall back to the Triton kernel")
-    if choice == "sm90" or (choice == "auto" and num_rows >= SM90_MIN_ROWS
-                            and _sm90_available(device)):
-        from vllm_snapmla.sm90 import snapmla_decode_sm90
-        return snapmla_decode_sm90
-    from vllm_snapmla.triton.decode import snapmla_decode
-    return snapmla_decode
+    if choice == "auto":
+        return _sm90_available(device)
+    if choice == "triton":
+        return False
+    if choice == "sm90":
+        if not _sm90_available(device):
+            raise RuntimeError(
+                "SNAPMLA_DECODE_KERNEL=sm90 needs an sm_90 GPU and an extension built with "
+                "SNAPMLA_ARCHS containing 90a; unset it to fall back to the Triton kernel")
+        return True
+    raise ValueError(f"SNAPMLA_DECODE_KERNEL={choice!r}; expected one of {DECODE_KERNELS}")
+
+
+def decode_kernel(device: torch.device):
+    """The CUDA decode kernel that takes a quantized query (``quantize_q``'s outputs) on
+    ``device``: ``sm90.snapmla_decode_sm90`` or ``triton_decode.snapmla_decode``."""
+    return sm90.snapmla_decode_sm90 if _use_sm90(device) else triton_decode.snapmla_decode
 
 
 def decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -183,7 +165,15 @@ def decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
     ``seq_lens[B]`` counts every cached token of a request, its ``s_q`` new ones included.
     With ``causal``, query ``i`` sees positions ``< seq_len - s_q + i + 1``.
     Returns ``out[B,s_q,H,512]`` (bfloat16) and ``lse[B,H,s_q]`` (float32, natural log).
+
+    On CUDA the launch shape depends only on the shapes (never on the lengths' values), so a
+    call can be captured in a CUDA graph and replayed for other lengths; the split count is
+    chosen on the GPU from the real lengths (``vllm_snapmla.kernels.splits``).
     """
+    if q_nope.is_cuda and _use_sm90(q_nope.device):
+        # One op call: every check, the query quantization, the decode and the combine in C++.
+        return sm90.decode_sm90(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale,
+                                causal)
     _check_cache(kv_cache)
     if q_nope.dim() != 4 or q_pe.dim() != 4:
         raise ValueError(f"q_nope and q_pe must be [B, s_q, H, D], got {list(q_nope.shape)} "
@@ -195,9 +185,9 @@ def decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
         raise ValueError(f"block_table {list(block_table.shape)} / seq_lens "
                          f"{list(seq_lens.shape)} do not cover batch {B}")
     if q_nope.is_cuda:
-        kernel = decode_kernel(q_nope.device, q_nope.shape[1] * q_nope.shape[2])
         q8, q_scale, qpe = quantize_q(q_nope, q_pe)
-        return kernel(q8, q_scale, qpe, kv_cache, block_table, seq_lens, softmax_scale, causal)
+        return triton_decode.snapmla_decode(q8, q_scale, qpe, kv_cache, block_table, seq_lens,
+                                            softmax_scale, causal)
     out, lse = reference.decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale,
                                 causal)
     return out.to(torch.bfloat16), lse.float()

@@ -137,7 +137,7 @@ def device_capability(major: int, minor: int):
 
 def tiny_model(**overrides) -> str:
     """A fresh directory holding the tiny DeepSeek-V3 config (config only, no weights)."""
-    from vllm_snapmla.demo import write_tiny_deepseek_v3
+    from vllm_snapmla.testing import write_tiny_deepseek_v3
 
     return str(write_tiny_deepseek_v3(tempfile.mkdtemp(prefix="snapmla-tiny-"), **overrides))
 

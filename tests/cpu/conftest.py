@@ -20,11 +20,11 @@ def vllm_cpu():
 
 @pytest.fixture(scope="session")
 def smoke_checkpoint(tmp_path_factory) -> pathlib.Path:
-    """``eval/train_tiny_mla.py --smoke`` on the CPU, trained once per session; read-only."""
+    """``python -m eval.train_tiny_mla --smoke`` on the CPU, trained once per session; read-only."""
     out = tmp_path_factory.mktemp("tiny-mla-smoke")
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "eval" / "train_tiny_mla.py"),
+    proc = subprocess.run([sys.executable, "-m", "eval.train_tiny_mla",
                            "--out", str(out), "--smoke", "--seed", "0"],
-                          capture_output=True, text=True, timeout=120,
+                          capture_output=True, text=True, timeout=120, cwd=REPO_ROOT,
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out

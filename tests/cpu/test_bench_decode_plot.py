@@ -1,18 +1,20 @@
-"""benchmarks/bench_decode.py's plot and --replot: the panels follow the shapes a run has."""
+"""benchmarks/bench_decode.py without a GPU: its plot and --replot (the panels follow the shapes
+a run has), its CSV (older files without the later columns still read), and what it builds for
+--shapes, --ragged and --table-width."""
 
+import argparse
 import csv
-import importlib.util
 import random
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_decode.py"
-_spec = importlib.util.spec_from_file_location("bench_decode", _PATH)
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+from benchmarks import bench_decode as bench
+
+_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _rows(rng, shapes, with_flashmla):
@@ -66,6 +68,58 @@ def test_replot_reads_back_the_csv_it_writes(tmp_path):
     assert all(isinstance(r["H"], int) and r["speedup_vs_bf16"] is None for r in back)
     assert back[1]["us"] == pytest.approx(rows[1]["us"])
     out = tmp_path / "plot"
-    subprocess.run([sys.executable, str(_PATH), "--replot", str(tmp_path / "decode.csv"),
-                    "--out", str(out)], check=True, capture_output=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "benchmarks.bench_decode", "--replot",
+                    str(tmp_path / "decode.csv"), "--out", str(out)], check=True,
+                   capture_output=True, timeout=300, cwd=_ROOT)
     assert _png(out / "decode.png")
+
+
+def test_csv_keeps_the_new_timings_and_reads_files_without_them(tmp_path):
+    rows = _rows(random.Random(5), [(64, 16, 1024, 1)], True)
+    for r in rows:
+        r.update(table_width=2560, ragged=1, timing="graph", host_us=41.5, eager_us=55.25,
+                 metadata_host_us=12.0 if r["backend"].startswith("flashmla") else None,
+                 metadata_eager_us=None, metadata_us=3.5)
+    bench._write_csv(rows, tmp_path / "decode.csv")
+    back = bench._read_csv(tmp_path / "decode.csv")
+    assert [r["table_width"] for r in back] == [2560] * 3 and back[0]["ragged"] == 1
+    assert back[0]["timing"] == "graph" and back[2]["host_us"] == pytest.approx(41.5)
+    assert back[0]["metadata_host_us"] == 12.0 and back[2]["metadata_host_us"] is None
+    # A decode.csv written before those columns existed.
+    old_columns = bench.CSV_COLUMNS[:11]
+    with open(tmp_path / "old.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=old_columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    old = bench._read_csv(tmp_path / "old.csv")
+    assert old[1]["us"] == pytest.approx(rows[1]["us"])
+    assert old[1]["table_width"] is None and old[1]["host_us"] is None
+
+
+def test_shapes_parse_as_b_h_n_and_optional_s_q():
+    assert bench.parse_shape("64x16x1024") == (64, 16, 1024, 1)
+    assert bench.parse_shape("8X128x131072x2") == (8, 128, 131072, 2)
+    for bad in ("64x16", "64x16x0", "axbxc", "1x2x3x4x5"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench.parse_shape(bad)
+
+
+def test_ragged_lengths_are_seeded_and_within_an_eighth_of_n_and_n():
+    lengths = bench.request_lengths(500, 8192, True, torch.Generator().manual_seed(3))
+    assert min(lengths) >= 1024 and max(lengths) <= 8192 and len(set(lengths)) > 100
+    assert lengths == bench.request_lengths(500, 8192, True, torch.Generator().manual_seed(3))
+    assert bench.request_lengths(4, 8192, False, torch.Generator()) == [8192] * 4
+
+
+def test_block_table_pads_each_request_with_zeros_to_the_width():
+    rows = bench.block_table_rows([[5, 9, 2], [7]], 6)
+    assert rows == [[5, 9, 2, 0, 0, 0], [7, 0, 0, 0, 0, 0]]
+    with pytest.raises(ValueError, match="more than the table"):
+        bench.block_table_rows([[1, 2, 3]], 2)
+
+
+def test_table_width_narrower_than_a_shape_is_refused_before_any_gpu_work():
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_decode", "--shapes",
+                           "1x16x8192", "--table-width", "64"], capture_output=True, text=True,
+                          timeout=300, cwd=_ROOT)
+    assert proc.returncode == 2 and "narrower than the pages" in proc.stderr

@@ -1,30 +1,26 @@
-"""The pure-Python parts of benchmarks/bench_e2e.py: model shapes, batch sizing, the decode
-timing against a stand-in engine, result merging and the table/CSV/plot outputs (the vLLM runs
+"""The pure-Python parts of benchmarks/bench_e2e.py and of benchmarks/vllm_engine.py, which it
+shares with bench_matrix: model shapes, batch sizing, the decode timing against a stand-in
+engine, the child process, result merging and the table/CSV/plot outputs (the vLLM runs
 themselves need a GPU)."""
 
-import importlib.util
 import json
 import math
 import os
 import random
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
+from benchmarks import bench_e2e as bench
+from benchmarks import vllm_engine as engine_lib
 from vllm_snapmla import format as fmt
-from vllm_snapmla.demo import write_tiny_deepseek_v3
-
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_e2e.py"
-_spec = importlib.util.spec_from_file_location("bench_e2e", _PATH)
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+from vllm_snapmla.testing import write_tiny_deepseek_v3
 
 
 @pytest.mark.parametrize("heads", [128, 16])
 def test_model_config_has_deepseek_v31_attention_and_dense_layers(tmp_path, heads):
-    path = write_tiny_deepseek_v3(tmp_path / "m", **bench.model_config(heads))
+    path = write_tiny_deepseek_v3(tmp_path / "m", **engine_lib.model_config(heads))
     config = json.loads((path / "config.json").read_text())
     assert config["hidden_size"] == 7168
     assert config["num_attention_heads"] == config["num_key_value_heads"] == heads
@@ -35,7 +31,7 @@ def test_model_config_has_deepseek_v31_attention_and_dense_layers(tmp_path, head
     # vLLM makes layer i an MoE layer only from first_k_dense_replace on: all dense here.
     assert config["first_k_dense_replace"] >= config["num_hidden_layers"]
     assert (config["max_position_embeddings"]
-            >= max(bench.CONTEXTS) + bench.MAX_WARM_TOKENS + bench.SETTLE_STEPS + 2 * 512)
+            >= max(bench.CONTEXTS) + bench.MAX_WARM_TOKENS + engine_lib.SETTLE_STEPS + 2 * 512)
 
 
 def test_batch_to_fill_counts_whole_pages_per_request():
@@ -44,14 +40,14 @@ def test_batch_to_fill_counts_whole_pages_per_request():
         block = rng.choice([16, 64])
         context, gen = rng.randint(1, 200_000), rng.randint(2, 1000)
         blocks = rng.randint(0, 200_000)
-        batch = bench.batch_to_fill(blocks, block, context, gen, max_batch=10**9)
+        batch = engine_lib.batch_to_fill(blocks, block, context, gen, max_batch=10**9)
         per_request = math.ceil((context + gen) / block)
         assert batch * per_request <= blocks < (batch + 1) * per_request
-    assert bench.batch_to_fill(10_000, 64, 16384, 513, max_batch=7) == 7
+    assert engine_lib.batch_to_fill(10_000, 64, 16384, 513, max_batch=7) == 7
     # The same bytes hold 1152/656 = 1.76x more fp8_snapmla tokens: the batch grows with them.
     budget = 24 * 2**30
-    bf16 = bench.batch_to_fill(budget // (4 * 1152 * 64), 64, 16384, 513, 10**9)
-    snap = bench.batch_to_fill(budget // (4 * fmt.BYTES_PER_TOKEN * 64), 64, 16384, 513, 10**9)
+    bf16 = engine_lib.batch_to_fill(budget // (4 * 1152 * 64), 64, 16384, 513, 10**9)
+    snap = engine_lib.batch_to_fill(budget // (4 * fmt.BYTES_PER_TOKEN * 64), 64, 16384, 513, 10**9)
     assert 1.7 < snap / bf16 < 1.8
 
 
@@ -60,14 +56,14 @@ def test_warm_tokens_outlast_the_chunked_prefill():
     for _ in range(200):
         batch, context = rng.randint(1, 512), rng.randint(1, 131072)
         budget = rng.randint(batch + 1, 65536)
-        warm = bench.warm_tokens(batch, context, budget)
+        warm = engine_lib.warm_tokens(batch, context, budget)
         # Steps the prefill needs at most: every step has budget - batch prompt tokens.
         steps = math.ceil(batch * context / (budget - batch))
         assert steps + 16 <= warm <= math.ceil(1.25 * steps) + 16
     # 28 requests of 32k with vLLM's default 8192-token budget: about 113 prefill steps.
-    assert bench.warm_tokens(28, 32768, 8192) == math.ceil(1.25 * 113) + 16
+    assert engine_lib.warm_tokens(28, 32768, 8192) == math.ceil(1.25 * 113) + 16
     with pytest.raises(ValueError, match="no prefill budget"):
-        bench.warm_tokens(512, 16384, 512)
+        engine_lib.warm_tokens(512, 16384, 512)
 
 
 def test_engine_log_gives_a_row_per_context_and_keeps_finished_ones():
@@ -77,8 +73,8 @@ def test_engine_log_gives_a_row_per_context_and_keeps_finished_ones():
               "kv_cache_tokens": 1636800, "decode_tok_s": 1953.0, "tpot_ms": 25.1}
     log = ("INFO ... GPU KV cache size: 1,636,800 tokens\n"
            "INFO ... Using SNAPMLA attention backend\n"
-           + bench.RESULT_TAG + json.dumps(result) + "\n")
-    rows = bench.parse_engine_log(spec, log, "timed out after 600 s")
+           + engine_lib.RESULT_TAG + json.dumps(result) + "\n")
+    rows = bench.parse_engine_log(spec, [result], log, "timed out after 600 s")
     assert [r["context"] for r in rows] == spec["contexts"]
     assert all(r["kv"] == "fp8_snapmla" and r["heads"] == 128 for r in rows)
     assert all(r["log_kv_cache_tokens"] == 1636800 and r["backend"] == "SNAPMLA" for r in rows)
@@ -86,7 +82,7 @@ def test_engine_log_gives_a_row_per_context_and_keeps_finished_ones():
     assert finished["decode_tok_s"] == 1953.0 and "error" not in finished
     assert rows[0]["error"] == rows[2]["error"] == "timed out after 600 s"
     # A clean exit that produced no result for a context still marks it as failed.
-    assert bench.parse_engine_log(spec, "", None)[0]["error"] == "no result"
+    assert bench.parse_engine_log(spec, [], "", None)[0]["error"] == "no result"
 
 
 def test_engine_subprocess_streams_results_and_keeps_them_on_timeout(tmp_path, monkeypatch):
@@ -99,7 +95,7 @@ def test_engine_subprocess_streams_results_and_keeps_them_on_timeout(tmp_path, m
         "spec = json.loads(sys.stdin.read())\n"
         "core = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
         f"open({str(pid_file)!r}, 'w').write(str(core.pid))\n"
-        f"print({bench.RESULT_TAG!r} + json.dumps({{'context': spec['contexts'][0], "
+        f"print({engine_lib.RESULT_TAG!r} + json.dumps({{'context': spec['contexts'][0], "
         "'batch': 3, 'decode_tok_s': 10.0}), flush=True)\n"
         "print('Using SNAPMLA attention backend', file=sys.stderr, flush=True)\n"
         "time.sleep(60)\n")
@@ -169,7 +165,8 @@ def test_outputs_merge_across_runs_and_survive_failures(tmp_path):
               "error": "exit 1: CUDA out of memory"}
     rows = bench.write_outputs([failed], tmp_path)
     assert len(rows) == 12
-    on_disk = bench.read_csv(tmp_path / "results.csv")
+    comments, on_disk = engine_lib.read_csv(tmp_path / "results.csv")
+    assert comments == []
     assert [bench._key(r) for r in on_disk] == [bench._key(r) for r in rows]
     by_key = {bench._key(r): r for r in on_disk}
     assert by_key[(16, 65536, "fp8")]["error"].startswith("exit 1")
@@ -249,32 +246,32 @@ def test_decode_windows_time_only_steps_in_which_every_request_decodes():
     # core's step time.
     engine = _FakeEngine(first_token, max_tokens=10_000, decode_s=0.0123, mixed_s=5.0,
                          lag_s=0.005)
-    seconds, lock_step, prefill_steps, timer = bench.timed_decode_windows(
+    seconds, lock_step, prefill_steps, timer = engine_lib.timed_decode_windows(
         engine, [{}] * batch, "delta-params", steps, windows, clock=engine.clock)
     assert seconds == [pytest.approx(0.0123)] * windows   # no mixed (prefill) step timed
     assert lock_step and prefill_steps == first_token[-1] + 1 and timer == "engine core"
     assert len(engine.aborted) == batch and not engine.has_unfinished_requests()
-    summary = bench.summarize_windows(batch, seconds)
+    summary = engine_lib.summarize_windows(batch, seconds)
     assert summary["tpot_ms"] == pytest.approx(12.3)
     assert summary["decode_tok_s"] == pytest.approx(batch / 0.0123, rel=1e-4)
     assert summary["spread_pct"] == pytest.approx(0, abs=1e-6) and summary["timing_ok"] is True
     # Without core timestamps (stats off) the step() calls are timed instead.
     engine = _FakeEngine(first_token, max_tokens=10_000, decode_s=0.0123, mixed_s=5.0,
                          core_stamps=False)
-    seconds, _, _, timer = bench.timed_decode_windows(
+    seconds, _, _, timer = engine_lib.timed_decode_windows(
         engine, [{}] * batch, "delta-params", steps, windows, clock=engine.clock)
     assert seconds == [pytest.approx(0.0123)] * windows and timer == "step() calls"
 
 
 def test_decode_windows_flag_a_request_that_skips_a_timed_step():
     engine = _FakeEngine([0, 3, 5], max_tokens=10_000, decode_s=0.01, mixed_s=1.0,
-                         skip=[(5 + 1 + bench.SETTLE_STEPS + 4, 1)])
-    _, lock_step, _, _ = bench.timed_decode_windows(engine, [{}] * 3, "delta-params", 8, 2,
+                         skip=[(5 + 1 + engine_lib.SETTLE_STEPS + 4, 1)])
+    _, lock_step, _, _ = engine_lib.timed_decode_windows(engine, [{}] * 3, "delta-params", 8, 2,
                                                     clock=engine.clock)
     assert not lock_step
     # Requests that finish inside the windows (max_tokens too small) are flagged the same way.
     engine = _FakeEngine([0, 3, 5], max_tokens=12, decode_s=0.01, mixed_s=1.0)
-    _, lock_step, _, _ = bench.timed_decode_windows(engine, [{}] * 3, "delta-params", 8, 2,
+    _, lock_step, _, _ = engine_lib.timed_decode_windows(engine, [{}] * 3, "delta-params", 8, 2,
                                                     clock=engine.clock)
     assert not lock_step
 
@@ -284,14 +281,14 @@ def test_decode_windows_stop_when_the_engine_drops_requests_before_their_first_t
     # stepped forever.
     engine = _FakeEngine([0, 50], max_tokens=0, decode_s=0.01, mixed_s=1.0)
     with pytest.raises(RuntimeError, match="before all of them"):
-        bench.timed_decode_windows(engine, [{}] * 2, "delta-params", 4, 1, clock=engine.clock)
+        engine_lib.timed_decode_windows(engine, [{}] * 2, "delta-params", 4, 1, clock=engine.clock)
     assert engine.aborted   # cleaned up all the same
 
 
 def test_window_summary_flags_windows_that_disagree():
-    assert bench.summarize_windows(10, [0.010, 0.0104])["timing_ok"] is True
-    noisy = bench.summarize_windows(10, [0.010, 0.012, 0.011])
+    assert engine_lib.summarize_windows(10, [0.010, 0.0104])["timing_ok"] is True
+    noisy = engine_lib.summarize_windows(10, [0.010, 0.012, 0.011])
     assert noisy["timing_ok"] is False and noisy["spread_pct"] == pytest.approx(100 * 0.002 / 0.011, abs=0.01)
-    assert bench.summarize_windows(10, [0.010])["timing_ok"] == ""   # one window: unknown
+    assert engine_lib.summarize_windows(10, [0.010])["timing_ok"] == ""   # one window: unknown
     with pytest.raises(ValueError):
-        bench.summarize_windows(10, [])
+        engine_lib.summarize_windows(10, [])

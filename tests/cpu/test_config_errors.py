@@ -232,7 +232,7 @@ def _in_vllm_build_impl(kv_cache_dtype=KV, kv_lora_rank=512, capability=(9, 0)):
     from vllm.config import set_current_vllm_config
 
     from tests.cpu._vllm_cpu import device_capability, engine_config, tiny_model
-    from vllm_snapmla.backend import SnapMLAImpl
+    from vllm_snapmla.integration.backend import SnapMLAImpl
 
     config = engine_config(tiny_model(), kv_cache_dtype=KV)
     with set_current_vllm_config(config), device_capability(*capability):
@@ -246,7 +246,7 @@ def _in_vllm_build_impl(kv_cache_dtype=KV, kv_lora_rank=512, capability=(9, 0)):
 
 @pytest.mark.parametrize("settings, expected", [
     ({"kv_cache_dtype": "auto"}, "Pass --kv-cache-dtype fp8_snapmla or drop --attention-backend"),
-    ({"kv_lora_rank": 256}, "this layer has 256 and 64"),
+    ({"kv_lora_rank": 256}, "kv_lora_rank=256 and qk_rope_head_dim=64"),
     ({"capability": (8, 0)}, "this GPU has compute capability 8.0"),
 ], ids=["other_dtype", "latent_rank", "no_fp8"])
 def test_impl_refuses(vllm_cpu, settings, expected):

@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from vllm_snapmla import _vllm_patches
+from vllm_snapmla.integration.patches import context_merge_bound
 
 
 @pytest.fixture
@@ -39,7 +39,7 @@ def _bound(context, num_decodes, query_lens):
                                      prefill=types.SimpleNamespace(chunked_context=context))
     query_start_loc = torch.tensor(
         [0, *itertools.accumulate([1] * num_decodes + list(query_lens))], dtype=torch.int32)
-    _vllm_patches.fix_context_merge_bound(metadata, query_start_loc)
+    context_merge_bound.fix_context_merge_bound(metadata, query_start_loc)
     return context.prefill_tokens_with_context
 
 
@@ -70,8 +70,8 @@ def test_bound_ends_at_the_last_prefill_with_context(chunked_context):
 
 def test_batches_without_chunked_context_are_left_alone():
     metadata = types.SimpleNamespace(num_decodes=3, prefill=None)
-    _vllm_patches.fix_context_merge_bound(metadata, torch.arange(4, dtype=torch.int32))
+    context_merge_bound.fix_context_merge_bound(metadata, torch.arange(4, dtype=torch.int32))
     metadata = types.SimpleNamespace(num_decodes=1,
                                      prefill=types.SimpleNamespace(chunked_context=None))
-    _vllm_patches.fix_context_merge_bound(metadata, torch.arange(3, dtype=torch.int32))
+    context_merge_bound.fix_context_merge_bound(metadata, torch.arange(3, dtype=torch.int32))
     assert metadata.prefill.chunked_context is None

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.cache_builder import build_cache
+from vllm_snapmla.testing import build_cache
 from tests.cpu._vllm_cpu import SPEC_NGRAM
 from vllm_snapmla import format as fmt
 from vllm_snapmla import ops
@@ -26,7 +26,7 @@ def test_builder_declares_uniform_batch_graphs_and_uniform_queries():
     from vllm.model_executor.layers.attention.mla_attention import QueryLenSupport
     from vllm.v1.attention.backend import AttentionCGSupport
 
-    from vllm_snapmla.backend import SnapMLABackend
+    from vllm_snapmla.integration.backend import SnapMLABackend
 
     builder = SnapMLABackend.get_builder_cls()
     assert builder._cudagraph_support is AttentionCGSupport.UNIFORM_BATCH
@@ -49,7 +49,7 @@ def _in_vllm_resolve_cudagraphs(support=None, **engine_kwargs):
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from tests.cpu._vllm_cpu import engine_config, tiny_model
-    from vllm_snapmla.backend import SnapMLABackend, SnapMLAMetadataBuilder
+    from vllm_snapmla.integration.backend import SnapMLABackend, SnapMLAMetadataBuilder
 
     backend = SnapMLABackend
     if support is not None:
@@ -122,7 +122,7 @@ def _in_vllm_reorder_threshold(**engine_kwargs):
     from vllm.model_executor.layers.attention.mla_attention import QueryLenSupport
 
     from tests.cpu._vllm_cpu import engine_config, tiny_model
-    from vllm_snapmla.backend import SnapMLAMetadataBuilder as B
+    from vllm_snapmla.integration.backend import SnapMLAMetadataBuilder as B
 
     config = engine_config(tiny_model(), kv_cache_dtype=KV, **engine_kwargs)
     builder = SimpleNamespace(vllm_config=config)
@@ -144,7 +144,7 @@ SCALE = 1 / math.sqrt(192)
 
 
 def _impl(return_lse: bool):
-    from vllm_snapmla.backend import SnapMLAImpl
+    from vllm_snapmla.integration.backend import SnapMLAImpl
 
     impl = SnapMLAImpl.__new__(SnapMLAImpl)   # no vLLM config needed for forward_mqa
     impl.kv_lora_rank, impl.qk_rope_head_dim = fmt.KV_LORA_RANK, fmt.ROPE_DIM

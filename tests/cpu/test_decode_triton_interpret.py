@@ -67,15 +67,16 @@ def _interpreted_cases():
     _exact_interpreter_casts()
     import torch
 
-    from tests.cache_builder import build_cache
+    from vllm_snapmla.testing import build_cache
     from vllm_snapmla import reference as ref
-    from vllm_snapmla.triton.decode import snapmla_decode
+    from vllm_snapmla.kernels.triton_decode import snapmla_decode
 
     results = []
     gen = torch.Generator().manual_seed(0)
     for H, s_q, seq_lens, splits, causal in [(8, 2, [1, 70, 130, 0], 1, True),
                                              (8, 2, [1, 70, 130, 0], 3, True),
-                                             (16, 2, [64, 65], 2, False)]:
+                                             (16, 2, [64, 65], 2, False),
+                                             (8, 1, [1, 70, 900, 0], None, True)]:
         cache, bt, _ = build_cache(seq_lens, gen=gen)
         B = len(seq_lens)
         q = torch.randn(B, s_q, H, 512, generator=gen).bfloat16()
@@ -110,17 +111,36 @@ def test_interpreted_kernel_matches_reference():
         assert r["same_empty_rows"] and r["empty_rows_zero"] and r["finite"], r
 
 
-def test_split_heuristic():
-    pytest.importorskip("triton")
-    from vllm_snapmla.triton.decode import fixed_num_splits, num_splits_for
+def test_split_planner_model():
+    from vllm_snapmla.kernels import splits
 
-    # Enough programs already (64-row tiles, one per SM): one split.
-    assert num_splits_for(batch=66, num_heads=128, s_q=1, max_pages=128, num_sms=132) == 1
-    # Small-head tiles run two programs an SM: twice the programs fill the machine.
-    assert num_splits_for(batch=132, num_heads=16, s_q=1, max_pages=128, num_sms=132) == 2
-    # Few long requests: split to fill the machine, about one wave.
-    splits = num_splits_for(batch=4, num_heads=128, s_q=1, max_pages=2048, num_sms=132)
-    assert 8 <= splits and 4 * 2 * splits <= 2 * 132
-    # Never more splits than pages; a fixed max_model_len gives a fixed count.
-    assert num_splits_for(batch=1, num_heads=16, s_q=1, max_pages=3, num_sms=132) <= 3
-    assert fixed_num_splits(8, 128, 65536, num_sms=132) == num_splits_for(8, 128, 1, 1024, 132)
+    # Enough programs already (one 64-row block per SM): one split, the whole request.
+    assert splits.pages_per_split_for([128 * 64] * 66, programs=132, slots=132, max_splits=4) == 128
+    # Half the GPU: two splits of half the pages.
+    assert splits.pages_per_split_for([128 * 64] * 66, programs=66, slots=132, max_splits=4) == 64
+    # One long request on an empty GPU: spread over many splits, never more than max_splits.
+    per_split = splits.pages_per_split_for([131072], programs=1, slots=132, max_splits=264)
+    assert 2048 / 264 <= per_split <= 64
+    # The longest request decides; empty batches take one page per split.
+    assert splits.pages_per_split_for([1, 64 * 64, 0], 3, 132, 100) == \
+        splits.pages_per_split_for([64 * 64], 3, 132, 100)
+    assert splits.pages_per_split_for([0, 0], 2, 132, 8) == 1
+
+
+def test_split_ranges_cover_each_request_once():
+    from vllm_snapmla.kernels import splits
+
+    for seq_len in (0, 1, 64, 65, 700, 131072):
+        for per_split in (0, 1, 3, 64):
+            for max_splits in (1, 2, 7, 264):
+                ranges = [splits.split_range(seq_len, per_split, max_splits, s)
+                          for s in range(max_splits)]
+                runs = ranges[0][2]
+                assert 1 <= runs <= max_splits
+                pages = [p for first, n, _ in ranges for p in range(first, first + n)]
+                assert pages == list(range(-(-seq_len // 64))), (seq_len, per_split, max_splits)
+                assert all(n == 0 for _, n, _ in ranges[runs:])
+    # The grid: two waves of CTAs at most, never more splits than the table has pages.
+    assert splits.max_splits_for(programs=64, slots=132, table_pages=2560) == 5
+    assert splits.max_splits_for(programs=1, slots=132, table_pages=16) == 16
+    assert splits.max_splits_for(programs=1000, slots=132, table_pages=2560) == 1

@@ -1,29 +1,14 @@
-"""``eval/fidelity.py`` (paper Appendix G) and ``eval/capture_vllm.py``'s context rebuild."""
+"""``eval.fidelity`` (paper Appendix G) and ``eval.capture_vllm``'s context rebuild."""
 
 import csv
-import importlib.util
 import math
-import pathlib
 import random
-import sys
 from types import SimpleNamespace
 
 import torch
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(f"snapmla_eval_{name}",
-                                                  REPO_ROOT / "eval" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-fidelity = _load("fidelity")
-capture = _load("capture_vllm")
+from eval import capture_vllm as capture
+from eval import fidelity
 
 
 def test_synthetic_study_orders_configs_as_the_paper_and_writes_files(tmp_path):

@@ -1,4 +1,4 @@
-"""``eval/lm_eval_tiny.py`` on the smoke checkpoint: its lm-eval documents, tasks and report.
+"""``eval.lm_eval_tiny`` on the smoke checkpoint: its lm-eval documents, tasks and report.
 
 The documents must survive lm-eval's tokenization exactly (the next-token target is one token,
 the context is the window's prefix).  Where lm-eval 0.4.13 is installed, its ``hf`` model runs
@@ -19,18 +19,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from eval import lm_eval_tiny as lmt
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
-SCRIPT = REPO_ROOT / "eval" / "lm_eval_tiny.py"
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("lm_eval_tiny", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-lmt = _load_script()
+SCRIPT = [sys.executable, "-m", "eval.lm_eval_tiny"]      # run from REPO_ROOT
 
 
 def _has(*modules: str) -> bool:
@@ -55,9 +47,9 @@ def tokenizer(smoke_model):
 def docs_dir(smoke_model, tmp_path_factory):
     """The documents and rendered tasks, written through the command line (``--docs-only``)."""
     out = tmp_path_factory.mktemp("lm-eval-docs")
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--model", str(smoke_model),
-                           "--out", str(out), "--docs-only"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([*SCRIPT, "--model", str(smoke_model), "--out", str(out),
+                           "--docs-only"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
 
@@ -225,10 +217,11 @@ def hf_run(smoke_model, docs_dir, tmp_path_factory):
     if not _has("lm_eval", "accelerate"):
         pytest.skip("lm-eval's hf model needs lm-eval==0.4.13 and accelerate")
     out = tmp_path_factory.mktemp("lm-eval-hf")
-    cmd = [sys.executable, str(SCRIPT), "--model", str(smoke_model), "--out", str(out),
+    cmd = [*SCRIPT, "--model", str(smoke_model), "--out", str(out),
            "--kv", "none", "--hf", "--limit", "3", "--ppl-docs", "1", "--device", "cpu"]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_DATASETS_CACHE": str(out / "hf")}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env,
+                          cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return out, cmd, env, proc.stdout
 
@@ -273,7 +266,8 @@ def test_hf_run_report_and_reuse(hf_run):
     assert "--model_args" in (out / "transformers" / "lm_eval_command.txt").read_text()
     row = next(csv.DictReader(open(out / "lm_eval_tiny.csv")))
     assert row["setting"] == "transformers" and math.isfinite(float(row["token_ppl"]))
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env,
+                           cwd=REPO_ROOT)
     assert again.returncode == 0 and "[transformers] reusing" in again.stdout
 
 
@@ -285,12 +279,11 @@ def _lm_eval_vllm_model(model: str, out: str, kv_cache_dtype: str) -> dict:
 
     from tests.cpu._vllm_cpu import device_capability
 
-    script = _load_script()
     # The smoke model has 2048 positions (the real one 4096): max_model_len 2048, not 2050.
-    opts = script.parse_args(["--model", model, "--out", out, "--kv", kv_cache_dtype,
+    opts = lmt.parse_args(["--model", model, "--out", out, "--kv", kv_cache_dtype,
                               "--max-model-len", "2048", "--window-len", "2047"])
     stats = json.loads((pathlib.Path(out) / "docs_stats.json").read_text())
-    _, args = script.model_args(opts, kv_cache_dtype, stats["eos_id"])
+    _, args = lmt.model_args(opts, kv_cache_dtype, stats["eos_id"])
 
     class EngineConfigOnly:
         def __init__(self, **kwargs):

@@ -1,4 +1,4 @@
-"""``eval/parity.py``: lm-eval command construction per KV setting and the parity table writer."""
+"""``eval.parity``: lm-eval command construction per KV setting and the parity table writer."""
 
 import csv
 import importlib.util
@@ -11,18 +11,7 @@ import types
 import pytest
 import yaml
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def _load(path, name):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-parity = _load(REPO_ROOT / "eval" / "parity.py", "snapmla_eval_parity")
+from eval import parity
 
 
 def _opts(*extra):
@@ -57,12 +46,12 @@ def test_child_command_runs_one_setting_with_all_options():
     opts = _opts("--tasks", "math500,gpqa_diamond", "--dp", "8", "--limit", "5",
                  "--model-args", "max_num_seqs=64", "--chat-template-args", '{"thinking": true}')
     cmd = parity.child_command("fp8_snapmla", opts)
-    assert cmd[1].endswith("eval/parity.py")
+    assert cmd[:3] == [sys.executable, "-m", "eval.parity"]
     assert cmd[cmd.index("--run-one") + 1] == "fp8_snapmla"
     assert cmd[cmd.index("--dp") + 1] == "8" and cmd[cmd.index("--tp") + 1] == "1"
     assert cmd[cmd.index("--limit") + 1] == "5"
     assert cmd[cmd.index("--model-args") + 1] == "max_num_seqs=64"
-    child = parity.parse_args(cmd[2:])
+    child = parity.parse_args(cmd[3:])
     assert child.run_one == "fp8_snapmla" and child.tasks == ["math500", "gpqa_diamond"]
     assert child.gen_kwargs == opts.gen_kwargs and child.limit == 5
     assert child.chat_template_args == {"thinking": True}
@@ -169,7 +158,11 @@ def test_repeat_overlay_renders_and_averages_over_samples(tmp_path, monkeypatch)
                       "lm_eval.tasks": types.ModuleType("lm_eval.tasks"),
                       "lm_eval.tasks.aime": aime_pkg, "lm_eval.tasks.aime.utils": fake}.items():
         monkeypatch.setitem(sys.modules, name, mod)
-    utils = _load(tmp_path / "overlays" / "repeat_utils.py", "snapmla_repeat_utils")
+    # Loaded from the rendered copy, as lm-eval loads it (``!function`` beside the YAML).
+    spec = importlib.util.spec_from_file_location("snapmla_repeat_utils",
+                                                  tmp_path / "overlays" / "repeat_utils.py")
+    utils = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(utils)
     answers = [str(random.randrange(1000)) for _ in range(16)]
     doc = {"Answer": answers[3]}
     expected = sum(a == doc["Answer"] for a in answers) / 16

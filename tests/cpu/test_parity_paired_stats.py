@@ -1,4 +1,5 @@
-"""Paired statistics of ``eval/parity_tiny.py`` and ``eval/lm_eval_tiny.py`` on synthetic data.
+"""Paired statistics (``eval.common``) and the reports of ``eval.parity_tiny`` and
+``eval.lm_eval_tiny`` on synthetic data.
 
 Two KV-cache settings score the same tokens; the tables report the per-token difference of
 their negative log-likelihoods with a paired standard error that takes the documents (windows,
@@ -6,42 +7,30 @@ files), not the tokens, as the independent units.
 """
 
 import csv
-import importlib.util
 import json
 import math
-import pathlib
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "eval" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-parity_tiny = _load("parity_tiny")
-lm_eval_tiny = _load("lm_eval_tiny")
+from eval import lm_eval_tiny, parity_tiny
+from eval.common import paired_delta
 
 
 def test_paired_delta_is_token_weighted_with_documents_as_units():
     rng = np.random.default_rng(0)
     # windows of one length: the mean over all tokens, the SE of the window means
     per_token = rng.normal(1e-3, 1e-2, size=(12, 500))
-    mean, se = parity_tiny.paired_delta(per_token.sum(1), [500] * 12)
+    mean, se = paired_delta(per_token.sum(1), [500] * 12)
     assert mean == pytest.approx(per_token.mean())
     assert se == pytest.approx(per_token.mean(1).std(ddof=1) / math.sqrt(12))
     # documents of different lengths weigh by their tokens: a constant per-token difference
     # is recovered exactly, with no spread
     lengths = np.array([30, 400, 12829, 7])
-    mean, se = parity_tiny.paired_delta(2e-4 * lengths, lengths)
+    mean, se = paired_delta(2e-4 * lengths, lengths)
     assert mean == pytest.approx(2e-4) and se == pytest.approx(0, abs=1e-15)
-    mean, se = parity_tiny.paired_delta([3.0], [10])
+    mean, se = paired_delta([3.0], [10])
     assert mean == pytest.approx(0.3) and math.isnan(se)
 
 
@@ -54,7 +43,7 @@ def test_paired_delta_se_matches_the_spread_of_the_estimate():
     reps, sigma_doc, sigma_tok = 4000, 2e-3, 5e-2
     offsets = rng.normal(1e-4, sigma_doc, size=(reps, len(lengths)))
     sums = lengths * offsets + np.sqrt(lengths) * sigma_tok * rng.normal(size=offsets.shape)
-    estimates, ses = zip(*(parity_tiny.paired_delta(s, lengths) for s in sums))
+    estimates, ses = zip(*(paired_delta(s, lengths) for s in sums))
     spread = np.std(estimates)
     assert np.mean(ses) == pytest.approx(spread, rel=0.1)
     token_iid_se = math.sqrt(sigma_doc ** 2 + sigma_tok ** 2) / math.sqrt(lengths.sum())

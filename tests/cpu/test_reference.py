@@ -8,7 +8,7 @@ import torch
 from vllm_snapmla import format as fmt
 from vllm_snapmla import ops, reference as ref
 
-from tests.cache_builder import build_cache
+from vllm_snapmla.testing import build_cache
 
 
 def _rows(T, dtype=torch.bfloat16, content=1.0, rope=3.0, gen=None):
@@ -231,7 +231,7 @@ def test_decode_kernel_choice_is_checked(monkeypatch):
     for value, error in (("flashmla", ValueError), ("sm90", RuntimeError)):
         monkeypatch.setenv("SNAPMLA_DECODE_KERNEL", value)
         with pytest.raises(error, match="SNAPMLA_DECODE_KERNEL"):
-            ops.decode_kernel(cpu, 128)
+            ops.decode_kernel(cpu)
     for value in ("triton", "auto"):   # auto: no sm_90 GPU here
         monkeypatch.setenv("SNAPMLA_DECODE_KERNEL", value)
-        assert ops.decode_kernel(cpu, 128).__module__ == "vllm_snapmla.triton.decode"
+        assert ops.decode_kernel(cpu).__module__ == "vllm_snapmla.kernels.triton_decode"

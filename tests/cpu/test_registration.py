@@ -49,9 +49,9 @@ def _in_vllm_patch_state():
 
 def _in_vllm_register_again():
     import vllm_snapmla
-    from vllm_snapmla import _vllm_patches
+    from vllm_snapmla.integration.patches import prefill_gather
 
-    _vllm_patches.install_prefill_gather()
+    prefill_gather.apply()
     before = _in_vllm_patch_state()
     vllm_snapmla.register()
     # Forget the package-level flag so every patch runs again and must notice it is in place
@@ -59,7 +59,7 @@ def _in_vllm_register_again():
     vllm_snapmla._registered = False
     vllm_snapmla.register()
     vllm_snapmla.register()
-    _vllm_patches.install_prefill_gather()
+    prefill_gather.apply()
     return before, _in_vllm_patch_state()
 
 
@@ -68,7 +68,7 @@ def test_register_is_idempotent(vllm_cpu):
     assert before == after
     assert after == {
         "CacheDType": 1, "selector CacheDType": 1, "page size": 1, "selection": 1,
-        "config check": 1, "gather": 1, "CUSTOM": "vllm_snapmla.backend.SnapMLABackend",
+        "config check": 1, "gather": 1, "CUSTOM": "vllm_snapmla.integration.backend.SnapMLABackend",
         "torch dtype": "torch.uint8"}
 
 
@@ -237,7 +237,7 @@ def test_page_size_is_656_bytes_per_token(vllm_cpu):
 
 
 def _in_vllm_backend_layout():
-    from vllm_snapmla.backend import SnapMLABackend
+    from vllm_snapmla.integration.backend import SnapMLABackend
 
     shape = SnapMLABackend.get_kv_cache_shape(1000, 64, 1, 576, cache_dtype_str=KV)
     return {"name": SnapMLABackend.get_name(), "shape": list(shape),
@@ -295,7 +295,7 @@ def _in_vllm_selection_log():
 
 
 def test_dense_mla_with_fp8_snapmla_selects_snapmla(vllm_cpu):
-    snapmla = "vllm_snapmla.backend.SnapMLABackend"
+    snapmla = "vllm_snapmla.integration.backend.SnapMLABackend"
     assert vllm_cpu.call(_in_vllm_select, kv_cache_dtype=KV) == snapmla
     assert vllm_cpu.call(_in_vllm_select, kv_cache_dtype=KV, attention_backend="CUSTOM") == snapmla
     # The e2e tests look for this line in vLLM's output.
@@ -317,11 +317,11 @@ def _in_vllm_impl_write_then_decode():
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.attention.mla_attention import MLACommonDecodeMetadata
 
-    from tests.cache_builder import NAN_F32
+    from vllm_snapmla.testing import NAN_F32
     from tests.cpu._vllm_cpu import device_capability, engine_config, tiny_model
     from vllm_snapmla import format as fmt
     from vllm_snapmla import reference as ref
-    from vllm_snapmla.backend import SnapMLABackend
+    from vllm_snapmla.integration.backend import SnapMLABackend
 
     config = engine_config(tiny_model(), kv_cache_dtype=KV)
     with set_current_vllm_config(config), device_capability(9, 0):
@@ -386,11 +386,11 @@ def _in_vllm_prefill_gather():
     import torch
     import vllm._custom_ops as custom_ops
 
-    from tests.cache_builder import build_cache
-    from vllm_snapmla import _vllm_patches
+    from vllm_snapmla.testing import build_cache
+    from vllm_snapmla.integration.patches import prefill_gather
     from vllm_snapmla import reference as ref
 
-    _vllm_patches.install_prefill_gather()
+    prefill_gather.apply()
     gen = torch.Generator().manual_seed(2)
     seq_lens = [100, 40, 200]
     cache, block_table, _ = build_cache(seq_lens, gen=gen)
@@ -428,7 +428,7 @@ def test_tiny_deepseek_v3_checkpoint_loads_in_transformers(tmp_path):
     import torch
     from transformers import DeepseekV3ForCausalLM
 
-    from vllm_snapmla.demo import write_tiny_deepseek_v3
+    from vllm_snapmla.testing import write_tiny_deepseek_v3
 
     path = write_tiny_deepseek_v3(tmp_path, random_weights=True, seed=3)
     model, info = DeepseekV3ForCausalLM.from_pretrained(str(path), output_loading_info=True,

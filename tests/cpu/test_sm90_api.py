@@ -1,10 +1,11 @@
-"""Argument checks of ``vllm_snapmla.sm90.snapmla_decode_sm90`` that run before any GPU work."""
+"""Argument checks of ``vllm_snapmla.kernels.sm90`` that run in Python, before any GPU work
+(the op's own checks, in ``csrc/api/decode_ops.cpp``, are tested in ``tests/gpu``)."""
 
 import pytest
 import torch
 
 from vllm_snapmla import format as fmt
-from vllm_snapmla import sm90
+from vllm_snapmla.kernels import sm90
 
 
 def _inputs():
@@ -21,23 +22,9 @@ def test_unknown_schedule_is_refused():
         sm90.snapmla_decode_sm90(*_inputs(), 0.1, schedule="fast")
 
 
-@pytest.mark.parametrize("schedule", ["split-roles", "narrow"])
-def test_unpromoted_pv_only_with_the_free_schedule(schedule):
-    with pytest.raises(ValueError, match="promote_pv=False exists only"):
-        sm90.snapmla_decode_sm90(*_inputs(), 0.1, schedule=schedule, promote_pv=False)
-
-
 def test_schedule_variants_are_fixed_partials():
     assert sm90.DEFAULT_SCHEDULE in sm90.SCHEDULES
     with pytest.raises(ValueError, match="schedule must be one of"):
         sm90.schedule_variant("fast")
     assert sm90.snapmla_decode_sm90_split_roles.__name__ == "snapmla_decode_sm90[split-roles]"
-    assert set(sm90.SCHEDULES) == {"free", "split-roles", "narrow", "narrow-16"}
-
-
-def test_narrow_takes_at_most_32_rows():
-    q8, q_scale, q_pe, cache, block_table, seq_lens = _inputs()
-    reps = sm90.NARROW_MAX_ROWS // q8.shape[2] + 1   # s_q x H just over the limit
-    wide = (torch.cat([q8] * reps, 1), torch.cat([q_scale] * reps, 1), torch.cat([q_pe] * reps, 1))
-    with pytest.raises(ValueError, match="at most 32 query rows"):
-        sm90.snapmla_decode_sm90(*wide, cache, block_table, seq_lens, 0.1, schedule="narrow")
+    assert set(sm90.SCHEDULES) == {"free", "split-roles", "narrow"}

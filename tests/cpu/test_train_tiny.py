@@ -1,15 +1,15 @@
-"""``eval/train_tiny_mla.py --smoke`` on CPU: it learns, and what it saves loads as vLLM needs."""
+"""``python -m eval.train_tiny_mla --smoke`` on CPU: it learns, and what it saves loads as vLLM
+needs."""
 
 import json
 import math
-import pathlib
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+from eval import parity_tiny
 
 
 @pytest.fixture(scope="module")
@@ -67,12 +67,12 @@ def test_tokenizer_round_trips_text(smoke_run):
 
 
 def test_weight_names_are_the_ones_vllm_loads(smoke_run):
-    """Same tensor names and shapes as ``demo.write_tiny_deepseek_v3`` writes for this config:
+    """Same tensor names and shapes as ``testing.write_tiny_deepseek_v3`` writes for this config:
     those load in vLLM 0.26's DeepseekV3ForCausalLM (checked on an H200), dense layers included.
     """
     from safetensors import safe_open
 
-    from vllm_snapmla.demo import _random_deepseek_v3_weights
+    from vllm_snapmla.testing import _random_deepseek_v3_weights
 
     out, _ = smoke_run
     config = json.loads((out / "config.json").read_text())
@@ -89,16 +89,10 @@ def test_weight_names_are_the_ones_vllm_loads(smoke_run):
 
 
 def _in_vllm_parity_engine_config(model: str, kv_cache_dtype: str) -> dict:
-    """vLLM's start-up configuration of an ``eval/parity_tiny.py`` run on ``model``."""
-    import importlib.util
-
+    """vLLM's start-up configuration of an ``eval.parity_tiny`` run on ``model``."""
     from tests.cpu._vllm_cpu import engine_config
 
-    spec = importlib.util.spec_from_file_location("parity_tiny",
-                                                  REPO_ROOT / "eval" / "parity_tiny.py")
-    parity = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(parity)
-    kwargs = parity.engine_kwargs(model, kv_cache_dtype, chunk=256, max_model_len=1024)
+    kwargs = parity_tiny.engine_kwargs(model, kv_cache_dtype, chunk=256, max_model_len=1024)
     config = engine_config(**kwargs, load_format="auto", skip_tokenizer_init=False)
     return {"use_mla": config.model_config.use_mla,
             "head_size": config.model_config.get_head_size(),
@@ -121,21 +115,15 @@ def test_vllm_accepts_the_checkpoint_with_parity_settings(smoke_run, kv_cache_dt
 
 
 def test_parity_greedy_with_cache_matches_full_recompute(smoke_run):
-    """The transformers greedy baseline in eval/parity_tiny.py uses the KV cache correctly."""
-    import importlib.util
-
+    """The transformers greedy baseline in eval.parity_tiny uses the KV cache correctly."""
     from transformers import AutoModelForCausalLM
 
-    spec = importlib.util.spec_from_file_location("parity_tiny",
-                                                  REPO_ROOT / "eval" / "parity_tiny.py")
-    parity = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(parity)
     out, _ = smoke_run
     model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     tokens = np.load(out / "heldout_tokens.npy").tolist()
     # Two prompts of one length (a batch) and one of another, in mixed order.
     prompts = [tokens[:40], tokens[100:125], tokens[200:240]]
-    cached = parity.greedy_with_cache(model, prompts, 12, "cpu")
+    cached = parity_tiny.greedy_with_cache(model, prompts, 12, "cpu")
     assert len(cached) == len(prompts)
     for prompt, continuation in zip(prompts, cached):
         ids = list(prompt)

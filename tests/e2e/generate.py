@@ -1,6 +1,6 @@
 """``LLM.generate`` in a child process for the CUDA-graph and speculative-decoding e2e tests.
 
-Like ``vllm_snapmla.demo.generate_in_subprocess``, plus what those tests need: the engine's
+Like ``vllm_snapmla.testing.generate_in_subprocess``, plus what those tests need: the engine's
 speculative-decoding counters (``LLM.get_metrics()``), ``echo`` rounds whose prompts are built
 from the engine's own earlier outputs, and the batches vLLM ran with their CUDA-graph mode
 (parsed from the model runner's DEBUG line "Running batch with cudagraph_mode: ...").
@@ -15,7 +15,7 @@ import re
 import sys
 
 from tests.e2e.server import KV_CACHE_BYTES
-from vllm_snapmla.demo import RESULT_TAG, run_json_child
+from vllm_snapmla.testing import RESULT_TAG, run_json_child
 
 # gpu_model_runner.py logs this at DEBUG for every batch it runs (vLLM 0.26.0, V1 runner).
 _BATCH_LOG = re.compile(

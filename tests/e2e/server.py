@@ -20,7 +20,7 @@ import urllib.request
 
 import pytest
 
-from vllm_snapmla.demo import subprocess_env
+from vllm_snapmla.testing import subprocess_env
 
 STARTUP_TIMEOUT_S = 600
 STOP_TIMEOUT_S = 60

@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from tests.e2e.generate import generate
-from vllm_snapmla.demo import write_tiny_deepseek_v3
+from vllm_snapmla.testing import write_tiny_deepseek_v3
 
 pytestmark = pytest.mark.e2e
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.e2e.server import KV_CACHE_BYTES
-from vllm_snapmla.demo import generate_in_subprocess, write_tiny_deepseek_v3
+from vllm_snapmla.testing import generate_in_subprocess, write_tiny_deepseek_v3
 
 pytestmark = pytest.mark.e2e
 

@@ -3,7 +3,7 @@
 import pytest
 
 from tests.e2e.server import KV_CACHE_BYTES, http, vllm_server
-from vllm_snapmla.demo import write_tiny_deepseek_v3
+from vllm_snapmla.testing import write_tiny_deepseek_v3
 
 pytestmark = pytest.mark.e2e
 

@@ -31,7 +31,7 @@ import torch
 
 from tests.e2e.server import KV_CACHE_BYTES, http, http_text, vllm_server
 from vllm_snapmla import format as fmt
-from vllm_snapmla.demo import write_tiny_deepseek_v3
+from vllm_snapmla.testing import write_tiny_deepseek_v3
 
 pytestmark = pytest.mark.e2e
 

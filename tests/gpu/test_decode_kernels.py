@@ -12,8 +12,9 @@ import torch
 
 from vllm_snapmla import format as fmt
 from vllm_snapmla import ops, reference as ref
+from vllm_snapmla._native import native
 
-from tests.cache_builder import build_cache
+from vllm_snapmla.testing import build_cache
 
 pytestmark = pytest.mark.gpu
 
@@ -21,7 +22,7 @@ SCALE = 0.1147   # DeepSeek-V3's 1/sqrt(192) times its YaRN mscale, roughly
 
 
 def _sm90_available():
-    from vllm_snapmla import sm90
+    from vllm_snapmla.kernels import sm90
     return sm90.available()
 
 
@@ -38,12 +39,12 @@ _NEEDS_SM90 = [pytest.mark.hopper, pytest.mark.skipif(
 def decode(request):
     """Each decode kernel, with the signature of ``triton.decode.snapmla_decode``."""
     if request.param == "sm90":
-        from vllm_snapmla.sm90 import snapmla_decode_sm90
+        from vllm_snapmla.kernels.sm90 import snapmla_decode_sm90
         return snapmla_decode_sm90
     if request.param.startswith("sm90-"):
-        from vllm_snapmla.sm90 import schedule_variant
+        from vllm_snapmla.kernels.sm90 import schedule_variant
         return schedule_variant(request.param[len("sm90-"):])
-    from vllm_snapmla.triton.decode import snapmla_decode
+    from vllm_snapmla.kernels.triton_decode import snapmla_decode
     return snapmla_decode
 
 
@@ -215,7 +216,7 @@ def test_all_requests_empty(decode):
 @pytest.mark.parametrize("kernel", ["auto", "triton", "sm90"])
 @pytest.mark.parametrize("H", [16, 128])
 def test_ops_decode_from_bf16_query(kernel, H, monkeypatch):
-    if ops.native() is None:
+    if native() is None:
         pytest.skip("native extension (quantize_q) not built")
     if kernel == "sm90" and not _sm90_available():
         pytest.skip("needs an sm_90 GPU and the decode_sm90 op")
@@ -223,24 +224,22 @@ def test_ops_decode_from_bf16_query(kernel, H, monkeypatch):
     q, qp, cache, bt, sl = _case(RAGGED, H, 2, seed=13)
     out, lse = ops.decode(q, qp, cache, bt, sl, SCALE)
     _check(out, lse, q, qp, cache, bt, sl)
-    wide = 2 * H >= ops.SM90_MIN_ROWS
-    expect = "sm90" if kernel == "sm90" or (kernel == "auto" and wide and _sm90_available()) \
+    expect = "sm90" if kernel == "sm90" or (kernel == "auto" and _sm90_available()) \
         else "triton"
-    assert expect in ops.decode_kernel(q.device, 2 * H).__module__
+    assert expect in ops.decode_kernel(q.device).__module__
 
 
 def test_cuda_graph_replay_with_new_lengths(decode):
-    """A fixed split count makes the launch shape independent of the lengths: capture once, replay."""
-    from vllm_snapmla.triton.decode import fixed_num_splits
+    """The launch shape depends only on the shapes (the split count is planned on the GPU):
+    capture once, replay with other lengths."""
     lengths_a, lengths_b = [900, 64, 1, 2000], [2047, 1, 640, 65]
     q, qp, cache, bt, sl = _case([2048] * 4, 64, 2, seed=14)
     q8, qs, qpe = ref.quantize_q(q, qp)
-    splits = fixed_num_splits(4, 64, max_model_len=2048, s_q=2)
     sl.copy_(torch.tensor(lengths_a, dtype=torch.int32))
-    decode(q8, qs, qpe, cache, bt, sl, SCALE, num_splits=splits)          # compile outside capture
+    decode(q8, qs, qpe, cache, bt, sl, SCALE)          # compile outside capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, num_splits=splits)
+        out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE)
     for lengths in (lengths_a, lengths_b):
         sl.copy_(torch.tensor(lengths, dtype=torch.int32))
         graph.replay()

@@ -1,4 +1,4 @@
-"""What only the sm_90a CUDA decode kernel (``vllm_snapmla.sm90``) needs tested.
+"""What only the sm_90a CUDA decode kernel (``vllm_snapmla.kernels.sm90``) needs tested.
 
 The checks it shares with the Triton kernel (ragged batches, 131k tokens, causal and non-causal,
 graph replay) run for both in ``test_decode_kernels.py``; here: the smallest cases first (with a
@@ -12,7 +12,7 @@ import torch
 
 from vllm_snapmla import format as fmt
 from vllm_snapmla import reference as ref
-from vllm_snapmla import sm90
+from vllm_snapmla.kernels import sm90
 
 from tests.gpu.test_decode_kernels import RAGGED, SCALE, _case, _check, _rel
 
@@ -84,7 +84,7 @@ def test_strided_cache_blocks():
 def test_matches_triton_kernel(H, s_q, num_splits):
     """Same algorithm, inputs and splits: the kernels differ only in FP32 rounding order and
     exp2, so a layout or masking bug (errors of order 1) stands out far above their differences."""
-    from vllm_snapmla.triton.decode import snapmla_decode
+    from vllm_snapmla.kernels.triton_decode import snapmla_decode
     q, qp, cache, bt, sl = _case(RAGGED + [5000], H, s_q, seed=16 + H)
     q8, qs, qpe = ref.quantize_q(q, qp)
     out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, num_splits=num_splits)
@@ -120,17 +120,6 @@ def test_schedules_are_bit_identical(seq_lens, H, s_q, num_splits, q_std):
                 f"max |d lse| {(x_lse - lse)[seen].abs().max().item():.3e}, rel-L2 of out "
                 f"{_rel(x_out, out.double()):.3e}; against the reference: "
                 + _where_wrong(x_out, x_lse, q8, qs, qpe, cache, bt, sl))
-
-
-def test_unpromoted_variant_on_short_contexts():
-    """``promote_pv=False`` (the measurement variant of benchmarks/pv_promotion_error.py) on a few
-    pages, where the accumulation length cannot matter: within the usual bounds of the reference
-    algorithm, so a layout bug in the variant cannot pass for a precision effect."""
-    q, qp, cache, bt, sl = _case([300, 65, 1], 64, 1, seed=21)
-    q8, qs, qpe = ref.quantize_q(q, qp)
-    out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, num_splits=1, schedule="free",
-                      promote_pv=False)
-    _check(out, lse, q, qp, cache, bt, sl, check_exact=False)
 
 
 def test_rejects_bad_inputs():
@@ -206,41 +195,85 @@ def test_narrow_long_and_peaked(seq_lens, num_splits, q_std, H, s_q):
     _check(out, lse, q, qp, cache, bt, sl)
 
 
-# narrow-16 (measurement): any row count as 16-row blocks of the 16-row form, one CTA each.
-
-@pytest.mark.parametrize("H, s_q, num_splits, causal", [
-    (32, 1, None, True), (16, 2, 3, True), (64, 1, 1, False), (8, 4, None, True),
-    (24, 1, 2, True)])
-def test_narrow16_ragged_batch(H, s_q, num_splits, causal):
-    q, qp, cache, bt, sl = _case(RAGGED, H, s_q, seed=50 + H + s_q)
-    q8, qs, qpe = ref.quantize_q(q, qp)
-    out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, causal, num_splits=num_splits,
-                      schedule="narrow-16")
-    _check(out, lse, q, qp, cache, bt, sl, causal=causal)
-
-
-def test_narrow16_blocks_equal_the_16_row_form_on_their_rows():
-    """Each 16-head block of a 32-head request is the 16-row form run on those heads alone, bit
-    for bit: the row offset reaches the query, its scales, the outputs and the LSE."""
-    q, qp, cache, bt, sl = _case(RAGGED + [5000], 32, 1, seed=51)
-    q8, qs, qpe = ref.quantize_q(q, qp)
-    out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, num_splits=3, schedule="narrow-16")
-    for h0 in (0, 16):
-        heads = slice(h0, h0 + 16)
-        o, l = decode(q8[:, :, heads], qs[:, :, heads], qpe[:, :, heads], cache, bt, sl, SCALE,
-                      num_splits=3, schedule="narrow")
-        assert torch.equal(out[:, :, heads], o) and torch.equal(lse[:, heads], l), f"heads {heads}"
-
-
-def test_narrow16_long():
-    q, qp, cache, bt, sl = _case([131072, 700], 16, 2, seed=52)
-    q8, qs, qpe = ref.quantize_q(q, qp)
-    out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, schedule="narrow-16")
-    _check(out, lse, q, qp, cache, bt, sl)
-
-
 def test_narrow_refuses_more_than_32_rows():
     q, qp, cache, bt, sl = _case([100], 16, 3, seed=46)
     q8, qs, qpe = ref.quantize_q(q, qp)
     with pytest.raises(ValueError, match="at most 32 query rows"):
         decode(q8, qs, qpe, cache, bt, sl, SCALE, schedule="narrow")
+
+
+# --- splits planned on the GPU from the real lengths ----------------------------------------
+
+def _widen(bt, columns):
+    """vLLM's block table: ``max_model_len / 64`` columns, the unused ones 0 (a real block)."""
+    wide = torch.zeros(bt.shape[0], columns, dtype=torch.int32, device=bt.device)
+    wide[:, :bt.shape[1]] = bt
+    return wide
+
+
+@pytest.mark.parametrize("H, s_q", [(16, 1), (16, 2), (64, 1), (128, 1)])
+def test_wide_table_equals_tight_table(H, s_q):
+    """The split count comes from the requests' lengths, not the table's width: a 2560-column
+    table (DeepSeek-V3.1's max_model_len) gives the tight table's result bit for bit."""
+    q, qp, cache, bt, sl = _case(RAGGED, H, s_q, seed=70 + H + s_q)
+    q8, qs, qpe = ref.quantize_q(q, qp)
+    tight = decode(q8, qs, qpe, cache, bt, sl, SCALE)
+    wide = decode(q8, qs, qpe, cache, _widen(bt, 2560), sl, SCALE)
+    assert torch.equal(tight[0], wide[0]) and torch.equal(tight[1], wide[1])
+    _check(*wide, q, qp, cache, bt, sl)
+
+
+@pytest.mark.parametrize("H, s_q", [(16, 1), (32, 1), (128, 1), (128, 2)])
+def test_fused_decode_equals_quantized_path(H, s_q):
+    """``decode_sm90`` (query quantization and split planner fused in one launch, the vLLM path)
+    equals quantizing first and then decoding, bit for bit, with a wide table."""
+    q, qp, cache, bt, sl = _case(RAGGED + [4000], H, s_q, seed=80 + H)
+    wide = _widen(bt, 2560)
+    out, lse = sm90.decode_sm90(q, qp, cache, wide, sl, SCALE)
+    q8, qs, qpe = ref.quantize_q(q, qp)
+    x_out, x_lse = decode(q8, qs, qpe, cache, wide, sl, SCALE)
+    assert torch.equal(out, x_out) and torch.equal(lse, x_lse)
+    _check(out, lse, q, qp, cache, bt, sl)
+
+
+def test_planner_matches_its_python_model():
+    """The GPU planner's pages_per_split equals ``splits.pages_per_split_for``."""
+    from vllm_snapmla.kernels import splits
+    gen = torch.Generator().manual_seed(3)
+    for batch, programs, slots, max_splits in [(1, 1, 132, 264), (4, 8, 132, 33), (64, 64, 132, 5),
+                                               (300, 300, 132, 1), (33, 66, 132, 4)]:
+        lens = torch.randint(0, 140000, (batch,), generator=gen, dtype=torch.int32)
+        lens[0] = 0
+        got = splits.plan(lens.cuda(), batch, programs, slots, max_splits)
+        assert int(got) == splits.pages_per_split_for(lens.tolist(), programs, slots,
+                                                      max_splits), (batch, programs, max_splits)
+
+
+def test_graph_replay_adapts_to_new_lengths():
+    """Captured once with short requests in a wide table, the graph replays long ones (and the
+    reverse) with the result of an eager call: the planner runs inside the graph."""
+    lengths_a, lengths_b = [300, 64, 1, 200], [20000, 1, 6400, 65]
+    q, qp, cache, bt, sl = _case([20000] * 4, 16, 1, seed=90)
+    wide = _widen(bt, 2560)
+    sl.copy_(torch.tensor(lengths_a, dtype=torch.int32))
+    sm90.decode_sm90(q, qp, cache, wide, sl, SCALE)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = sm90.decode_sm90(q, qp, cache, wide, sl, SCALE)
+    for lengths in (lengths_b, lengths_a):
+        sl.copy_(torch.tensor(lengths, dtype=torch.int32))
+        graph.replay()
+        e_out, e_lse = sm90.decode_sm90(q, qp, cache, wide, sl, SCALE)
+        torch.cuda.synchronize()
+        assert torch.equal(out, e_out) and torch.equal(lse, e_lse), lengths
+        _check(out, lse, q, qp, cache, bt, sl, check_exact=False)
+
+
+def test_rejects_bad_inputs_of_the_fused_op():
+    q, qp, cache, bt, sl = _case([100], 16, 1, seed=18)
+    with pytest.raises(ValueError, match="q_pe must be"):
+        sm90.decode_sm90(q, qp[:, :, :8], cache, bt, sl, SCALE)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        sm90.decode_sm90(q, qp, cache, bt, sl, float("nan"))
+    with pytest.raises(ValueError, match="block_table"):
+        sm90.decode_sm90(q, qp, cache, bt[:, :0], sl, SCALE)

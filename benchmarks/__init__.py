@@ -1,0 +1,1 @@
+"""Benchmarks of vllm-snapmla; run each from the repository root: python -m benchmarks.<name>."""

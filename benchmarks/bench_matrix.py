@@ -1,0 +1,951 @@
+"""fp8_snapmla against BF16 and FP8 FlashMLA through vLLM, over the workloads users run (issue 27).
+
+    python -m benchmarks.bench_matrix --out out/matrix [--dry-run] [--budget-s 480]
+        [--kv auto fp8_snapmla fp8] [--heads 16 128] [--contexts 512 2048 8192 32768 131072]
+        [--batches 1 8 64 fill] [--max-model-len wide tight] [--modes graph eager]
+        [--serve | --serve-only]
+    python -m benchmarks.bench_matrix --out out/matrix --replot      # no GPU: redraw md/png
+
+The model is bench_e2e's: DeepSeek-V3.1's attention shapes with 4 dense layers and vLLM's dummy
+weights (``benchmarks/vllm_engine.py``); 16 heads is one TP8 rank of DeepSeek-V3.1, 128 the whole
+model.  The published figures are the long-context, capacity-filling FULL-CUDA-graph steady state
+with a block table as wide as the context; this matrix measures what users meet as well:
+
+- kv: ``auto`` (BF16 FlashMLA), ``fp8_snapmla``, ``fp8`` (vLLM's per-tensor FP8 FlashMLA);
+- context 512 ... 131072 tokens; batch 1, 8, 64 and ``fill`` (the batch that fills the engine's
+  KV capacity, at most ``--max-batch``; it differs between kv formats, which is the point of a
+  smaller format);
+- max_model_len ``wide``: 163840 as DeepSeek-V3.1 ships, so every block table is 2560 pages wide
+  whatever the context; ``tight``: the smallest max_model_len that holds the cell's context and
+  generated tokens.  Tight engines are grouped by context: contexts in ascending order, a context
+  joins the group of the smallest context not yet served while the group's table width (pages
+  of its largest need) stays within TIGHT_WIDTH_FACTOR (2x) of that smallest context's need, so
+  that no context runs with a table more than 2x wider than it needs.  (The default contexts are
+  4x apart, so each gets its own tight engine.)  A cell's need is its context + max_tokens; for
+  ``fill`` cells max_tokens is bounded with the largest batch the cell could take (``--max-batch``
+  and ``--max-prefill-tokens``), so one tight max_model_len serves every kv format;
+- mode ``graph``: default compilation (torch.compile, FULL and piecewise CUDA graphs); ``eager``:
+  ``enforce_eager=True``.  (Steps that mix prefill and decode run attention eagerly even in
+  graph mode.)
+
+One engine (a child process that owns the GPU) per (kv, heads, max_model_len, mode) runs all its
+cells; engines run in the order of --heads, --modes and --max-model-len, with kv innermost, so
+that a budget cut leaves whole comparisons and the first-named settings run first.  Each cell:
+B random-token prompts of ``context`` tokens (prefix caching off) go in at once; the engine is
+stepped through the chunked prefill, then ``--windows`` windows of ``--steps`` decode steps are
+timed with the engine core's timestamps, as in bench_e2e:
+
+    TPOT = median over the windows of (window time / steps);  decode tok/s = B / TPOT
+
+Every engine has the same KV-cache bytes (``--kv-cache-gib``, default 4 GiB: for 4 layers that is
+the token capacity DeepSeek-V3.1's 61 layers have in about 61 GiB, a TP8 rank's share), so
+fp8_snapmla holds 1.756x the BF16 tokens.  ``--max-batched-tokens`` is passed to vLLM (default
+16384, vLLM's default for ``LLM`` on an H200) so that the prefill's length is known when cells
+are planned.
+
+Cells are skipped, with the reason in the CSV, never silently: a prefill of more than
+``--max-prefill-tokens`` tokens (decided before any engine starts for fixed batches, by the
+engine for ``fill``), a batch the KV cache does not hold, a need above max_model_len, and
+``--budget-s``: before an engine starts and before each cell, the time left is compared with an
+estimate (engine start, prefill from token count and attention FLOPs, decode steps; in the
+engine the estimate is rescaled by how the finished cells compared with theirs).
+
+``--serve`` adds a continuous-batching run to the ``wide`` engine of each (kv, heads, mode)
+(``--serve-only``: that run alone): ``--serve-requests`` requests with log-uniform prompt and
+output lengths, Poisson arrivals at ``--serve-rate`` per second (seeded: the same workload for
+every kv), added to the engine when the wall clock passes their arrival while it is stepped;
+each token's time is the engine core's timestamp of its step.  Per request, TTFT = first token -
+arrival and TPOT = (last token - first token) / (tokens - 1); output tok/s = all output tokens /
+(last token - first arrival).
+
+Outputs in ``--out`` (merged with earlier runs in the same folder, so a sweep can be split across
+calls; each starts with the runs' date, commit, GPU, vLLM version and command):
+``matrix.csv`` (a row per cell and kv: status ok/skipped/failed and the reason), ``matrix.md``
+(a table per (heads, max_model_len, mode) with fp8_snapmla/BF16 and fp8/BF16 throughput ratios,
+those below 1.0 marked), ``matrix.png`` (heat maps of the fp8_snapmla/BF16 ratio), ``serve.csv``
+and ``serve.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import sys
+import tempfile
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from benchmarks.provenance import describe, run_info
+from benchmarks.vllm_engine import (
+    BLOCK_SIZE, DEEPSEEK_V31_ATTENTION, KV_BYTES_PER_TOKEN, SETTLE_STEPS, batch_to_fill,
+    build_llm, child_main, core_timestamp, engine_log_facts, estimated_kv_blocks, model_config,
+    number, random_prompts, read_csv, run_child, summarize_windows, timed_decode_windows,
+    warm_tokens, warm_up, write_csv)
+from vllm_snapmla.testing import write_tiny_deepseek_v3
+
+KV_SETTINGS = ("auto", "fp8_snapmla", "fp8")
+BASELINE_KV = "auto"
+KV_NAMES = {"auto": "BF16", "fp8_snapmla": "fp8_snapmla", "fp8": "fp8"}
+HEADS = (16, 128)
+CONTEXTS = (512, 2048, 8192, 32768, 131072)
+BATCHES = ("1", "8", "64", "fill")
+MAX_MODEL_LENS = ("wide", "tight")
+MODES = ("graph", "eager")
+WIDE_MAX_MODEL_LEN = DEEPSEEK_V31_ATTENTION["max_position_embeddings"]   # 163840
+TIGHT_WIDTH_FACTOR = 2
+NUM_LAYERS = DEEPSEEK_V31_ATTENTION["num_hidden_layers"]
+
+# The time model for --budget-s, deliberately pessimistic for an H200 (the engine rescales it
+# by the cells it has finished).
+ENGINE_START_S = {"graph": 90.0, "eager": 30.0}
+PREFILL_TOKENS_PER_S = 1e5
+ATTENTION_FLOPS_PER_S = 3e14
+# 2 x (192 + 128): QK^T and PV FLOPs per (query, key) pair and head of MLA's prefill.
+ATTENTION_FLOPS_PER_PAIR_AND_HEAD = 640
+DECODE_STEP_S = {"graph": 0.008, "eager": 0.03}
+HBM_BYTES_PER_S = 2e12
+CELL_OVERHEAD_S = 2.0
+CHILD_GRACE_S = 30.0   # how long past the budget a running engine may go before it is killed
+
+MATRIX_FIELDS = [
+    "heads", "max_model_len", "mode", "context", "batch", "kv", "status", "reason",
+    "batch_size", "max_model_len_tokens", "table_width", "max_tokens", "kv_cache_tokens",
+    "backend", "prefill_steps", "lock_step", "timer", "spread_pct", "timing_ok", "decode_tok_s",
+    "tpot_ms", "vs_bf16", "tpot_vs_bf16", "cell_s", "estimated_s", "date", "commit"]
+SERVE_FIELDS = [
+    "heads", "mode", "kv", "status", "reason", "requests", "completed", "rate", "seed",
+    "prompt_tokens", "output_tokens", "duration_s", "output_tok_s", "vs_bf16", "ttft_p50_ms",
+    "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "kv_cache_tokens", "backend", "date", "commit"]
+
+
+# --- planning (pure; unit-tested on CPU) ---------------------------------------------------
+
+@dataclass(frozen=True)
+class Settings:
+    steps: int = 64
+    windows: int = 3
+    max_batch: int = 512
+    max_batched_tokens: int = 16384
+    max_prefill_tokens: int = 2_000_000
+    kv_cache_gib: float = 4.0
+
+    @property
+    def timed_tokens(self) -> int:
+        return SETTLE_STEPS + self.windows * self.steps
+
+
+@dataclass
+class Engine:
+    kv: str
+    heads: int
+    max_model_len: str            # "wide" or "tight"
+    max_model_len_tokens: int
+    mode: str                     # "graph" or "eager"
+    cells: list = field(default_factory=list)   # [(context, batch label)]
+    serve: bool = False
+
+    @property
+    def table_width(self) -> int:
+        return math.ceil(self.max_model_len_tokens / BLOCK_SIZE)
+
+    def describe(self) -> str:
+        return (f"{self.kv} H={self.heads} {self.max_model_len} "
+                f"({self.max_model_len_tokens} tokens, {self.table_width} pages) {self.mode}")
+
+
+def parse_batch(label: str) -> str:
+    """A --batches item: a positive integer or ``fill``."""
+    if label != "fill" and not (label.isdigit() and int(label) > 0):
+        raise ValueError(f"a batch is a positive integer or 'fill', got {label!r}")
+    return label
+
+
+def largest_batch(label: str, context: int, settings: Settings) -> int:
+    """The batch of a cell; for ``fill``, the largest it can be (the engine sizes it)."""
+    if label != "fill":
+        return int(label)
+    return max(1, min(settings.max_batch, settings.max_prefill_tokens // context))
+
+
+def max_tokens_for(batch: int, context: int, max_batched_tokens: int, settings: Settings) -> int:
+    """Tokens each request generates: the chunked prefill's warm-up, SETTLE_STEPS, the windows."""
+    return warm_tokens(max(batch, 1), context, max_batched_tokens) + settings.timed_tokens
+
+
+def prefill_limit_reason(batch: int, context: int, settings: Settings) -> str | None:
+    prefill = batch * context
+    if prefill > settings.max_prefill_tokens:
+        return (f"prefill {batch} x {context} = {prefill:,} tokens > --max-prefill-tokens "
+                f"{settings.max_prefill_tokens:,}")
+    return None
+
+
+def decide_cell(label: str, context: int, usable_blocks: int, block_size: int,
+                max_model_len: int, max_batched_tokens: int, settings: Settings) -> dict:
+    """``batch_size``, ``max_tokens`` and the skip ``reason`` (None: run it) of a cell in an
+    engine with ``usable_blocks`` KV pages (its null block excluded).  ``fill`` is sized as
+    bench_e2e does: on the timed tokens, then again on the warm-up that batch needs."""
+    if label == "fill":
+        batch = batch_to_fill(usable_blocks, block_size, context, settings.timed_tokens,
+                              settings.max_batch)
+        max_tokens = max_tokens_for(batch, context, max_batched_tokens, settings)
+        batch = batch_to_fill(usable_blocks, block_size, context, max_tokens, settings.max_batch)
+    else:
+        batch = int(label)
+        max_tokens = max_tokens_for(batch, context, max_batched_tokens, settings)
+    reasons = []
+    pages = math.ceil((context + max_tokens) / block_size)
+    if batch < 1:
+        reasons.append(f"the KV cache ({usable_blocks} pages) holds no request of {pages} pages")
+    elif batch * pages > usable_blocks:
+        reasons.append(f"batch {batch} x {pages} pages > the {usable_blocks} pages of the KV "
+                       "cache")
+    if batch >= 1 and (reason := prefill_limit_reason(batch, context, settings)):
+        reasons.append(reason)
+    if context + max_tokens > max_model_len:
+        reasons.append(f"context {context} + {max_tokens} generated tokens > max_model_len "
+                       f"{max_model_len}")
+    return {"batch_size": batch, "max_tokens": max_tokens,
+            "reason": "; ".join(reasons) or None}
+
+
+def tight_groups(needs: dict[int, int], factor: int = TIGHT_WIDTH_FACTOR
+                 ) -> list[tuple[int, list[int]]]:
+    """(max_model_len, contexts) of the tight engines for ``needs`` (context -> tokens it needs):
+    ascending contexts join the group of the smallest context not yet served while the group's
+    table width stays within ``factor`` x that context's width.  max_model_len is the group's
+    largest need rounded up to whole pages."""
+    groups: list[tuple[int, list[int]]] = []
+    first_width = None
+    for context in sorted(needs):
+        width = math.ceil(needs[context] / BLOCK_SIZE)
+        if groups and width <= factor * first_width:
+            groups[-1][1].append(context)
+            groups[-1] = (max(groups[-1][0], width * BLOCK_SIZE), groups[-1][1])
+        else:
+            groups.append((width * BLOCK_SIZE, [context]))
+            first_width = width
+    return groups
+
+
+def estimate_cell_s(heads: int, mode: str, kv: str, context: int, batch: int,
+                    max_tokens: int) -> float:
+    """Pessimistic seconds for a cell: prefill (tokens and causal attention FLOPs of 4 layers)
+    and max_tokens steps that each read the batch's KV cache."""
+    pairs = batch * context * context / 2
+    prefill = (batch * context / PREFILL_TOKENS_PER_S + NUM_LAYERS * heads * pairs
+               * ATTENTION_FLOPS_PER_PAIR_AND_HEAD / ATTENTION_FLOPS_PER_S)
+    kv_read = batch * context * KV_BYTES_PER_TOKEN[kv] * NUM_LAYERS / HBM_BYTES_PER_S
+    return CELL_OVERHEAD_S + prefill + max_tokens * (DECODE_STEP_S[mode] + kv_read)
+
+
+def serve_workload(requests: int, rate: float, prompt_range: tuple[int, int],
+                   output_range: tuple[int, int], seed: int) -> list[tuple[float, int, int]]:
+    """(arrival s, prompt tokens, output tokens) of the continuous-batching run: Poisson arrivals
+    at ``rate`` per second, log-uniform lengths within the (inclusive) ranges."""
+    rng = random.Random(seed)
+
+    def log_uniform(low: int, high: int) -> int:
+        return min(high, max(low, round(math.exp(rng.uniform(math.log(low), math.log(high))))))
+
+    arrival, workload = 0.0, []
+    for _ in range(requests):
+        arrival += rng.expovariate(rate)
+        workload.append((round(arrival, 4), log_uniform(*prompt_range), log_uniform(*output_range)))
+    return workload
+
+
+def estimate_serve_s(workload: list, mode: str) -> float:
+    """Arrivals, then the last requests' decode, pessimistically."""
+    return (CELL_OVERHEAD_S + workload[-1][0]
+            + 2 * max(out for _, _, out in workload) * DECODE_STEP_S[mode])
+
+
+def plan_matrix(kvs, heads, contexts, batches, max_model_lens, modes, settings: Settings,
+                serve: bool = False, serve_only: bool = False):
+    """The engines to start, in order, and the rows of the cells skipped before any engine
+    starts (prefill above --max-prefill-tokens for a fixed batch).
+
+    Order: heads, mode, max_model_len as given (tight groups by context), kv innermost.  With
+    ``serve`` the wide engine of each (kv, heads, mode) also runs the continuous-batching
+    workload (one is added for it where wide is not asked for or ``serve_only``)."""
+    skipped, engines = [], []
+    cells = [] if serve_only else [(c, b) for c in sorted(contexts) for b in batches]
+    runnable = []
+    for context, label in cells:
+        reason = (prefill_limit_reason(int(label), context, settings) if label != "fill"
+                  else None)
+        if reason:
+            skipped += [{"context": context, "batch": label, "batch_size": int(label),
+                         "status": "skipped", "reason": reason, "heads": h, "kv": kv,
+                         "max_model_len": m, "mode": mode}
+                        for h in heads for mode in modes for m in max_model_lens for kv in kvs]
+        else:
+            runnable.append((context, label))
+    # Needs do not depend on kv or heads: fixed batches are exact, fill cells take their bound.
+    needs: dict[int, int] = {}
+    for context, label in runnable:
+        batch = largest_batch(label, context, settings)
+        need = context + max_tokens_for(batch, context, settings.max_batched_tokens, settings)
+        needs[context] = max(needs.get(context, 0), need)
+    for h in dict.fromkeys(heads):
+        for mode in dict.fromkeys(modes):
+            wide_ran = False
+            for mml in dict.fromkeys(max_model_lens):
+                if mml == "wide":
+                    groups = [(WIDE_MAX_MODEL_LEN, sorted(needs))] if (runnable or serve) else []
+                else:
+                    groups = tight_groups(needs)
+                for tokens, group in groups:
+                    for kv in dict.fromkeys(kvs):
+                        engine = Engine(kv, h, mml, tokens, mode,
+                                        [(c, b) for c, b in runnable if c in group],
+                                        serve=serve and mml == "wide")
+                        if engine.cells or engine.serve:
+                            engines.append(engine)
+                            wide_ran |= engine.serve
+            if serve and not wide_ran:
+                engines += [Engine(kv, h, "wide", WIDE_MAX_MODEL_LEN, mode, [], serve=True)
+                            for kv in kvs]
+    return engines, skipped
+
+
+def estimate_engine_s(engine: Engine, settings: Settings, workload=None) -> tuple[float, list]:
+    """Seconds for ``engine`` (start, cells, serve run) and per cell its estimated decision,
+    with the KV capacity estimated from --kv-cache-gib."""
+    usable = estimated_kv_blocks(engine.kv, settings.kv_cache_gib, NUM_LAYERS) - 1
+    total, decisions = ENGINE_START_S[engine.mode], []
+    for context, label in engine.cells:
+        decision = decide_cell(label, context, usable, BLOCK_SIZE, engine.max_model_len_tokens,
+                               settings.max_batched_tokens, settings)
+        if not decision["reason"]:
+            decision["estimated_s"] = estimate_cell_s(
+                engine.heads, engine.mode, engine.kv, context, decision["batch_size"],
+                decision["max_tokens"])
+            total += decision["estimated_s"]
+        decisions.append(decision)
+    if engine.serve and workload:
+        total += estimate_serve_s(workload, engine.mode)
+    return total, decisions
+
+
+# --- continuous batching (pure; unit-tested with a stand-in engine) ------------------------
+
+def run_serve(engine, requests: list[tuple[float, object, object]], clock=time.monotonic,
+              sleep=time.sleep, stop_at: float | None = None) -> tuple[float, list[dict]]:
+    """Drive ``engine`` (vLLM's ``LLMEngine``) with ``requests`` (arrival s, prompt, params with
+    DELTA outputs), each added once ``clock()`` has passed its arrival.  Returns the start time
+    and per request its arrival (on ``clock``) and the times of its tokens: the engine core's
+    timestamps (``time.monotonic`` in the core process, the same clock as the default one here)
+    where the outputs carry them, else ``clock()`` when ``step`` returned them.  At ``stop_at``
+    (on ``clock``) the requests still running are aborted."""
+    start = clock()
+    pending = deque(enumerate(requests))
+    records = [{"arrival": start + arrival, "tokens": []} for arrival, _, _ in requests]
+    live: set[str] = set()
+    while pending or live:
+        now = clock()
+        if stop_at is not None and now >= stop_at:
+            engine.abort_request(sorted(live))
+            break
+        while pending and start + pending[0][1][0] <= now:
+            index, (_, prompt, params) = pending.popleft()
+            engine.add_request(f"serve-{index}", prompt, params)
+            live.add(f"serve-{index}")
+        if not live:
+            sleep(max(0.0, start + pending[0][1][0] - now))
+            continue
+        outputs = engine.step()
+        returned = clock()
+        for output in outputs:
+            new = len(output.outputs[0].token_ids)
+            stamp = core_timestamp(output) or returned
+            records[int(output.request_id.split("-")[1])]["tokens"] += [stamp] * new
+            if output.finished:
+                live.discard(output.request_id)
+        if not engine.has_unfinished_requests():
+            live.clear()   # nothing of ours is left, whatever the outputs said
+    return start, records
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile with linear interpolation between order statistics (numpy's
+    default)."""
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("percentile of no values")
+    k = (len(ordered) - 1) * q / 100
+    low = math.floor(k)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (k - low)
+
+
+def serve_summary(start: float, records: list[dict], output_lens: list[int]) -> dict:
+    """Throughput and p50/p99 TTFT and TPOT (ms) of ``run_serve``'s records; a request is
+    completed when it has all ``output_lens[i]`` tokens."""
+    ttft = [r["tokens"][0] - r["arrival"] for r in records if r["tokens"]]
+    tpot = [(r["tokens"][-1] - r["tokens"][0]) / (len(r["tokens"]) - 1)
+            for r in records if len(r["tokens"]) > 1]
+    tokens = sum(len(r["tokens"]) for r in records)
+    if not ttft:
+        raise ValueError("no request produced a token")
+    end = max(r["tokens"][-1] for r in records if r["tokens"])
+    first_arrival = min(r["arrival"] for r in records)
+    summary = {
+        "requests": len(records),
+        "completed": sum(len(r["tokens"]) >= n for r, n in zip(records, output_lens)),
+        "output_tokens": tokens, "duration_s": round(end - start, 3),
+        "output_tok_s": round(tokens / (end - first_arrival), 1),
+        "ttft_p50_ms": round(1000 * percentile(ttft, 50), 2),
+        "ttft_p99_ms": round(1000 * percentile(ttft, 99), 2)}
+    if tpot:
+        summary.update(tpot_p50_ms=round(1000 * percentile(tpot, 50), 3),
+                       tpot_p99_ms=round(1000 * percentile(tpot, 99), 3))
+    return summary
+
+
+# --- one engine, in a child process --------------------------------------------------------
+
+def run_engine(spec: dict):
+    """Build the engine of ``spec``, run its cells and its serve workload; yields a result per
+    cell (``kind: cell``), one when the engine is up (``kind: engine``) and one for the serve run
+    (``kind: serve``)."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    settings = Settings(**spec["settings"])
+    started = time.monotonic()
+    llm = build_llm(spec["model"], spec["kv"], spec["max_model_len_tokens"],
+                    settings.kv_cache_gib, settings.max_batch,
+                    enforce_eager=spec["mode"] == "eager",
+                    max_num_batched_tokens=settings.max_batched_tokens)
+    config = llm.llm_engine.vllm_config
+    cache = config.cache_config
+    max_batched_tokens = config.scheduler_config.max_num_batched_tokens
+    generator = torch.Generator().manual_seed(0)
+    warm_up(llm, generator)
+    # Block 0 is vLLM's null block: a batch sized on all blocks could be preempted.
+    usable = cache.num_gpu_blocks - 1
+    capacity = cache.num_gpu_blocks * cache.block_size
+    yield {"kind": "engine", "kv_cache_tokens": capacity, "block_size": cache.block_size,
+           "max_num_batched_tokens": max_batched_tokens,
+           "start_s": round(time.monotonic() - started, 1)}
+
+    deadline = spec.get("deadline")   # time.time() after which no cell starts
+    spent = estimated = 0.0           # of the finished cells, to rescale the estimates
+    for context, label in spec["cells"]:
+        decision = decide_cell(label, context, usable, cache.block_size,
+                               spec["max_model_len_tokens"], max_batched_tokens, settings)
+        result = {"kind": "cell", "context": context, "batch": label,
+                  "batch_size": decision["batch_size"], "max_tokens": decision["max_tokens"],
+                  "kv_cache_tokens": capacity}
+        if decision["reason"]:
+            yield {**result, "status": "skipped", "reason": decision["reason"]}
+            continue
+        estimate = estimate_cell_s(spec["heads"], spec["mode"], spec["kv"], context,
+                                   decision["batch_size"], decision["max_tokens"])
+        scale = min(4.0, max(0.25, spent / estimated)) if estimated else 1.0
+        if deadline is not None and time.time() + scale * estimate > deadline:
+            yield {**result, "status": "skipped",
+                   "reason": f"--budget-s: needs ~{scale * estimate:.0f} s, "
+                             f"{max(0.0, deadline - time.time()):.0f} s left"}
+            continue
+        cell_start = time.monotonic()
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=decision["max_tokens"],
+                                    ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+            seconds, lock_step, prefill_steps, timer = timed_decode_windows(
+                llm.llm_engine, random_prompts(generator, decision["batch_size"], context),
+                params, settings.steps, settings.windows, id_prefix=f"cell-{context}-{label}")
+            summary = summarize_windows(decision["batch_size"], seconds)
+        except Exception as exc:  # noqa: BLE001  (record this cell; the next ones still try)
+            yield {**result, "status": "failed", "reason": f"{type(exc).__name__}: {exc}"[:300]}
+            continue
+        cell_s = time.monotonic() - cell_start
+        spent, estimated = spent + cell_s, estimated + estimate
+        yield {**result, **summary, "status": "ok", "lock_step": lock_step,
+               "prefill_steps": prefill_steps, "timer": timer, "cell_s": round(cell_s, 1),
+               "estimated_s": round(estimate, 1)}
+
+    if spec.get("serve"):
+        workload = [tuple(r) for r in spec["serve"]["workload"]]
+        result = {"kind": "serve", "kv_cache_tokens": capacity}
+        estimate = estimate_serve_s(workload, spec["mode"])
+        if deadline is not None and time.time() + estimate > deadline:
+            yield {**result, "status": "skipped",
+                   "reason": f"--budget-s: needs ~{estimate:.0f} s, "
+                             f"{max(0.0, deadline - time.time()):.0f} s left"}
+            return
+        serve_generator = torch.Generator().manual_seed(spec["serve"]["seed"])
+        requests = [(arrival, random_prompts(serve_generator, 1, prompt_len)[0],
+                     SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
+                                    output_kind=RequestOutputKind.DELTA))
+                    for arrival, prompt_len, output_len in workload]
+        try:
+            # Stop at the budget, on the monotonic clock the token times are on.
+            stop_at = (None if deadline is None
+                       else time.monotonic() + deadline - time.time() + CHILD_GRACE_S / 2)
+            start, records = run_serve(llm.llm_engine, requests, stop_at=stop_at)
+            summary = serve_summary(start, records, [out for _, _, out in workload])
+        except Exception as exc:  # noqa: BLE001  (report it like a cell)
+            yield {**result, "status": "failed", "reason": f"{type(exc).__name__}: {exc}"[:300]}
+            return
+        yield {**result, **summary, "status": "ok",
+               "prompt_tokens": sum(p for _, p, _ in workload)}
+
+
+# --- results (pure; unit-tested on CPU) ----------------------------------------------------
+
+def matrix_key(row: dict) -> tuple:
+    return (int(row["heads"]), row["max_model_len"], row["mode"], int(row["context"]),
+            row["batch"], row["kv"])
+
+
+def _order(value, known: tuple) -> int:
+    return known.index(value) if value in known else len(known)
+
+
+def batch_order(batch: str) -> tuple:
+    """Numeric batches ascending, then ``fill``."""
+    return (batch == "fill", int(batch) if batch.isdigit() else 0)
+
+
+def _matrix_order(key: tuple) -> tuple:
+    heads, mml, mode, context, batch, kv = key
+    return (heads, _order(mml, MAX_MODEL_LENS), _order(mode, MODES), context,
+            batch_order(batch), _order(kv, KV_SETTINGS), kv)
+
+
+def _serve_order(key: tuple) -> tuple:
+    heads, mode, kv = key
+    return heads, _order(mode, MODES), _order(kv, KV_SETTINGS), kv
+
+
+def merge_rows(old: list[dict], new: list[dict], key=None) -> list[dict]:
+    """``old`` with the rows of the same key (``matrix_key`` or ``serve_key``) replaced by
+    ``new``, in report order."""
+    key = key or matrix_key
+    merged = {key(r): r for r in old}
+    merged.update({key(r): r for r in new})
+    order = _matrix_order if key is matrix_key else _serve_order
+    return [merged[k] for k in sorted(merged, key=order)]
+
+
+def add_ratios(rows: list[dict]) -> list[dict]:
+    """``vs_bf16`` (decode tok/s over BF16's) and ``tpot_vs_bf16`` (TPOT over BF16's) against the
+    ``auto`` row of the same cell; empty where either is not ``ok``."""
+    base = {matrix_key(r)[:5]: r for r in rows
+            if r["kv"] == BASELINE_KV and r.get("status") == "ok"}
+    for row in rows:
+        ref = base.get(matrix_key(row)[:5]) if row.get("status") == "ok" else None
+        for column, value in (("vs_bf16", "decode_tok_s"), ("tpot_vs_bf16", "tpot_ms")):
+            ours, theirs = number(row.get(value)), number(ref.get(value)) if ref else None
+            row[column] = round(ours / theirs, 3) if ours and theirs else ""
+    return rows
+
+
+def serve_key(row: dict) -> tuple:
+    return int(row["heads"]), row["mode"], row["kv"]
+
+
+def add_serve_ratios(rows: list[dict]) -> list[dict]:
+    base = {serve_key(r)[:2]: r for r in rows
+            if r["kv"] == BASELINE_KV and r.get("status") == "ok"}
+    for row in rows:
+        ref = base.get(serve_key(row)[:2]) if row.get("status") == "ok" else None
+        ours = number(row.get("output_tok_s"))
+        theirs = number(ref.get("output_tok_s")) if ref else None
+        row["vs_bf16"] = round(ours / theirs, 3) if ours and theirs else ""
+    return rows
+
+
+def _fmt(value, digits: int = 0) -> str:
+    value = number(value)
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def _ratio(value) -> str:
+    value = number(value)
+    if value is None:
+        return "-"
+    return f"**{value:.2f}x** ▼" if value < 1.0 else f"{value:.2f}x"
+
+
+def _runs_header(title: str, runs: list[str]) -> list[str]:
+    return [f"# {title}", "", "Runs (date | commit | GPU | vLLM | command), oldest first:", ""] + \
+        [f"- {run}" for run in runs] + [""]
+
+
+def matrix_panels(rows: list[dict]) -> list[tuple]:
+    """(heads, max_model_len, mode) of the rows, in report order."""
+    return sorted({matrix_key(r)[:3] for r in rows},
+                  key=lambda k: (k[0], _order(k[1], MAX_MODEL_LENS), _order(k[2], MODES)))
+
+
+def format_matrix(rows: list[dict], runs: list[str]) -> str:
+    """matrix.md: a table per (heads, max_model_len, mode), a line per (context, batch)."""
+    lines = _runs_header("fp8_snapmla vs BF16 and FP8 FlashMLA through vLLM: workload matrix",
+                         runs)
+    lines += ["decode tok/s = B / TPOT; TPOT = median over the timed windows of the engine "
+              "core's step time.  Ratios: decode tok/s of the format over BF16's (`auto`) in the "
+              "same cell (with `fill` the batches differ: the capacity gain is in the ratio); "
+              "**bold ▼** marks those below 1.0x.  B: batch per format (BF16 / fp8_snapmla / "
+              "fp8).", ""]
+    by_key = {matrix_key(r): r for r in rows}
+    for heads, mml, mode in matrix_panels(rows):
+        cells = sorted({matrix_key(r)[3:5] for r in rows
+                        if matrix_key(r)[:3] == (heads, mml, mode)},
+                       key=lambda c: (c[0], batch_order(c[1])))
+        tag = " (one TP8 rank of DeepSeek-V3.1)" if heads == 16 else ""
+        lines += [f"## H={heads}{tag}, max_model_len {mml}, {mode}", "",
+                  "| context | batch | max_model_len (pages) | B | BF16 tok/s | fp8_snapmla tok/s "
+                  "| fp8 tok/s | TPOT ms (BF16 / snap / fp8) | fp8_snapmla / BF16 | fp8 / BF16 "
+                  "| notes |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for context, batch in cells:
+            per_kv = {kv: by_key.get((heads, mml, mode, context, batch, kv)) or {}
+                      for kv in KV_SETTINGS}
+            present = [r for r in per_kv.values() if r]
+            tokens = next((r.get("max_model_len_tokens") for r in present
+                           if r.get("max_model_len_tokens")), "")
+            width = next((r.get("table_width") for r in present if r.get("table_width")), "")
+            notes = []
+            for kv, r in per_kv.items():
+                if r and r.get("status") != "ok":
+                    notes.append(f"{KV_NAMES[kv]} {r.get('status')}: {r.get('reason')}")
+                elif r and str(r.get("lock_step")) == "False":
+                    notes.append(f"{KV_NAMES[kv]} not lock-step")
+                elif r and str(r.get("timing_ok")) == "False":
+                    notes.append(f"{KV_NAMES[kv]} noisy ({_fmt(r.get('spread_pct'), 1)}%)")
+            ok = {kv: r if r.get("status") == "ok" else {} for kv, r in per_kv.items()}
+            lines.append(
+                f"| {context} | {batch} | {tokens} ({width}) | "
+                + " / ".join(_fmt(r.get("batch_size")) for r in per_kv.values()) + " | "
+                + " | ".join(_fmt(ok[kv].get("decode_tok_s")) for kv in KV_SETTINGS) + " | "
+                + " / ".join(_fmt(ok[kv].get("tpot_ms"), 2) for kv in KV_SETTINGS) + " | "
+                + f"{_ratio(ok['fp8_snapmla'].get('vs_bf16'))} | {_ratio(ok['fp8'].get('vs_bf16'))}"
+                + f" | {'; '.join(notes)} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def format_serve(rows: list[dict], runs: list[str]) -> str:
+    lines = _runs_header("fp8_snapmla vs BF16 and FP8 FlashMLA through vLLM: continuous "
+                         "batching", runs)
+    lines += ["Requests arrive (Poisson) while the engine is stepped; token times are the engine "
+              "core's.  TTFT = first token - arrival; TPOT per request = (last - first token) / "
+              "(tokens - 1); output tok/s over the whole run.  **bold ▼**: below BF16.", "",
+              "| H | mode | KV | requests (completed) | rate /s | output tok/s | vs BF16 | "
+              "TTFT p50 / p99 ms | TPOT p50 / p99 ms | notes |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        note = "" if r.get("status") == "ok" else f"{r.get('status')}: {r.get('reason')}"
+        lines.append(
+            f"| {r['heads']} | {r['mode']} | {KV_NAMES.get(r['kv'], r['kv'])} | "
+            f"{_fmt(r.get('requests'))} ({_fmt(r.get('completed'))}) | {_fmt(r.get('rate'), 2)} | "
+            f"{_fmt(r.get('output_tok_s'))} | {_ratio(r.get('vs_bf16'))} | "
+            f"{_fmt(r.get('ttft_p50_ms'), 1)} / {_fmt(r.get('ttft_p99_ms'), 1)} | "
+            f"{_fmt(r.get('tpot_p50_ms'), 2)} / {_fmt(r.get('tpot_p99_ms'), 2)} | {note} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_matrix(rows: list[dict], path: Path, title: str) -> list[str]:
+    """Heat maps of the fp8_snapmla/BF16 decode tok/s ratio, one panel per (heads,
+    max_model_len, mode): rows = context, columns = batch, a diverging colormap centred at 1.0
+    with the ratio in each cell, missing cells grey and hatched.  Returns the panels' titles
+    (empty, and no file, without matplotlib)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return []
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.colors import TwoSlopeNorm
+    from matplotlib.patches import Rectangle
+
+    panels = matrix_panels(rows)
+    if not panels:
+        return []
+    ratios = {matrix_key(r)[:5]: number(r.get("vs_bf16")) for r in rows
+              if r["kv"] == "fp8_snapmla" and r.get("status") == "ok"}
+    values = [v for v in ratios.values() if v]
+    norm = TwoSlopeNorm(vcenter=1.0, vmin=min([0.5, *values]), vmax=max([2.0, *values]))
+    cmap = matplotlib.colormaps["RdYlGn"].with_extremes(bad="lightgrey")
+    columns = min(len(panels), 4)
+    grid_rows = math.ceil(len(panels) / columns)
+    fig, axes = plt.subplots(grid_rows, columns, figsize=(4.6 * columns + 1, 3.6 * grid_rows + 1),
+                             squeeze=False, layout="constrained")
+    titles, image = [], None
+    for ax, (heads, mml, mode) in zip(axes.flat, panels):
+        mine = [matrix_key(r) for r in rows if matrix_key(r)[:3] == (heads, mml, mode)]
+        contexts = sorted({k[3] for k in mine})
+        batches = sorted({k[4] for k in mine}, key=batch_order)
+        grid = np.full((len(contexts), len(batches)), np.nan)
+        for i, context in enumerate(contexts):
+            for j, batch in enumerate(batches):
+                value = ratios.get((heads, mml, mode, context, batch))
+                if value:
+                    grid[i, j] = value
+        image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, norm=norm, aspect="auto")
+        for i in range(len(contexts)):
+            for j in range(len(batches)):
+                if np.isnan(grid[i, j]):
+                    ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="//",
+                                           edgecolor="grey", lw=0))
+                    ax.text(j, i, "n/a", ha="center", va="center", fontsize=7, color="dimgrey")
+                else:
+                    ax.text(j, i, f"{grid[i, j]:.2f}x", ha="center", va="center", fontsize=9,
+                            fontweight="bold" if grid[i, j] < 1.0 else "normal")
+        ax.set_xticks(range(len(batches)), batches)
+        ax.set_yticks(range(len(contexts)), [str(c) for c in contexts])
+        ax.set_xlabel("batch")
+        ax.set_ylabel("context")
+        titles.append(f"H={heads}, {mml}, {mode}")
+        ax.set_title(titles[-1])
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8,
+                 label="fp8_snapmla / BF16 decode tok/s")
+    fig.suptitle(title, fontsize=8)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return titles
+
+
+def write_outputs(out: Path, info: dict | None, matrix_rows=(), serve_rows=(),
+                  plot: bool = True) -> tuple[list[dict], list[dict]]:
+    """Merge the new rows into ``out``'s matrix.csv and serve.csv and rewrite them with their
+    tables (and matrix.png with ``plot``).  ``info`` (this run's ``run_info``) is added to the
+    runs in the headers; None (--replot) keeps them.  Returns all rows."""
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for name, fields, new, key, ratios, table in (
+            ("matrix", MATRIX_FIELDS, matrix_rows, matrix_key, add_ratios, format_matrix),
+            ("serve", SERVE_FIELDS, serve_rows, serve_key, add_serve_ratios, format_serve)):
+        runs, old = read_csv(out / f"{name}.csv")
+        if not (old or new):
+            results.append([])
+            continue
+        if info is not None and new and describe(info) not in runs:
+            runs.append(describe(info))
+        stamp = {"date": info["date"], "commit": info["commit"]} if info else {}
+        rows = ratios(merge_rows(old, [{**stamp, **r} for r in new], key))
+        write_csv(rows, out / f"{name}.csv", fields, runs)
+        (out / f"{name}.md").write_text(table(rows, runs))
+        if name == "matrix" and plot:
+            title = "fp8_snapmla / BF16 decode tok/s through vLLM; " + (runs[-1] if runs else "")
+            plot_matrix(rows, out / "matrix.png", "\n".join(
+                title[i:i + 160] for i in range(0, len(title), 160)))
+        results.append(rows)
+    return results[0], results[1]
+
+
+# --- the sweep -------------------------------------------------------------------------------
+
+def child_command() -> list[str]:
+    return [sys.executable, "-m", "benchmarks.bench_matrix", "--child"]
+
+
+def engine_rows(engine: Engine, results: list[dict], failure: str | None, facts: dict
+                ) -> tuple[list[dict], list[dict]]:
+    """The matrix and serve rows of an engine from its child's results; cells without a result
+    get ``failure`` (or "no result")."""
+    base = {"heads": engine.heads, "kv": engine.kv, "mode": engine.mode}
+    cell_base = {**base, "max_model_len": engine.max_model_len,
+                 "max_model_len_tokens": engine.max_model_len_tokens,
+                 "table_width": engine.table_width}
+    capacity = next((r["kv_cache_tokens"] for r in results if r.get("kind") == "engine"), "")
+    by_cell = {(r["context"], r["batch"]): r for r in results if r.get("kind") == "cell"}
+    missing = {"status": "failed", "reason": failure or "no result", "kv_cache_tokens": capacity}
+    matrix = []
+    for context, label in engine.cells:
+        result = {k: v for k, v in (by_cell.get((context, label)) or missing).items()
+                  if k != "kind"}
+        matrix.append({**cell_base, **facts, "context": context, "batch": label, **result})
+    serve = []
+    if engine.serve:
+        result = next((r for r in results if r.get("kind") == "serve"), missing)
+        serve.append({**base, **facts, **{k: v for k, v in result.items() if k != "kind"}})
+    return matrix, serve
+
+
+def _cell_line(row: dict, bf16: dict | None) -> str:
+    head = f"    ctx {row['context']:>6} x {row['batch']:>4}"
+    if row.get("status") != "ok":
+        return f"{head}: {row.get('status')}: {row.get('reason')}"
+    ratio = ""
+    if bf16 and bf16.get("status") == "ok" and number(bf16.get("decode_tok_s")):
+        ratio = f", {number(row['decode_tok_s']) / number(bf16['decode_tok_s']):.2f}x BF16"
+    flags = (" NOT LOCK-STEP" if row.get("lock_step") is False else "") + \
+        (" NOISY" if row.get("timing_ok") is False else "")
+    return (f"{head} (B={row['batch_size']}): {row['decode_tok_s']:,.0f} tok/s, TPOT "
+            f"{row['tpot_ms']:.2f} ms{ratio}, windows {row['spread_pct']:.1f}% apart{flags}, "
+            f"{row.get('cell_s')} s (estimated {row.get('estimated_s')} s)")
+
+
+def replot(out: Path) -> None:
+    matrix, serve = write_outputs(out, None)
+    if not (matrix or serve):
+        sys.exit(f"no matrix.csv or serve.csv in {out}")
+    print(f"redrew {out}/matrix.md, matrix.png ({len(matrix)} rows) and serve.md "
+          f"({len(serve)} rows)")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="out/bench_matrix", help="folder of the outputs")
+    parser.add_argument("--kv", nargs="+", default=list(KV_SETTINGS), choices=KV_SETTINGS)
+    parser.add_argument("--heads", type=int, nargs="+", default=list(HEADS))
+    parser.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS))
+    parser.add_argument("--batches", type=parse_batch, nargs="+", default=list(BATCHES),
+                        help="positive integers and/or 'fill'")
+    parser.add_argument("--max-model-len", nargs="+", default=list(MAX_MODEL_LENS),
+                        choices=MAX_MODEL_LENS, dest="max_model_lens")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--serve", action="store_true",
+                        help="also a continuous-batching run per (kv, heads, mode)")
+    parser.add_argument("--serve-only", action="store_true", help="that run and no cells")
+    parser.add_argument("--serve-requests", type=int, default=96)
+    parser.add_argument("--serve-rate", type=float, default=3.0, help="arrivals per second")
+    parser.add_argument("--serve-prompt-range", type=int, nargs=2, default=[256, 8192])
+    parser.add_argument("--serve-output-range", type=int, nargs=2, default=[32, 512])
+    parser.add_argument("--serve-seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=Settings.steps,
+                        help="decode steps per timed window")
+    parser.add_argument("--windows", type=int, default=Settings.windows)
+    parser.add_argument("--kv-cache-gib", type=float, default=Settings.kv_cache_gib,
+                        help="KV-cache bytes of every engine (0: 90%% of the GPU)")
+    parser.add_argument("--max-batch", type=int, default=Settings.max_batch)
+    parser.add_argument("--max-batched-tokens", type=int, default=Settings.max_batched_tokens)
+    parser.add_argument("--max-prefill-tokens", type=int, default=Settings.max_prefill_tokens)
+    parser.add_argument("--budget-s", type=float,
+                        help="wall-clock seconds for the whole command: no engine or cell "
+                             "starts that the estimate says would end later")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per engine")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
+    parser.add_argument("--replot", action="store_true",
+                        help="no GPU: redraw matrix.md/png and serve.md from --out's CSVs")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        child_main(run_engine)
+        return
+    out = Path(args.out)
+    if args.replot:
+        replot(out)
+        return
+    if args.steps < 1 or args.windows < 1:
+        parser.error("--steps and --windows must be at least 1")
+    if args.kv_cache_gib <= 0:
+        parser.error("--kv-cache-gib must be positive: the cells are planned on it")
+    low, high = args.serve_prompt_range
+    if not 1 <= low <= high or not 1 <= args.serve_output_range[0] <= args.serve_output_range[1]:
+        parser.error("--serve-*-range wants LOW HIGH with 1 <= LOW <= HIGH")
+
+    started = time.time()
+    deadline = started + args.budget_s if args.budget_s else None
+    settings = Settings(steps=args.steps, windows=args.windows, max_batch=args.max_batch,
+                        max_batched_tokens=args.max_batched_tokens,
+                        max_prefill_tokens=args.max_prefill_tokens,
+                        kv_cache_gib=args.kv_cache_gib)
+    serve = args.serve or args.serve_only
+    workload = serve_workload(args.serve_requests, args.serve_rate,
+                              tuple(args.serve_prompt_range), tuple(args.serve_output_range),
+                              args.serve_seed) if serve else None
+    engines, skipped = plan_matrix(args.kv, args.heads, args.contexts, args.batches,
+                                   args.max_model_lens, args.modes, settings, serve,
+                                   args.serve_only)
+    info = run_info("benchmarks.bench_matrix", sys.argv[1:] if argv is None else argv)
+    print(describe(info), flush=True)
+    estimates = [estimate_engine_s(e, settings, workload) for e in engines]
+    cells = sum(len(e.cells) for e in engines)
+    est_skips = sum(1 for _, decisions in estimates for d in decisions if d["reason"])
+    print(f"{len(engines)} engines ({sum(e.mode == 'graph' for e in engines)} graph, "
+          f"{sum(e.mode == 'eager' for e in engines)} eager), {cells} cells "
+          f"(about {est_skips} of them will be skipped by the engine: KV capacity, prefill, "
+          f"max_model_len), {len(skipped)} cell rows skipped now by --max-prefill-tokens"
+          + (f", {sum(e.serve for e in engines)} serve runs of {len(workload)} requests"
+             if serve else "")
+          + f"; estimated {sum(t for t, _ in estimates) / 60:.1f} min"
+          + (f", budget {args.budget_s / 60:.1f} min" if deadline else ""), flush=True)
+    for i, (engine, (seconds, _)) in enumerate(zip(engines, estimates), 1):
+        print(f"  [{i}] {engine.describe()}: {len(engine.cells)} cells"
+              f"{' + serve' if engine.serve else ''}, ~{seconds:.0f} s", flush=True)
+    if args.dry_run:
+        return
+    write_outputs(out, info, skipped)
+
+    with tempfile.TemporaryDirectory(prefix="bench-matrix-") as tmp:
+        models = {h: str(write_tiny_deepseek_v3(Path(tmp) / f"deepseek-v31-attn-h{h}",
+                                                **model_config(h))) for h in args.heads}
+        for i, (engine, (seconds, decisions)) in enumerate(zip(engines, estimates), 1):
+            first = next((d["estimated_s"] for d in decisions if not d["reason"]),
+                         estimate_serve_s(workload, engine.mode) if engine.serve else 0.0)
+            need = ENGINE_START_S[engine.mode] + first
+            if deadline is not None and time.time() + need > deadline:
+                reason = (f"--budget-s: engine start + first cell ~{need:.0f} s, "
+                          f"{max(0.0, deadline - time.time()):.0f} s left")
+                print(f"[{i}/{len(engines)}] {engine.describe()}: skipped, {reason}", flush=True)
+                matrix, serve_rows = engine_rows(
+                    engine, [{"kind": "cell", "context": c, "batch": b, "status": "skipped",
+                              "reason": reason} for c, b in engine.cells]
+                    + ([{"kind": "serve", "status": "skipped", "reason": reason}]
+                       if engine.serve else []), None, {})
+                write_outputs(out, info, matrix, serve_rows, plot=False)
+                continue
+            print(f"[{i}/{len(engines)}] {engine.describe()}: {len(engine.cells)} cells"
+                  f"{' + serve' if engine.serve else ''}, ~{seconds:.0f} s "
+                  f"({time.time() - started:.0f} s into the run)", flush=True)
+            engine_start = time.monotonic()
+
+            def report(result, engine=engine, engine_start=engine_start):
+                kind = result.get("kind")
+                if kind == "engine":
+                    print(f"    engine up in {time.monotonic() - engine_start:.0f} s, KV cache "
+                          f"{result['kv_cache_tokens']:,} tokens", flush=True)
+                elif kind == "cell":
+                    matrix, _ = engine_rows(engine, [result], None, {})
+                    row = next(r for r in matrix if (r["context"], r["batch"])
+                               == (result["context"], result["batch"]))
+                    rows, _ = write_outputs(out, info, [row], plot=False)
+                    bf16 = next((r for r in rows if matrix_key(r)
+                                 == matrix_key({**row, "kv": BASELINE_KV})), None)
+                    print(_cell_line(row, bf16), flush=True)
+                elif kind == "serve":
+                    print(f"    serve: {result.get('status')} "
+                          + (f"{result['output_tok_s']:,.0f} output tok/s, TTFT p50/p99 "
+                             f"{result['ttft_p50_ms']:.0f}/{result['ttft_p99_ms']:.0f} ms, TPOT "
+                             f"p50/p99 {result.get('tpot_p50_ms', float('nan')):.2f}/"
+                             f"{result.get('tpot_p99_ms', float('nan')):.2f} ms, "
+                             f"{result['completed']}/{result['requests']} completed"
+                             if result.get("status") == "ok" else str(result.get("reason"))),
+                          flush=True)
+
+            spec = {"model": models[engine.heads], "kv": engine.kv, "heads": engine.heads,
+                    "mode": engine.mode, "max_model_len_tokens": engine.max_model_len_tokens,
+                    "cells": engine.cells, "settings": asdict(settings), "deadline": deadline,
+                    "serve": ({"workload": workload, "seed": args.serve_seed}
+                              if engine.serve else None)}
+            timeout = args.timeout
+            if deadline is not None:
+                timeout = min(timeout, deadline - time.time() + CHILD_GRACE_S)
+            results, log, failure = run_child(child_command(), spec, timeout, report)
+            matrix, serve_rows = engine_rows(engine, results, failure, engine_log_facts(log))
+            for row in serve_rows:
+                row.update(rate=args.serve_rate, seed=args.serve_seed)
+            write_outputs(out, info, matrix, serve_rows)
+            if failure:
+                print(f"    engine failed: {failure}", flush=True)
+    matrix, serve_rows = write_outputs(out, None)
+    print(f"\nwrote {out}/matrix.csv, matrix.md, matrix.png"
+          + (", serve.csv, serve.md" if serve_rows else "")
+          + f" in {(time.time() - started) / 60:.1f} min", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""What a benchmark output records about the run that produced it: date, git commit, GPU, vLLM
+version and command line.  Everything here works without a GPU and without vLLM ("unknown")."""
+
+from __future__ import annotations
+
+import datetime
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _git_commit() -> str:
+    try:
+        proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
+                              capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return proc.stdout.strip() if proc.returncode == 0 and proc.stdout.strip() else "unknown"
+
+
+def _gpu_name() -> str:
+    # nvidia-smi rather than torch: the parent process of an engine benchmark must not create a
+    # CUDA context of its own on the GPU its children measure.
+    try:
+        proc = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    names = [line.strip() for line in proc.stdout.splitlines() if line.strip()]
+    return names[0] if proc.returncode == 0 and names else "unknown"
+
+
+def _vllm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("vllm")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def run_info(module: str, argv: list[str] | None = None) -> dict:
+    """date (UTC), commit, gpu, vllm and command of this run of ``python -m <module> argv``."""
+    argv = sys.argv[1:] if argv is None else argv
+    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "commit": _git_commit(), "gpu": _gpu_name(), "vllm": _vllm_version(),
+            "command": shlex.join(["python", "-m", module, *argv])}
+
+
+def describe(info: dict) -> str:
+    """One line: ``date | commit | GPU | vLLM | command``."""
+    return (f"{info['date']} | commit {info['commit']} | {info['gpu']} | vLLM {info['vllm']} | "
+            f"{info['command']}")

@@ -1,0 +1,279 @@
+"""What the end-to-end benchmarks (``bench_e2e``, ``bench_matrix``) share: the DeepSeek-V3.1-
+attention model they run, batch sizing, the timing of decode steps through ``LLMEngine``, and one
+vLLM engine per child process with its results streamed back as they come.
+
+Timing method (``timed_decode_windows``): the requests go into the engine at once and it is
+stepped (``LLMEngine.step``, the loop inside ``LLM.generate``) until every request has its first
+token, that is until the chunked prefill is over, and SETTLE_STEPS steps more.  Then consecutive
+windows of T steps are timed with the engine core's own timestamps of its steps, and the requests
+are aborted.
+
+    time per output token = median over the windows of (window time / T)
+    decode tok/s = B / time per output token
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+NOISE_FRACTION = 0.05   # largest spread of the timed windows, as a fraction of their median
+SETTLE_STEPS = 4        # decode steps of all requests before the first timed window
+
+# DeepSeek-V3.1 attention; 4 dense layers keep the non-attention work small, as in the baseline.
+DEEPSEEK_V31_ATTENTION = {
+    "hidden_size": 7168, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128, "v_head_dim": 128, "num_hidden_layers": 4,
+    "intermediate_size": 2048, "first_k_dense_replace": 4, "vocab_size": 129280,
+    "max_position_embeddings": 163840,
+}
+BLOCK_SIZE = 64   # tokens per KV page of every MLA backend here (FlashMLA and fp8_snapmla)
+# Cache bytes per token and layer of each --kv-cache-dtype: BF16 576-wide rows; vLLM's FP8 rows;
+# fp8_snapmla's 512 FP8 + 4-byte scale + 64 BF16 RoPE, padded to 656.
+KV_BYTES_PER_TOKEN = {"auto": 1152, "fp8": 576, "fp8_snapmla": 656}
+
+RESULT_TAG = "BENCH_ENGINE_RESULT "
+_KV_TOKENS_LOG = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
+_BACKEND_LOG = re.compile(r"Using (\w+) attention backend")
+
+
+# --- pure helpers (unit-tested on CPU) -----------------------------------------------------
+
+def model_config(heads: int) -> dict:
+    """Overrides of the tiny DeepSeek-V3 config that give DeepSeek-V3.1's attention shapes."""
+    return {**DEEPSEEK_V31_ATTENTION, "num_attention_heads": heads, "num_key_value_heads": heads}
+
+
+def batch_to_fill(num_blocks: int, block_size: int, context: int, gen_tokens: int,
+                  max_batch: int) -> int:
+    """Requests of ``context + gen_tokens`` tokens that fit in ``num_blocks`` pages at once."""
+    blocks_per_request = math.ceil((context + gen_tokens) / block_size)
+    return min(num_blocks // blocks_per_request, max_batch)
+
+
+def warm_tokens(batch: int, context: int, max_batched_tokens: int) -> int:
+    """Tokens per request that outlast the chunked prefill of ``batch`` prompts: 1.25x the steps
+    it needs at most (each step's token budget less one decode token per request) + 16."""
+    per_step = max_batched_tokens - batch
+    if per_step < 1:
+        raise ValueError(f"max_num_batched_tokens={max_batched_tokens} leaves no prefill budget "
+                         f"next to {batch} decoding requests")
+    return math.ceil(1.25 * math.ceil(batch * context / per_step)) + 16
+
+
+def estimated_kv_blocks(kv: str, kv_cache_gib: float, num_layers: int) -> int:
+    """KV pages vLLM allocates for ``kv_cache_gib`` GiB over ``num_layers`` layers (its null
+    block included), as vLLM divides ``kv_cache_memory_bytes``: for planning before an engine
+    exists; the engine reports the real number."""
+    page_bytes = BLOCK_SIZE * KV_BYTES_PER_TOKEN[kv] * num_layers
+    return int(kv_cache_gib * 2**30) // page_bytes
+
+
+def core_timestamp(output) -> float | None:
+    """The engine core's ``time.monotonic()`` of the step that produced ``output``'s newest
+    token (needs stats logging on), or None."""
+    return getattr(getattr(output, "metrics", None), "last_token_ts", None) or None
+
+
+def timed_decode_windows(engine, prompts: list, params, steps: int, windows: int,
+                         clock=time.perf_counter, id_prefix: str = "bench"
+                         ) -> tuple[list[float], bool, int, str]:
+    """Seconds per step of ``windows`` consecutive windows of ``steps`` engine steps in which
+    every request decodes; whether every request gained exactly one token per timed step; the
+    engine steps until every request had its first token (the prefill; it may include a few
+    empty steps left over from the previous call's aborted requests); and the timer used.
+
+    ``engine`` is a vLLM ``LLMEngine`` (``add_request``, ``step``, ``abort_request``,
+    ``has_unfinished_requests``); ``params`` must return deltas (``RequestOutputKind.DELTA``) and
+    leave room for the prefill, SETTLE_STEPS and the windows.  The engine core runs ahead of
+    ``step()`` in its own process, so the windows are timed with the core's timestamps of its
+    steps (``RequestOutput.metrics.last_token_ts``, with stats logging on): a front end that
+    falls behind would otherwise time its own output processing.  Without them ``clock`` times
+    the ``step()`` calls.  The requests are aborted after the last window."""
+    ids = [f"{id_prefix}-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(request_id, prompt, params)
+    tokens = dict.fromkeys(ids, 0)
+
+    def step() -> float | None:
+        """One engine step; the core's timestamp of it, if its outputs carry one."""
+        stamps = []
+        for output in engine.step():
+            tokens[output.request_id] += len(output.outputs[0].token_ids)
+            stamp = core_timestamp(output)
+            if stamp:
+                stamps.append(stamp)
+        return max(stamps) if stamps else None
+
+    try:
+        prefill_steps = 0
+        while min(tokens.values()) == 0:
+            if not engine.has_unfinished_requests():
+                raise RuntimeError("requests finished before all of them had a token")
+            step()
+            prefill_steps += 1
+        for _ in range(SETTLE_STEPS):
+            stamp = step()
+        seconds, lock_step, timers = [], True, set()
+        for _ in range(windows):
+            before = dict(tokens)
+            start_stamp, start = stamp, clock()
+            for _ in range(steps):
+                stamp = step()
+            end = clock()
+            if start_stamp is not None and stamp is not None:
+                seconds.append((stamp - start_stamp) / steps)
+                timers.add("engine core")
+            else:
+                seconds.append((end - start) / steps)
+                timers.add("step() calls")
+            lock_step &= all(tokens[i] - before[i] == steps for i in ids)
+    finally:
+        engine.abort_request(ids)   # the front end forgets them at once; nothing to step
+    return seconds, lock_step, prefill_steps, " + ".join(sorted(timers))
+
+
+def summarize_windows(batch: int, seconds_per_step: list[float]) -> dict:
+    """decode tok/s, time per output token (ms), the windows' spread (% of the median) and
+    timing_ok ("" with one window) of the windows of ``timed_decode_windows``."""
+    if batch < 1 or not seconds_per_step or min(seconds_per_step) <= 0:
+        raise ValueError(f"no decode time: {batch=}, {seconds_per_step=}")
+    step_s = statistics.median(seconds_per_step)
+    spread = (max(seconds_per_step) - min(seconds_per_step)) / step_s
+    return {"decode_tok_s": round(batch / step_s, 1), "tpot_ms": round(1000 * step_s, 3),
+            "spread_pct": round(100 * spread, 2),
+            "timing_ok": spread <= NOISE_FRACTION if len(seconds_per_step) > 1 else ""}
+
+
+def number(value) -> float | None:
+    """A CSV cell as a float; None when empty."""
+    return None if value in (None, "") else float(value)
+
+
+def read_csv(path: Path) -> tuple[list[str], list[dict]]:
+    """The ``# `` comment lines at the top of a CSV (without the ``# ``) and its rows."""
+    if not path.exists():
+        return [], []
+    with open(path, newline="") as f:
+        lines = f.read().splitlines()
+    comments = [line[2:] for line in lines if line.startswith("# ")]
+    return comments, list(csv.DictReader(line for line in lines if not line.startswith("#")))
+
+
+def write_csv(rows: list[dict], path: Path, fields: list[str], comments=()) -> None:
+    """``rows`` under a header of ``# `` comment lines; unknown keys dropped, missing ones empty."""
+    with open(path, "w", newline="") as f:
+        for comment in comments:
+            f.write(f"# {comment}\n")
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def engine_log_facts(log: str) -> dict:
+    """The KV capacity (tokens) and the attention backend a vLLM engine logged ("" if not)."""
+    logged = _KV_TOKENS_LOG.findall(log)
+    backends = _BACKEND_LOG.findall(log)
+    return {"log_kv_cache_tokens": int(logged[-1].replace(",", "")) if logged else "",
+            "backend": backends[-1] if backends else ""}
+
+
+# --- one engine in a child process -------------------------------------------------------------
+
+def build_llm(model: str, kv: str, max_model_len: int, kv_cache_gib: float, max_batch: int, *,
+              enforce_eager: bool = False, max_num_batched_tokens: int | None = None):
+    """The ``LLM`` every benchmark engine is: dummy weights, no tokenizer, prefix caching off,
+    stats logging on (for the core's timestamps), a KV cache of ``kv_cache_gib`` GiB whatever
+    the dtype (0: 90% of the GPU), default compilation unless ``enforce_eager``."""
+    from vllm import LLM
+
+    memory = ({"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)} if kv_cache_gib
+              else {"gpu_memory_utilization": 0.9})
+    if max_num_batched_tokens:
+        memory["max_num_batched_tokens"] = max_num_batched_tokens
+    return LLM(model=model, kv_cache_dtype=kv, load_format="dummy", skip_tokenizer_init=True,
+               dtype="bfloat16", max_model_len=max_model_len, enable_prefix_caching=False,
+               max_num_seqs=max_batch, seed=0, disable_log_stats=False,
+               enforce_eager=enforce_eager, **memory)
+
+
+def random_prompts(generator, batch: int, length: int) -> list[dict]:
+    """``batch`` prompts of ``length`` random token ids (no special tokens 0 and 1)."""
+    import torch
+
+    vocab = DEEPSEEK_V31_ATTENTION["vocab_size"]
+    return [{"prompt_token_ids": ids}
+            for ids in torch.randint(2, vocab, (batch, length), generator=generator).tolist()]
+
+
+def warm_up(llm, generator) -> None:
+    """A few short requests, so that the first measured cell does not pay for first-use costs."""
+    from vllm import SamplingParams
+
+    llm.generate(random_prompts(generator, 4, 256),
+                 SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+
+
+def child_main(run) -> None:
+    """Body of a benchmark's ``--child``: the spec from stdin, each result of ``run(spec)`` to
+    stdout as it comes."""
+    spec = json.loads(sys.stdin.read())
+    for result in run(spec):
+        print(RESULT_TAG + json.dumps(result), flush=True)
+
+
+def run_child(command: list[str], spec: dict, timeout: float, on_result=None
+              ) -> tuple[list[dict], str, str | None]:
+    """Run ``command`` (a ``child_main``) with ``spec`` on stdin in this plugin's environment;
+    ``on_result(result)`` sees each result as it arrives.  Returns the results, everything the
+    child printed, and why it failed (None on a clean exit).  A crash or timeout keeps the
+    results that came before it."""
+    from vllm_snapmla.testing import subprocess_env
+
+    with tempfile.TemporaryFile("w+") as err:
+        # A session of its own, so that a timeout also kills vLLM's engine-core process, which
+        # would otherwise keep its GPU memory while the next engine starts.
+        proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=err, text=True, env=subprocess_env(),
+                                start_new_session=True)
+        proc.stdin.write(json.dumps(spec))
+        proc.stdin.close()
+        out, results = [], []
+
+        def pump():
+            for line in proc.stdout:
+                out.append(line)
+                if line.startswith(RESULT_TAG):
+                    result = json.loads(line[len(RESULT_TAG):])
+                    results.append(result)
+                    if on_result:
+                        on_result(result)
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        failure = None
+        try:
+            proc.wait(timeout=max(timeout, 1))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            failure = f"timed out after {timeout:.0f} s"
+        reader.join(10)
+        err.seek(0)
+        log = "".join(out) + err.read()
+    if failure is None and proc.returncode != 0:
+        print(log[-4000:], file=sys.stderr)
+        last = [ln for ln in log.strip().splitlines() if ln.strip()][-1:] or ["no output"]
+        failure = f"exit {proc.returncode}: {last[0][-200:]}"
+    return results, log, failure

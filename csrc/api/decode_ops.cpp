@@ -1,0 +1,397 @@
+// The split-KV decode ops of torch.ops._snapmla_C: checks, the launch shape, and the launches of
+// the split planner, the Hopper decode kernels (csrc/sm90/) and the combine (csrc/split_kv.cu).
+//
+// decode_sm90 is what vLLM calls once per layer and step, so its host cost matters as much as
+// the kernels' (eager mode runs it for every mixed prefill+decode batch): one op call from
+// Python, two or three launches (query quantization with the split planner in one more block;
+// the decode; the combine only when some request can be cut into several runs), no host sync,
+// nothing computed per call that depends only on the device.
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "api/checks.h"
+#include "api/ops.h"
+#include "cache_kernels.h"
+#include "format.h"
+#include "sm90/config.h"
+#include "sm90/decode.h"
+#include "split_kv.h"
+
+namespace snapmla::api {
+namespace {
+
+// A split's fixed cost in pages of streaming (query load, partial write, combine), for the
+// planner's cost model; the value the split heuristic was tuned with on the H200.
+constexpr int kSplitOverheadPages = 2;
+
+// The kernels copy query rows and store outputs with 16-byte vectors.
+void check_rows_aligned(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(vector_aligned(t), op, ": ", name,
+                    " rows must be contiguous and start 16-byte aligned, got strides ",
+                    t.strides());
+}
+
+// [B, s_q, H, width] of a float type.
+void check_query(const char* op, const char* name, const at::Tensor& t, int64_t width) {
+  TORCH_CHECK_VALUE(t.dim() == 4 && t.size(3) == width, op, ": ", name,
+                    " must be [batch, s_q, heads, ", width, "], got ", shape_of(t));
+}
+
+int64_t resolve_schedule(const char* op, int64_t schedule, int64_t rows) {
+  if (schedule < 0) return rows <= sm90::kNarrowMaxRows ? sm90::kScheduleNarrow
+                                                        : sm90::kScheduleSplitRoles;
+  TORCH_CHECK_VALUE(schedule == sm90::kScheduleFree || schedule == sm90::kScheduleSplitRoles ||
+                        schedule == sm90::kScheduleNarrow,
+                    op, ": schedule must be -1 (by row count), ", sm90::kScheduleFree, " (free), ",
+                    sm90::kScheduleSplitRoles, " (split-roles) or ", sm90::kScheduleNarrow,
+                    " (narrow), got ", schedule);
+  TORCH_CHECK_VALUE(schedule != sm90::kScheduleNarrow || rows <= sm90::kNarrowMaxRows, op,
+                    ": the narrow kernel takes at most ", sm90::kNarrowMaxRows,
+                    " query rows (s_q x heads), got ", rows);
+  return schedule;
+}
+
+// What the launch shape needs of a GPU, read once per device.
+struct DeviceInfo {
+  int major = 0, minor = 0, multiprocessors = 0;
+};
+
+const DeviceInfo& device_info(const char* op, const at::Device& device) {
+  constexpr int kMaxDevices = 64;
+  static DeviceInfo infos[kMaxDevices];
+  const int index = device.index();
+  TORCH_CHECK(index >= 0 && index < kMaxDevices, op, ": CUDA device index ", index,
+              " out of range");
+  DeviceInfo& info = infos[index];
+  if (info.multiprocessors == 0) {
+    DeviceInfo read;
+    check_launch(op, cudaDeviceGetAttribute(&read.major, cudaDevAttrComputeCapabilityMajor, index));
+    check_launch(op, cudaDeviceGetAttribute(&read.minor, cudaDevAttrComputeCapabilityMinor, index));
+    check_launch(op, cudaDeviceGetAttribute(&read.multiprocessors,
+                                            cudaDevAttrMultiProcessorCount, index));
+    info = read;
+  }
+  return info;
+}
+
+// The launch shape: CTAs per split index and how many run at once (one per SM for every Hopper
+// kernel), from properties torch caches per device.
+struct LaunchShape {
+  int programs;
+  int slots;
+  int max_splits;
+};
+
+LaunchShape launch_shape(const char* op, const at::Device& device, int64_t batch, int64_t rows,
+                         int64_t schedule, int64_t table_pages, int64_t num_splits) {
+  const int64_t row_blocks =
+      schedule == sm90::kScheduleNarrow ? 1 : (rows + sm90::kBlockRows - 1) / sm90::kBlockRows;
+  const int64_t programs = batch * row_blocks;
+  const int slots = device_info(op, device).multiprocessors;
+  const int max_splits = num_splits > 0 ? static_cast<int>(num_splits)
+                                        : max_splits_for(programs, slots, table_pages);
+  return {static_cast<int>(programs), slots, max_splits};
+}
+
+void check_sm90_device(const char* op, const at::Device& device) {
+  const DeviceInfo& info = device_info(op, device);
+  TORCH_CHECK(info.major == 9 && info.minor == 0, op, " needs an sm_90 (Hopper) GPU, but ",
+              device, " is sm_", info.major, info.minor,
+              "; vllm_snapmla.kernels.triton_decode serves other GPUs");
+}
+
+// The checks both decode entries share: cache, table, lengths, scale; returns the table and the
+// lengths as the kernels read them (the first `batch` rows, int32).
+std::tuple<at::Tensor, at::Tensor> check_decode_inputs(const char* op, const at::Device& device,
+                                                       int64_t batch, const at::Tensor& kv_cache,
+                                                       const at::Tensor& block_table,
+                                                       const at::Tensor& seq_lens,
+                                                       double softmax_scale, int64_t num_splits) {
+  // The kernels fold the scale into an exponent FFMA and take a row's largest scaled logit from
+  // its largest unscaled one: both need a positive scale.
+  TORCH_CHECK_VALUE(softmax_scale > 0 && std::isfinite(softmax_scale), op,
+                    ": softmax_scale must be positive and finite, got ", softmax_scale);
+  check_cache(op, kv_cache, device);
+  TORCH_CHECK_VALUE(kv_cache.stride(0) > 0 && kv_cache.size(0) <= 2147483647, op,
+                    ": kv_cache must have positive block stride and fewer than 2^31 blocks");
+  check_cuda(op, "block_table", block_table, device);
+  TORCH_CHECK_TYPE(block_table.scalar_type() == at::kInt || block_table.scalar_type() == at::kLong,
+                   op, ": block_table must be int32 (or int64, copied to int32), got ",
+                   block_table.scalar_type());
+  // vLLM's persistent buffers may hold more rows than the batch: the first `batch` are read.
+  TORCH_CHECK_VALUE(block_table.dim() == 2 && block_table.size(0) >= batch &&
+                        block_table.size(1) >= 1 && block_table.stride(1) == 1,
+                    op, ": block_table must be [>= ", batch,
+                    ", max_blocks >= 1] with unit column stride, got ", shape_of(block_table),
+                    " strides ", block_table.strides());
+  check_cuda(op, "seq_lens", seq_lens, device);
+  TORCH_CHECK_TYPE(seq_lens.scalar_type() == at::kInt || seq_lens.scalar_type() == at::kLong, op,
+                   ": seq_lens must be int32 (or int64, copied to int32), got ",
+                   seq_lens.scalar_type());
+  TORCH_CHECK_VALUE(seq_lens.dim() == 1 && seq_lens.size(0) >= batch, op,
+                    ": seq_lens must be [>= ", batch, "], got ", shape_of(seq_lens));
+  TORCH_CHECK_VALUE(num_splits >= 0 && num_splits <= 65535, op,
+                    ": num_splits must be 0 (planned on the GPU) or in [1, 65535], got ",
+                    num_splits);
+  return {block_table.narrow(0, 0, batch).to(at::kInt),
+          seq_lens.narrow(0, 0, batch).to(at::kInt).contiguous()};
+}
+
+// The decode and, where some request may take several runs, the combine.  `q8`, `q_scale`,
+// `q_pe_scaled` are checked; `pages_per_split` is the planner's output (undefined: equal cut).
+std::tuple<at::Tensor, at::Tensor> run_decode(const char* op, const at::Tensor& q8,
+                                              const at::Tensor& q_scale,
+                                              const at::Tensor& q_pe_scaled,
+                                              const at::Tensor& kv_cache,
+                                              const at::Tensor& table, const at::Tensor& lens,
+                                              double softmax_scale, bool causal,
+                                              const LaunchShape& shape, int64_t schedule,
+                                              const at::Tensor& pages_per_split) {
+  const int64_t batch = q8.size(0), s_q = q8.size(1), heads = q8.size(2);
+  const int64_t rows = s_q * heads;
+  const auto opts = q8.options();
+  at::Tensor out = at::empty({batch, s_q, heads, kKvLoraRank}, opts.dtype(at::kBFloat16));
+  at::Tensor lse = at::empty({batch, heads, s_q}, opts.dtype(at::kFloat));
+  if (batch == 0 || rows == 0) return {out, lse};
+  at::Tensor part_out, part_lse;
+  if (shape.max_splits > 1) {
+    part_out = at::empty({batch, shape.max_splits, rows, kKvLoraRank}, opts.dtype(at::kFloat));
+    part_lse = at::empty({batch, shape.max_splits, rows}, opts.dtype(at::kFloat));
+  }
+  sm90::DecodeParams p{};
+  p.q8 = static_cast<const uint8_t*>(q8.data_ptr());
+  p.q_scale = q_scale.data_ptr<float>();
+  p.q_pe = static_cast<const uint8_t*>(q_pe_scaled.data_ptr());
+  for (int d = 0; d < 3; ++d) {
+    p.q8_stride[d] = q8.stride(d);
+    p.q_scale_stride[d] = q_scale.stride(d);
+    p.q_pe_stride[d] = q_pe_scaled.stride(d) * 2;
+  }
+  p.block_table = table.data_ptr<int32_t>();
+  p.block_table_stride = table.stride(0);
+  p.seq_lens = lens.data_ptr<int32_t>();
+  p.out = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.part_out = part_out.defined() ? part_out.data_ptr<float>() : nullptr;
+  p.part_lse = part_lse.defined() ? part_lse.data_ptr<float>() : nullptr;
+  p.pages_per_split = pages_per_split.defined() ? pages_per_split.data_ptr<int32_t>() : nullptr;
+  p.num_heads = static_cast<int>(heads);
+  p.s_q = static_cast<int>(s_q);
+  p.num_rows = static_cast<int>(rows);
+  p.max_splits = shape.max_splits;
+  p.causal = causal ? 1 : 0;
+  p.qk_scale_log2 = static_cast<float>(softmax_scale * 1.4426950408889634);
+  p.schedule = static_cast<int>(schedule);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const char* err = sm90::launch_decode_sm90(
+      p, static_cast<const uint8_t*>(kv_cache.data_ptr()), kv_cache.size(0), kv_cache.stride(0),
+      static_cast<int>(batch), stream);
+  TORCH_CHECK(err == nullptr, op, ": ", err);
+  if (shape.max_splits > 1) {
+    CombineParams c{};
+    c.part_out = p.part_out;
+    c.part_lse = p.part_lse;
+    c.seq_lens = p.seq_lens;
+    c.pages_per_split = p.pages_per_split;
+    c.max_splits = shape.max_splits;
+    c.out = p.out;
+    c.lse = p.lse;
+    c.batch = static_cast<int>(batch);
+    c.num_heads = p.num_heads;
+    c.s_q = p.s_q;
+    c.num_rows = p.num_rows;
+    c.single_runs_in_partials = false;
+    check_launch(op, launch_combine(c, stream));
+  }
+  return {out, lse};
+}
+
+SplitPlanParams plan_params(const at::Tensor& lens, const at::Tensor& pages_per_split,
+                            const LaunchShape& shape) {
+  SplitPlanParams plan{};
+  plan.seq_lens = lens.data_ptr<int32_t>();
+  plan.batch = static_cast<int>(lens.size(0));
+  plan.programs = shape.programs;
+  plan.slots = shape.slots;
+  plan.max_splits = shape.max_splits;
+  plan.overhead_pages = kSplitOverheadPages;
+  plan.pages_per_split = pages_per_split.data_ptr<int32_t>();
+  return plan;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> decode_sm90(const at::Tensor& q_nope, const at::Tensor& q_pe,
+                                               const at::Tensor& kv_cache,
+                                               const at::Tensor& block_table,
+                                               const at::Tensor& seq_lens, double softmax_scale,
+                                               bool causal, int64_t num_splits, int64_t schedule) {
+  constexpr const char* op = "decode_sm90";
+  const at::Device device = q_nope.device();
+  check_cuda(op, "q_nope", q_nope, device);
+  check_cuda(op, "q_pe", q_pe, device);
+  const FloatType dtype = float_type(op, "q_nope", q_nope);
+  TORCH_CHECK_TYPE(q_pe.scalar_type() == q_nope.scalar_type(), op, ": q_pe is ",
+                   q_pe.scalar_type(), " but q_nope is ", q_nope.scalar_type(),
+                   "; they must match");
+  check_query(op, "q_nope", q_nope, kKvLoraRank);
+  check_query(op, "q_pe", q_pe, kRopeDim);
+  TORCH_CHECK_VALUE(q_pe.sizes().slice(0, 3) == q_nope.sizes().slice(0, 3), op,
+                    ": q_pe must be [batch, s_q, heads, ", kRopeDim, "] with q_nope's ",
+                    shape_of(q_nope), " leading shape, got ", shape_of(q_pe));
+  const int64_t batch = q_nope.size(0), s_q = q_nope.size(1), heads = q_nope.size(2);
+  const int64_t rows = s_q * heads;
+  TORCH_CHECK_VALUE(rows <= 65535 * 64 && batch <= 2147483647, op,
+                    ": batch or query rows exceed the launch limits");
+  const c10::cuda::CUDAGuard guard(device);
+  check_sm90_device(op, device);
+  auto [table, lens] = check_decode_inputs(op, device, batch, kv_cache, block_table, seq_lens,
+                                           softmax_scale, num_splits);
+  schedule = resolve_schedule(op, schedule, rows);
+  const LaunchShape shape = launch_shape(op, device, batch, rows, schedule, table.size(1), num_splits);
+
+  const auto opts = q_nope.options();
+  at::Tensor q8 = at::empty({batch, s_q, heads, kKvLoraRank}, opts.dtype(at::kFloat8_e4m3fn));
+  at::Tensor q_scale = at::empty({batch, s_q, heads}, opts.dtype(at::kFloat));
+  at::Tensor q_pe_scaled = at::empty({batch, s_q, heads, kRopeDim}, opts.dtype(at::kBFloat16));
+  at::Tensor pages_per_split;
+  SplitPlanParams plan{};
+  const bool planned = num_splits == 0 && shape.max_splits > 1;
+  if (planned) {
+    pages_per_split = at::empty({1}, opts.dtype(at::kInt));
+    plan = plan_params(lens, pages_per_split, shape);
+  }
+  if (batch > 0 && rows > 0) {
+    // Rows are (b * s_q + i, head): vLLM's [T, H, 512] bmm output viewed as [B, s_q, H, 512]
+    // folds into [B * s_q, H] rows without a copy.
+    const at::Tensor nope = vector_ready(q_nope.reshape({batch * s_q, heads, kKvLoraRank}));
+    const at::Tensor pe = vector_ready(q_pe.reshape({batch * s_q, heads, kRopeDim}));
+    check_launch(op, launch_quantize_q(
+                         dtype, {nope.data_ptr(), nope.stride(0), nope.stride(1)},
+                         {pe.data_ptr(), pe.stride(0), pe.stride(1)}, batch * s_q, heads,
+                         static_cast<uint8_t*>(q8.data_ptr()), q_scale.data_ptr<float>(),
+                         q_pe_scaled.data_ptr(), planned ? &plan : nullptr,
+                         c10::cuda::getCurrentCUDAStream()));
+  }
+  return run_decode(op, q8, q_scale, q_pe_scaled, kv_cache, table, lens, softmax_scale, causal,
+                    shape, schedule, pages_per_split);
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_sm90_quantized(
+    const at::Tensor& q8, const at::Tensor& q_scale, const at::Tensor& q_pe_scaled,
+    const at::Tensor& kv_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
+    double softmax_scale, bool causal, int64_t num_splits, int64_t schedule) {
+  constexpr const char* op = "decode_sm90_quantized";
+  const at::Device device = q8.device();
+  check_cuda(op, "q8", q8, device);
+  check_query(op, "q8", q8, kKvLoraRank);
+  const int64_t batch = q8.size(0), s_q = q8.size(1), heads = q8.size(2);
+  const int64_t rows = s_q * heads;
+  check_shape(op, "q8", q8, at::kFloat8_e4m3fn, {batch, s_q, heads, kKvLoraRank});
+  check_rows_aligned(op, "q8", q8);
+  check_cuda(op, "q_scale", q_scale, device);
+  check_shape(op, "q_scale", q_scale, at::kFloat, {batch, s_q, heads});
+  check_cuda(op, "q_pe_scaled", q_pe_scaled, device);
+  check_shape(op, "q_pe_scaled", q_pe_scaled, at::kBFloat16, {batch, s_q, heads, kRopeDim});
+  check_rows_aligned(op, "q_pe_scaled", q_pe_scaled);
+  TORCH_CHECK_VALUE(rows <= 65535 * 64 && batch <= 2147483647, op,
+                    ": batch or query rows exceed the launch limits");
+  const c10::cuda::CUDAGuard guard(device);
+  check_sm90_device(op, device);
+  auto [table, lens] = check_decode_inputs(op, device, batch, kv_cache, block_table, seq_lens,
+                                           softmax_scale, num_splits);
+  schedule = resolve_schedule(op, schedule, rows);
+  const LaunchShape shape = launch_shape(op, device, batch, rows, schedule, table.size(1), num_splits);
+  at::Tensor pages_per_split;
+  if (num_splits == 0 && shape.max_splits > 1 && batch > 0) {
+    pages_per_split = at::empty({1}, q8.options().dtype(at::kInt));
+    check_launch(op, launch_split_plan(plan_params(lens, pages_per_split, shape),
+                                       c10::cuda::getCurrentCUDAStream()));
+  }
+  return run_decode(op, q8, q_scale, q_pe_scaled, kv_cache, table, lens, softmax_scale, causal,
+                    shape, schedule, pages_per_split);
+}
+
+void split_plan(const at::Tensor& seq_lens, at::Tensor& pages_per_split, int64_t batch,
+                int64_t programs, int64_t slots, int64_t max_splits) {
+  constexpr const char* op = "split_plan";
+  const at::Device device = seq_lens.device();
+  check_cuda(op, "seq_lens", seq_lens, device);
+  TORCH_CHECK_TYPE(seq_lens.scalar_type() == at::kInt, op, ": seq_lens must be int32, got ",
+                   seq_lens.scalar_type());
+  TORCH_CHECK_VALUE(seq_lens.dim() == 1 && seq_lens.size(0) >= batch && seq_lens.is_contiguous(),
+                    op, ": seq_lens must be a contiguous [>= ", batch, "], got ",
+                    shape_of(seq_lens));
+  check_cuda(op, "pages_per_split", pages_per_split, device);
+  check_shape(op, "pages_per_split", pages_per_split, at::kInt, {1});
+  TORCH_CHECK_VALUE(batch >= 0 && programs >= 1 && slots >= 1 && max_splits >= 1 &&
+                        max_splits <= 65535 && programs <= 2147483647,
+                    op, ": batch, programs, slots or max_splits out of range");
+  const c10::cuda::CUDAGuard guard(device);
+  SplitPlanParams plan{};
+  plan.seq_lens = seq_lens.data_ptr<int32_t>();
+  plan.batch = static_cast<int>(batch);
+  plan.programs = static_cast<int>(programs);
+  plan.slots = static_cast<int>(slots);
+  plan.max_splits = static_cast<int>(max_splits);
+  plan.overhead_pages = kSplitOverheadPages;
+  plan.pages_per_split = pages_per_split.data_ptr<int32_t>();
+  check_launch(op, launch_split_plan(plan, c10::cuda::getCurrentCUDAStream()));
+}
+
+void combine_splits(const at::Tensor& part_out, const at::Tensor& part_lse,
+                    const at::Tensor& seq_lens, const std::optional<at::Tensor>& pages_per_split,
+                    at::Tensor& out, at::Tensor& lse, bool single_runs_in_partials) {
+  constexpr const char* op = "combine_splits";
+  const at::Device device = part_out.device();
+  check_cuda(op, "part_out", part_out, device);
+  TORCH_CHECK_VALUE(part_out.dim() == 4 && part_out.size(3) == kKvLoraRank &&
+                        part_out.scalar_type() == at::kFloat && part_out.is_contiguous(),
+                    op, ": part_out must be a contiguous float32[batch, splits, rows, ",
+                    kKvLoraRank, "], got ", shape_of(part_out));
+  const int64_t batch = part_out.size(0), splits = part_out.size(1), rows = part_out.size(2);
+  check_cuda(op, "part_lse", part_lse, device);
+  check_shape(op, "part_lse", part_lse, at::kFloat, {batch, splits, rows});
+  TORCH_CHECK_VALUE(part_lse.is_contiguous(), op, ": part_lse must be contiguous");
+  check_cuda(op, "seq_lens", seq_lens, device);
+  TORCH_CHECK_VALUE(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 &&
+                        seq_lens.size(0) >= batch && seq_lens.is_contiguous(),
+                    op, ": seq_lens must be a contiguous int32[>= ", batch, "], got ",
+                    shape_of(seq_lens));
+  if (pages_per_split.has_value()) {
+    check_cuda(op, "pages_per_split", *pages_per_split, device);
+    check_shape(op, "pages_per_split", *pages_per_split, at::kInt, {1});
+  }
+  check_cuda(op, "out", out, device);
+  TORCH_CHECK_VALUE(out.scalar_type() == at::kBFloat16 && out.dim() == 4 && out.size(0) == batch &&
+                        out.size(1) * out.size(2) == rows && out.size(3) == kKvLoraRank &&
+                        out.is_contiguous(),
+                    op, ": out must be a contiguous bfloat16[", batch, ", s_q, heads, ",
+                    kKvLoraRank, "] with s_q x heads = ", rows, ", got ", shape_of(out));
+  check_cuda(op, "lse", lse, device);
+  check_shape(op, "lse", lse, at::kFloat, {batch, out.size(2), out.size(1)});
+  TORCH_CHECK_VALUE(lse.is_contiguous(), op, ": lse must be contiguous");
+  const c10::cuda::CUDAGuard guard(device);
+  CombineParams c{};
+  c.part_out = part_out.data_ptr<float>();
+  c.part_lse = part_lse.data_ptr<float>();
+  c.seq_lens = seq_lens.data_ptr<int32_t>();
+  c.pages_per_split = pages_per_split.has_value() ? pages_per_split->data_ptr<int32_t>() : nullptr;
+  c.max_splits = static_cast<int>(splits);
+  c.out = out.data_ptr();
+  c.lse = lse.data_ptr<float>();
+  c.batch = static_cast<int>(batch);
+  c.num_heads = static_cast<int>(out.size(2));
+  c.s_q = static_cast<int>(out.size(1));
+  c.num_rows = static_cast<int>(rows);
+  c.single_runs_in_partials = single_runs_in_partials;
+  check_launch(op, launch_combine(c, c10::cuda::getCurrentCUDAStream()));
+}
+
+}  // namespace snapmla::api

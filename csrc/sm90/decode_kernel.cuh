@@ -1,0 +1,778 @@
+// The sm_90a SnapMLA split-KV decode kernel: TMA page ring, FP8/BF16 WGMMA, SnapMLA P pipeline.
+//
+// One CTA per (request, 64-row block of the request's (s_q, head) rows, KV split), 384 threads:
+//   WG0      producer: one thread streams the split's 64-token pages with TMA into a 2-stage
+//            ring (content as four 64x128 e4m3 tiles, RoPE as one 64x64 bf16 tile, both with the
+//            128-byte swizzle WGMMA reads; the fp32 scales as a 64x16-byte box).
+//   WG1, WG2 consumers: each applies every page's P8 . V8 to its own output columns.  With the
+//            default schedule (kScheduleSplitRoles) WG1 computes every page's logit tile
+//            S[64 rows, 64 tokens], softmax and P quantization and hands P8 to WG2 through
+//            shared memory, WG2 transposes every page's V, and the columns are split 192 / 320;
+//            the other schedules split the columns 256 / 256 and share the S and V^T work
+//            differently (identical, deterministic results).
+// Per page and row the math is exactly the Triton kernel's (vllm_snapmla/kernels/triton_decode.py) and
+// reference.decode_quantized's: see docs/format.md "Decode".
+//
+// Device code exists only for sm_90a (WGMMA, TMA and setmaxnreg); other targets compile an empty
+// kernel and the host launcher refuses them.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cfloat>
+#include <cstdint>
+
+#include "sm90/config.h"
+#include "sm90/decode.h"
+#include "sm90/ptx.h"
+#include "split_kv.h"
+
+namespace snapmla::sm90 {
+
+#ifdef SNAPMLA_SM90_DEVICE
+namespace device {
+
+// V^T of one page: ldmatrix.trans of 16-bit pairs, two byte permutes per word, stmatrix.
+// Warp w transposes tokens 16 w .. 16 w + 15; step q of a 256-column half takes the 32 columns
+// 32 q .. + 31 of the half as four 8 x 8 matrices of 16-bit pairs (tokens 0-7 and 8-15 of the
+// warp's 16, by two 16-column chunks).  ldmatrix.trans leaves lane l, per matrix, the column
+// pair 2 (l / 4), +1 of tokens a = 2 (l % 4), a + 1 (of its 8); one permute of the words of
+// tokens a, a + 1 and a + 8, a + 9 then gives column c's bytes for those 4 tokens, which is V^T
+// row c at A positions 4 (l % 4) .. + 3 of the warp's 16 (the permuted token order above), and
+// stmatrix writes each word at lane 4 r + word of matrix row r.  Each stmatrix matrix takes even
+// columns for rows 0-3 and odd ones for rows 4-7 (or the reverse), so that its 8 rows fall in 8
+// different 16-byte bank groups of the 128-byte swizzle; the 8 rows of each ldmatrix matrix are
+// 8 consecutive tokens, which the swizzle spreads likewise (simulated:
+// tests/cpu/test_vt_layout.py).  Per thread and 256-column half: 8 ldmatrix.x4, 32 permutes,
+// 8 stmatrix.x4, against 32 loads, 64 permutes and 32 stores of 4-byte words before.
+struct VtMap {
+  uint32_t load;     // byte offset of lane's ldmatrix row (matrix l / 8, row l % 8) in the half's
+                     // first content tile at step q = 0; step q XORs 32 (q % 4), adds 8 KB (q / 4)
+  uint32_t store;    // byte offset of lane's stmatrix row in V^T buffer 0 at step 0; step q adds
+                     // 4 KB q, buffer 1 XORs 64
+  uint32_t sel[2];   // __byte_perm selectors of matrices 0, 2 and 1, 3: even or odd column
+  int token0;        // a: the lane's data tokens are a, a + 1 (low, high pair), a + 8, a + 9
+};
+
+__device__ __forceinline__ VtMap make_vt_map(int warp, int lane) {
+  VtMap map;
+  const int token = 16 * warp + 8 * ((lane >> 3) & 1) + (lane & 7);
+  map.load = token * kSwizzleRowBytes + ((((lane >> 4) ^ lane) & 7) << 4);
+  const int m = lane >> 3, r = lane & 7;
+  const int col = 2 * r + 16 * (m >> 1) + ((m & 1) ^ (r >= 4 ? 1 : 0));   // V^T row at step 0
+  map.store = col * kSwizzleRowBytes + (((warp ^ col) & 7) << 4);
+  const bool even_first = (lane >> 2) < 4;   // this lane's data row in every matrix < 4
+  map.sel[0] = even_first ? 0x6420 : 0x7531;
+  map.sel[1] = even_first ? 0x7531 : 0x6420;
+  map.token0 = 16 * warp + 2 * (lane & 3);
+  return map;
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t addr, uint32_t (&d)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+               : "r"(addr)
+               : "memory");
+}
+
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&d)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr),
+               "r"(d[0]), "r"(d[1]), "r"(d[2]), "r"(d[3])
+               : "memory");
+}
+
+// V^T of one 256-column half of a page: `tile` the shared address of the half's first content
+// tile in the stage, `vt` that of the half's V^T rows; `keep_lo`, `keep_hi` mask the 16-bit
+// token halves of the words of tokens a, a + 1 and a + 8, a + 9 (all-ones for full pages).  All
+// 8 loads are issued before the first store: the compiler cannot tell that the stores (V^T)
+// never alias the loads (the stage).
+__device__ __forceinline__ void build_vt(uint32_t tile, uint32_t vt, const VtMap& map, int buf,
+                                         uint32_t keep_lo, uint32_t keep_hi) {
+  constexpr int kSteps = kOutColsPerWarpgroup / 32;   // 8
+  uint32_t d[kSteps][4];
+#pragma unroll
+  for (int q = 0; q < kSteps; ++q) {
+    ldmatrix_x4_trans(tile + (q / 4) * kContentTileBytes + (map.load ^ (32 * (q % 4))), d[q]);
+  }
+  const uint32_t store = vt + (map.store ^ (64 * buf));
+#pragma unroll
+  for (int q = 0; q < kSteps; ++q) {
+    const uint32_t lo0 = d[q][0] & keep_lo, hi0 = d[q][1] & keep_hi;
+    const uint32_t lo1 = d[q][2] & keep_lo, hi1 = d[q][3] & keep_hi;
+    const uint32_t w[4] = {__byte_perm(lo0, hi0, map.sel[0]), __byte_perm(lo0, hi0, map.sel[1]),
+                           __byte_perm(lo1, hi1, map.sel[0]), __byte_perm(lo1, hi1, map.sel[1])};
+    stmatrix_x4(store + q * 32 * kSwizzleRowBytes, w);
+  }
+}
+
+// The calling thread's VtMap (in its 128-thread warpgroup) from a fresh (volatile) read of the
+// thread index: built per page, the compiler cannot hoist its registers (or addresses derived
+// from them) out of the caller's page loop, where they would hold registers across the QK and
+// softmax.
+__device__ __forceinline__ VtMap fresh_vt_map() {
+  uint32_t tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  return make_vt_map(tid % 128 / 32, tid % 32);
+}
+
+// V^T of one half of a page of `live` tokens: zeros for the empty slots of a request's last page
+// (their bytes are arbitrary, NaN included, and a zero P times a NaN V would still be NaN).
+__device__ __forceinline__ void build_page_vt(uint32_t tile, uint32_t vt, const VtMap& map,
+                                              int buf, int live) {
+  if (live == kPageSize) {
+    build_vt(tile, vt, map, buf, ~0u, ~0u);
+  } else {
+    const int a = map.token0;
+    const auto keep = [&](int t) {
+      return (t < live ? 0x0000FFFFu : 0u) | (t + 1 < live ? 0xFFFF0000u : 0u);
+    };
+    build_vt(tile, vt, map, buf, keep(a), keep(a + 8));
+  }
+}
+
+// The pages a CTA decodes, [first_page, first_page + num_iters) of request b (split_kv.h), and
+// whether they are the request's only run, whose result is then final (`direct`).
+struct SplitPages {
+  int seq_len, first_page, num_iters;
+  bool direct;
+};
+
+__device__ __forceinline__ SplitPages split_pages(const DecodeParams& p, int b, int split) {
+  const int seq_len = p.seq_lens[b];
+  const int chunk = p.pages_per_split != nullptr ? *p.pages_per_split : 0;
+  const SplitRange r = split_range(seq_len, chunk, p.max_splits, split);
+  return {seq_len, r.first_page, r.num_pages, r.num_splits == 1};
+}
+
+// The producer thread: the split's pages (`pages`, block numbers) in order into a ring of kRing
+// stages (stage s at `stages` + s kStageBytes), each once the consumers have released its stage:
+// four 64x128 e4m3 content boxes, one 64x64 bf16 RoPE box and the scales, on the stage's full
+// barrier.  A fresh barrier counts as having completed the phase before phase 0: the first pass
+// over the ring does not wait.
+template <int kRing>
+__device__ __forceinline__ void produce_pages(const CUtensorMap* content_map,
+                                              const CUtensorMap* rope_map,
+                                              const CUtensorMap* scale_map, const int32_t* pages,
+                                              int num_iters, uint32_t stages, uint32_t full_bar,
+                                              uint32_t empty_bar) {
+  prefetch_tensor_map(content_map);
+  prefetch_tensor_map(rope_map);
+  prefetch_tensor_map(scale_map);
+  for (int i = 0; i < num_iters; ++i) {
+    const int stage = i % kRing;
+    mbar_wait(empty_bar + 8 * stage, ((i / kRing) & 1) ^ 1);
+    const int32_t block = pages[i];
+    const uint32_t dst = stages + stage * kStageBytes;
+    const uint32_t bar = full_bar + 8 * stage;
+    mbar_arrive_expect_tx(bar, kStageTxBytes);
+#pragma unroll
+    for (int t = 0; t < kContentTiles; ++t) {
+      tma_load_page(dst + kStageContent + t * kContentTileBytes, content_map, bar,
+                    t * kSwizzleRowBytes, block);
+    }
+    tma_load_page(dst + kStageRope, rope_map, bar, 0, block);
+    tma_load_page(dst + kStageScale, scale_map, bar, 0, block);
+  }
+}
+
+// Query rows row0 .. row0 + kRows - 1 of request b (zeros past num_rows) into swizzled WGMMA
+// tiles of 128-byte rows: q8 as four [kRows][128] tiles `q8_tile_bytes` apart, q_pe as one.
+// Threads tid, tid + nthreads, ... share the 16-byte chunks.
+template <int kRows>
+__device__ __forceinline__ void stage_query(uint8_t* q8_tiles, int q8_tile_bytes, uint8_t* qpe_tile,
+                                            const DecodeParams& p, int b, int row0, int tid,
+                                            int nthreads) {
+  for (int idx = tid; idx < kRows * (kKvLoraRank / 16); idx += nthreads) {
+    const int r = idx / (kKvLoraRank / 16);
+    const int chunk = idx % (kKvLoraRank / 16);
+    const int g = row0 + r;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (g < p.num_rows) {
+      const int qi = g / p.num_heads, qh = g % p.num_heads;
+      v = *reinterpret_cast<const uint4*>(p.q8 + b * p.q8_stride[0] + qi * p.q8_stride[1] +
+                                          qh * p.q8_stride[2] + chunk * 16);
+    }
+    const int tile = chunk / (kSwizzleRowBytes / 16);
+    *reinterpret_cast<uint4*>(q8_tiles + tile * q8_tile_bytes +
+                              sw128_offset(r, (chunk * 16) % kSwizzleRowBytes)) = v;
+  }
+  for (int idx = tid; idx < kRows * (kSwizzleRowBytes / 16); idx += nthreads) {
+    const int r = idx / (kSwizzleRowBytes / 16);
+    const int chunk = idx % (kSwizzleRowBytes / 16);
+    const int g = row0 + r;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (g < p.num_rows) {
+      const int qi = g / p.num_heads, qh = g % p.num_heads;
+      v = *reinterpret_cast<const uint4*>(p.q_pe + b * p.q_pe_stride[0] + qi * p.q_pe_stride[1] +
+                                          qh * p.q_pe_stride[2] + chunk * 16);
+    }
+    *reinterpret_cast<uint4*>(qpe_tile + sw128_offset(r, chunk * 16)) = v;
+  }
+}
+
+}  // namespace device
+#endif  // SNAPMLA_SM90_DEVICE
+
+// Fragment layouts used below (CuTe's CLayout_64xN and ALayout_64x32 for WGMMA m64):
+// * FP32 accumulator, value v of a thread: row 16*warp + lane/4 + 8*((v>>1)&1),
+//   column 8*(v>>2) + 2*(lane%4) + (v&1).  Each thread holds two rows ("h" = 0, 1 below).
+// * e4m3 A operand from registers, per K=32 step: register j byte i holds row
+//   16*warp + lane/4 + 8*(j&1), k = 4*(lane%4) + i + 16*(j>>1).
+// The P accumulator becomes the PV A operand without any data exchange by permuting K (tokens):
+// A position k of a 16-wide group carries token 8*((k>>1)&1) + 2*(k>>2) + (k&1) of that group,
+// which is exactly what each thread already holds; V^T is written with the same token order.
+//
+// kSchedule divides the work between the consumer warpgroups (same arithmetic, bit-identical
+// results):
+//   kScheduleSplitRoles (the default): WG1 computes every page's S, softmax and P8 (its row
+//                      state stays in registers); WG2 builds every page's V^T, all 512 columns;
+//                      then both apply the page to their own columns, 192 and 320 (see the loop).
+//   kScheduleFree:     both compute every page's S and P8 and apply it to their own 256 columns:
+//                      the plain form, the reference of the bit-identity tests.
+// Two more were measured and removed (benchmarks/RESULTS.md, fifth to seventh runs): the paper's
+// Algorithm 1 (each page's P from one warpgroup, handed to the other), which split-roles beats
+// by 1.22-1.30x, and alternating QK/PV turns, 1.05-1.13x slower still.
+template <int kSchedule>
+__global__ void __launch_bounds__(kThreads, 1)
+    decode_kernel(const __grid_constant__ CUtensorMap content_map,
+                  const __grid_constant__ CUtensorMap rope_map,
+                  const __grid_constant__ CUtensorMap scale_map, const DecodeParams p) {
+#ifdef SNAPMLA_SM90_DEVICE
+  using namespace device;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  const uint32_t smem_base = smem_addr(smem);
+  const uint32_t full_bar = smem_base + kSmemBarriers;           // + 8 * stage: page landed
+  const uint32_t empty_bar = full_bar + 8 * kStages;             // + 8 * stage: slot free
+
+  const int b = blockIdx.x;
+  const int row_block = blockIdx.y;
+  const int split = blockIdx.z;
+  const int warpgroup = threadIdx.x / 128;
+
+  const auto [seq_len, first_page, num_iters, direct] = split_pages(p, b, split);
+  // Splits past the request's last run (the planner cut it into fewer): nothing to do.  Split 0
+  // always runs, so that a request with no tokens still gets its zeros and LSE -inf.
+  if (split > 0 && num_iters == 0) return;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full_bar + 8 * s, 1);
+      mbar_init(empty_bar + 8 * s, 256);   // every thread of both consumers releases a page
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    // ---------------------------------------------------------------- producer
+    setmaxnreg_dec<kProducerRegs>();
+    if (threadIdx.x == 0 && num_iters > 0) {
+      produce_pages<kStages>(&content_map, &rope_map, &scale_map,
+                             p.block_table + b * p.block_table_stride + first_page, num_iters,
+                             smem_base + kSmemStages, full_bar, empty_bar);
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------ consumers
+  setmaxnreg_inc<kConsumerRegs>();
+  const int consumer = warpgroup - 1;   // output columns [256 * consumer, +256), but see below
+  const int consumer_tid = threadIdx.x - 128;   // 0..255 over both consumer warpgroups
+  const int wg_tid = threadIdx.x % 128;
+  const int warp = wg_tid / 32;
+  const int lane = threadIdx.x % 32;
+  const int quad = lane % 4;
+  const int row0 = row_block * kBlockRows;
+
+  // The block's query rows into the swizzled WGMMA A tiles (zeros past num_rows), once.
+  stage_query<kBlockRows>(smem + kSmemQ8, kContentTileBytes, smem + kSmemQpe, p, b, row0,
+                          consumer_tid, 256);
+  fence_proxy_async();
+  named_barrier_sync(1, 256);
+
+  // Per-row state for this thread's two rows (h = 0: lane/4, h = 1: lane/4 + 8 of its warp).
+  // (Row indices are recomputed in the epilogue rather than kept: registers are tight.)
+  int visible[2];
+  float row_scale[2], m[2], peak[2], amax_prev[2], l[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    m[h] = -INFINITY;              // running max logit (log2 units)
+    peak[h] = 0.f;                           // largest P'' so far, at the current m
+    amax_prev[h] = kPScaleFloor * kPShift;   // 448 * sigma_P of the last page, times kPShift
+    l[h] = 0.f;                    // sum of exp, unscaled (= sigma_P * L)
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int g = row0 + 16 * warp + lane / 4 + 8 * h;
+    const bool row_ok = g < p.num_rows;
+    const int qi = row_ok ? g / p.num_heads : 0, qh = row_ok ? g % p.num_heads : 0;
+    // Query i of s_q sees positions < seq_len - s_q + i + 1 when causal.
+    visible[h] = row_ok ? seq_len - p.causal * (p.s_q - 1 - qi) : 0;
+    // Positive and normal (softmax's FFMA multiplies -inf by it); padding rows' Q is zero.
+    row_scale[h] = row_ok ? fmaxf(p.q_scale[b * p.q_scale_stride[0] + qi * p.q_scale_stride[1] +
+                                            qh * p.q_scale_stride[2]] * p.qk_scale_log2,
+                                  FLT_MIN)
+                          : 1.f;
+  }
+  float o[2][kPvN / 2];         // O in the current sigma_P domain: two 64x128 column halves
+#pragma unroll
+  for (int half = 0; half < 2; ++half)
+#pragma unroll
+    for (int v = 0; v < kPvN / 2; ++v) o[half][v] = 0.f;
+
+  uint8_t* vt = smem + kSmemVt + consumer * kVtBytes;
+  const uint64_t vt_desc = sw128_desc(smem_addr(vt));
+  const uint64_t q8_desc = sw128_desc(smem_base + kSmemQ8);
+  const uint64_t qpe_desc = sw128_desc(smem_base + kSmemQpe);
+  const uint32_t wg_barrier = 2 + consumer;
+  // compute_s's group width and accumulators in flight: kScheduleSplitRoles's QK warpgroup has
+  // the registers for two 64-token groups (Q8 read once per chunk, not once per 32-token half):
+  // it keeps O for fewer columns and builds no V^T.
+  constexpr bool kSplitRoles = kSchedule == kScheduleSplitRoles;
+  constexpr int kQkN = kSplitRoles ? 64 : 32;
+  constexpr int kQkParts = kSplitRoles ? kSplitQkParts : 2;
+  static_assert(kQkParts >= 2 && kQkParts <= 3, "compute_s waits with at most 2 groups pending");
+
+  // Local page i of the split: its stage, slots holding real tokens, and the wait for it.
+  const auto stage_of = [&](int i) { return i % kStages; };
+  // Only a split's last page can be partial: one register instead of seq_len and first_page.
+  const int last_live = min(seq_len - (first_page + num_iters - 1) * kPageSize, kPageSize);
+  const auto live_of = [&](int i) { return i + 1 < num_iters ? kPageSize : last_live; };
+  const auto wait_page = [&](int i) {
+    mbar_wait(full_bar + 8 * stage_of(i), (i / kStages) & 1);
+  };
+  const auto release_page = [&](int i) { mbar_arrive(empty_bar + 8 * stage_of(i)); };
+
+  // V^T of page i (this warpgroup's 256 content columns) into V^T buffer `buf`: K-major rows
+  // (tokens contiguous, in the permuted order above), buffer 0 in bytes 0-63 of each 128-byte
+  // row, buffer 1 in bytes 64-127; slots past seq_len become zeros (build_vt).  Callers put a
+  // warpgroup barrier before (the PV reading the buffer is done) and fence_proxy_async and a
+  // warpgroup barrier after (the WGMMA sees the stores).
+  const auto build_own_vt = [&](int i, int buf) {
+    build_page_vt(smem_base + kSmemStages + stage_of(i) * kStageBytes + kStageContent +
+                      consumer * 2 * kContentTileBytes,
+                  smem_addr(vt), fresh_vt_map(), buf, live_of(i));
+  };
+
+  // S of page i = q8 . k8^T (FP8, promoted per chunk) + qpe' . kpe'^T (BF16, FP32
+  // accumulation).  The FP8 part runs as groups of one chunk and kQkN tokens (two WGMMAs):
+  // group g (chunk g / kQkHalves, tokens kQkN (g % kQkHalves) on).  Chunk 0's groups write s
+  // itself, fresh, and the RoPE WGMMAs accumulate onto it, which saves chunk 0's promotion: a
+  // BF16 WGMMA adds onto a running value in FP32, where an FP8 one would keep only about 14
+  // bits of it (the errors of benchmarks/narrow_accuracy.py were unchanged to three digits).
+  // Later groups go into accumulator part[g % kQkParts] and are then added into their tokens'
+  // values of s; kQkParts - 1 of them stay in the tensor core while one is promoted, so a wait
+  // rarely costs a whole WGMMA latency.
+  const auto compute_s = [&](int i, float (&s)[32]) {
+    const uint64_t stage_desc = sw128_desc(smem_base + kSmemStages + stage_of(i) * kStageBytes);
+    constexpr int kQkHalves = kPageSize / kQkN;
+    constexpr int kGroups = kQkHalves * kQkChunks;
+    float part[kQkParts][kQkN / 2];
+    const auto fp8_group = [&](int g, float (&acc)[kQkN / 2]) {
+#pragma unroll
+      for (int k = 0; k < kQkPromoteCols / kWgmmaK8; ++k) {
+        const int col = (g / kQkHalves) * kQkPromoteCols + k * kWgmmaK8;
+        const uint32_t offset =
+            (col / kSwizzleRowBytes) * kContentTileBytes + col % kSwizzleRowBytes;
+        const uint64_t desc_b = desc_at(
+            stage_desc, kStageContent + offset + (g % kQkHalves) * kQkN * kSwizzleRowBytes);
+        if constexpr (kQkN == 64) {
+          wgmma_m64n64k32_e4m3(acc, desc_at(q8_desc, offset), desc_b, k);
+        } else {
+          wgmma_m64n32k32_e4m3(acc, desc_at(q8_desc, offset), desc_b, k);
+        }
+      }
+    };
+    const auto issue_group = [&](int g) {
+      float(&acc)[kQkN / 2] = part[g % kQkParts];
+      fence_operands(acc);   // the previous `s += acc` stays above the fence
+      wgmma_fence();
+      fp8_group(g, acc);
+      wgmma_commit();
+    };
+    wgmma_fence();
+#pragma unroll
+    for (int h = 0; h < kQkHalves; ++h) {
+      fp8_group(h, *reinterpret_cast<float(*)[kQkN / 2]>(s + (kQkN / 2) * h));
+    }
+#pragma unroll
+    for (int k = 0; k < kRopeDim / kWgmmaK16; ++k) {
+      wgmma_m64n64k16_bf16(s, desc_at(qpe_desc, k * 32),
+                           desc_at(stage_desc, kStageRope + k * 32), 1);
+    }
+    wgmma_commit();
+#pragma unroll
+    for (int g = kQkHalves; g < kQkHalves + kQkParts; ++g) issue_group(g);
+#pragma unroll
+    for (int g = kQkHalves; g < kGroups; ++g) {
+      // Groups g + 1 .. min(g + kQkParts - 1, last) may stay in flight (chunk 0's group, the
+      // oldest, is complete with group g).
+      const int pending = min(g + kQkParts - 1, kGroups - 1) - g;
+      if (pending >= 2) {
+        wgmma_wait<2>();
+      } else if (pending == 1) {
+        wgmma_wait<1>();
+      } else {
+        wgmma_wait<0>();
+      }
+      float(&acc)[kQkN / 2] = part[g % kQkParts];
+      fence_operands(s);
+      fence_operands(acc);
+#pragma unroll
+      for (int v = 0; v < kQkN / 2; ++v) s[(kQkN / 2) * (g % kQkHalves) + v] += acc[v];
+      if (g + kQkParts < kGroups) issue_group(g + kQkParts);
+    }
+  };
+
+  // The token scales of page i for this thread's 16 columns (token 8*j + 2*quad + e at
+  // [2*j + e]); the bytes of empty slots are arbitrary until softmax's masking zeroes them.
+  const auto load_scales = [&](int i, float (&k_scale)[16]) {
+    const float* scale_tile = reinterpret_cast<const float*>(
+        smem + kSmemStages + stage_of(i) * kStageBytes + kStageScale);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        k_scale[2 * j + e] = scale_tile[(8 * j + 2 * quad + e) * kScaleBoxFloats];
+      }
+  };
+
+  // The SnapMLA P pipeline of page i from its S, the Triton kernel's operations up to FP32
+  // rounding (the logit scale enters the exponent's FFMA, P's quantization is one multiply):
+  // P8 (the PV A operand), gamma (O's rescale for this page: exp(m_old - m) * sigma_P old / new)
+  // and the row state (m, peak, amax_prev, l) advanced past the page.  P' is carried as
+  // P'' = kPShift P' (peak and amax_prev too; exact, a power of two, folded into the exponent)
+  // so that 448 / amax(P'') is finite at the floor: 448 / 2^-126 overflows FP32.
+  const auto softmax = [&](int i, float (&s)[32], float (&k_scale)[16], uint32_t (&p8)[2][4],
+                           float (&gamma)[2]) {
+    const int page = first_page + i;
+    // t = s sigma_K; the logit in log2 units is t * row_scale (> 0), so the row's largest t
+    // gives its largest logit.
+#pragma unroll
+    for (int v = 0; v < 32; ++v) s[v] *= k_scale[2 * (v >> 2) + (v & 1)];
+    // Positions a row may not see (past seq_len, causal, padding rows) get -inf by select,
+    // which also drops NaN garbage, and empty slots a zero scale (P' = P sigma_V must be 0
+    // there); only the pages at the end of a row's range have any.
+    if ((page + 1) * kPageSize > min(visible[0], visible[1])) {
+      const int live = live_of(i);
+#pragma unroll
+      for (int c = 0; c < 16; ++c) {
+        k_scale[c] = 8 * (c >> 1) + 2 * quad + (c & 1) < live ? k_scale[c] : 0.f;
+      }
+#pragma unroll
+      for (int v = 0; v < 32; ++v) {
+        const int pos = page * kPageSize + 8 * (v >> 2) + 2 * quad + (v & 1);
+        s[v] = pos < visible[(v >> 1) & 1] ? s[v] : -INFINITY;
+      }
+    }
+    // The row reductions are trees (depth 4, not a chain of 16): the softmax is WG1's
+    // critical path.
+    const auto max_op = [](float a, float b) { return fmaxf(a, b); };
+    const auto sum_op = [](float a, float b) { return a + b; };
+    float m_ref[2], neg_m[2], alpha[2], amax[2], e_sum[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float t_max = quad_max(row_reduce(s, h, max_op));
+      const float m_new = fmaxf(m[h], t_max == -INFINITY ? -INFINITY : t_max * row_scale[h]);
+      m_ref[h] = m_new == -INFINITY ? 0.f : m_new;   // rows that have seen nothing yet
+      neg_m[h] = kPShiftLog2 - m_ref[h];   // exp2(. + 16): P'' = kPShift P
+      alpha[h] = exp2_approx(m[h] - m_ref[h]);
+      m[h] = m_new;
+    }
+#pragma unroll
+    for (int v = 0; v < 32; ++v) {
+      const int h = (v >> 1) & 1;
+      s[v] = exp2_approx(fmaf(s[v], row_scale[h], neg_m[h]));
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) e_sum[h] = row_reduce(s, h, sum_op);
+#pragma unroll
+    for (int v = 0; v < 32; ++v) s[v] *= k_scale[2 * (v >> 2) + (v & 1)];   // P'' sigma_V
+#pragma unroll
+    for (int h = 0; h < 2; ++h) amax[h] = row_reduce(s, h, max_op);   // P'' >= 0
+    float to_fp8[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float page_amax = quad_max(amax[h]);
+      peak[h] = fmaxf(peak[h] * alpha[h], page_amax);
+      const float amax_new =
+          fmaxf(fmaxf(page_amax, peak[h] * kPScaleRange), kPScaleFloor * kPShift);
+      const float inv_amax = 1.f / amax_new;                         // <= 2**110
+      to_fp8[h] = inv_amax * kFp8Max;                                // finite
+      gamma[h] = alpha[h] * (amax_prev[h] * inv_amax);               // exp(m_old - m) s_old / s
+      l[h] = l[h] * alpha[h] + quad_sum(e_sum[h]) * (1.f / kPShift);
+      amax_prev[h] = amax_new;
+    }
+#pragma unroll
+    for (int k = 0; k < 2; ++k)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int v0 = 16 * k + 8 * (j >> 1) + 2 * (j & 1);
+        const float x = to_fp8[j & 1];   // registers 0, 2: row h = 0; 1, 3: h = 1
+        // min(x, 448) of the reference is the conversion's saturation (.satfinite).
+        p8[k][j] = pack_e4m3x4(s[v0] * x, s[v0 + 1] * x, s[v0 + 4] * x, s[v0 + 5] * x);
+      }
+  };
+
+  // PV: O = gamma O + P8 . V8 for the columns of `o_pieces`, kPieces pieces of kPieceN columns
+  // from the V^T rows at `vt_cols` (descriptor), through kAccs accumulators: each page's piece
+  // goes into a fresh accumulator (promoted into FP32 O), and piece q's promotion runs while
+  // piece q + 1 is in the tensor core.
+  const auto apply_page_to = [&](auto& o_pieces, uint32_t (&p8)[2][4], const float (&gamma)[2],
+                                 uint64_t vt_cols, int buf) {
+    constexpr int kAccs = 2;
+    constexpr int kPieces = sizeof(o_pieces) / sizeof(o_pieces[0]);
+    constexpr int kVals = sizeof(o_pieces[0]) / sizeof(float);   // kPieceN / 2 per thread
+    constexpr int kPieceN = 2 * kVals;
+    static_assert(kPieceN == 32 || kPieceN == 64, "PV pieces are m64n32 or m64n64 WGMMAs");
+    float pv[kAccs][kVals];
+    const auto issue_piece = [&](int q) {
+      fence_operands(pv[q % kAccs]);   // the piece before it was promoted above the fence
+      fence_operands(p8[0]);       // the e4m3 packing of P stays above the fence
+      fence_operands(p8[1]);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < kPageSize / kWgmmaK8; ++k) {
+        const uint64_t desc = desc_at(vt_cols, buf * kPageSize + q * kPieceN * kSwizzleRowBytes +
+                                                   k * kWgmmaK8);
+        if constexpr (kPieceN == 64) {
+          wgmma_m64n64k32_e4m3_rs(pv[q % kAccs], p8[k], desc, k);
+        } else {
+          wgmma_m64n32k32_e4m3_rs(pv[q % kAccs], p8[k], desc, k);
+        }
+      }
+      wgmma_commit();
+    };
+#pragma unroll
+    for (int q = 0; q < kAccs && q < kPieces; ++q) issue_piece(q);
+#pragma unroll
+    for (int q = 0; q < kPieces; ++q) {
+      if (q + 1 < kPieces) {
+        wgmma_wait<1>();
+      } else {
+        wgmma_wait<0>();
+      }
+      fence_operands(pv[q % kAccs]);
+#pragma unroll
+      for (int v = 0; v < kVals; ++v) {
+        o_pieces[q][v] = o_pieces[q][v] * gamma[(v >> 1) & 1] + pv[q % kAccs][v];
+      }
+      if (q + kAccs < kPieces) issue_piece(q + kAccs);
+    }
+  };
+
+  // O = gamma O + P8 . V8 (V^T buffer `buf`) for this warpgroup's 256 columns
+  // (kScheduleFree).
+  const auto apply_page = [&](uint32_t (&p8)[2][4], const float (&gamma)[2], int buf) {
+    // Four 64-column quarters of O (the same registers, viewed as pieces).
+    apply_page_to(reinterpret_cast<float(&)[4][kPvN / 4]>(o), p8, gamma, vt_desc, buf);
+  };
+
+  // Epilogue: out = sigma_P O / (sigma_P L) for the columns of `o` from col0 on (pieces of any
+  // width, each an accumulator fragment); rows that saw nothing give 0 and LSE -inf.
+  const auto write_output = [&](auto& o_pieces, int col0) {
+    constexpr int kPieces = sizeof(o_pieces) / sizeof(o_pieces[0]);
+    constexpr int kPieceN = 2 * (sizeof(o_pieces[0]) / sizeof(float));
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int g = row0 + 16 * warp + lane / 4 + 8 * h;
+      if (g >= p.num_rows) continue;
+      const bool seen_any = l[h] > 0.f;
+      const float norm = seen_any ? amax_prev[h] * (1.f / kPShift) / (kFp8Max * l[h]) : 0.f;
+      const float lse = seen_any ? (m[h] + log2f(l[h])) * kLn2 : -INFINITY;
+      const bool writes_lse = consumer == 0 && quad == 0;
+      if (direct) {
+        __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.out) +
+                             (static_cast<int64_t>(b) * p.num_rows + g) * kKvLoraRank + col0;
+#pragma unroll
+        for (int q = 0; q < kPieces; ++q)
+#pragma unroll
+          for (int j = 0; j < kPieceN / 8; ++j) {
+            const int v = 4 * j + 2 * h;
+            *reinterpret_cast<__nv_bfloat162*>(dst + q * kPieceN + 8 * j + 2 * quad) =
+                __floats2bfloat162_rn(o_pieces[q][v] * norm, o_pieces[q][v + 1] * norm);
+          }
+        if (writes_lse) {
+          p.lse[(static_cast<int64_t>(b) * p.num_heads + g % p.num_heads) * p.s_q +
+                g / p.num_heads] = lse;
+        }
+      } else {
+        const int64_t part_row =
+            (static_cast<int64_t>(b) * p.max_splits + split) * p.num_rows + g;
+        if (writes_lse) p.part_lse[part_row] = lse;
+        if (!seen_any) continue;   // the combine skips splits with LSE -inf: no O needed
+        float* dst = p.part_out + part_row * kKvLoraRank + col0;
+#pragma unroll
+        for (int q = 0; q < kPieces; ++q)
+#pragma unroll
+          for (int j = 0; j < kPieceN / 8; ++j) {
+            const int v = 4 * j + 2 * h;
+            *reinterpret_cast<float2*>(dst + q * kPieceN + 8 * j + 2 * quad) =
+                make_float2(o_pieces[q][v] * norm, o_pieces[q][v + 1] * norm);
+          }
+      }
+    }
+  };
+
+  // Hand-over buffer of page i (kScheduleSplitRoles), this thread's words: P8 (words 0-7) and
+  // gamma (8-9); and the row state after the last page, m, peak, amax, l (2 words each), for
+  // WG2's epilogue.
+  const auto hand_over_of = [&](int i) {
+    return reinterpret_cast<uint32_t*>(smem + kSmemHandOver) +
+           (i % kHandOverBuffers) * kHandOverWords * 128 + wg_tid;
+  };
+  uint32_t* const row_state = reinterpret_cast<uint32_t*>(smem + kSmemRowState) + wg_tid;
+  const auto store_hand_over = [&](int i, const uint32_t (&p8)[2][4], const float (&gamma)[2]) {
+    uint32_t* x = hand_over_of(i);
+#pragma unroll
+    for (int w = 0; w < 8; ++w) x[w * 128] = p8[w / 4][w % 4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) x[(8 + h) * 128] = __float_as_uint(gamma[h]);
+  };
+  const auto store_row_state = [&]() {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      row_state[h * 128] = __float_as_uint(m[h]);
+      row_state[(2 + h) * 128] = __float_as_uint(peak[h]);
+      row_state[(4 + h) * 128] = __float_as_uint(amax_prev[h]);
+      row_state[(6 + h) * 128] = __float_as_uint(l[h]);
+    }
+  };
+  const auto load_handed_over_state = [&]() {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      m[h] = __uint_as_float(row_state[h * 128]);
+      peak[h] = __uint_as_float(row_state[(2 + h) * 128]);
+      amax_prev[h] = __uint_as_float(row_state[(4 + h) * 128]);
+      l[h] = __uint_as_float(row_state[(6 + h) * 128]);
+    }
+  };
+  const auto load_hand_over = [&](int i, uint32_t (&p8)[2][4], float (&gamma)[2]) {
+    const uint32_t* x = hand_over_of(i);
+#pragma unroll
+    for (int w = 0; w < 8; ++w) p8[w / 4][w % 4] = x[w * 128];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) gamma[h] = __uint_as_float(x[(8 + h) * 128]);
+  };
+
+  if constexpr (kSchedule == kScheduleFree) {
+    // Both warpgroups compute every page's S and P8 (identical), each applies it to its columns.
+    for (int i = 0; i < num_iters; ++i) {
+      wait_page(i);
+      named_barrier_sync(wg_barrier, 128);   // every warp's previous PV WGMMA has read vt
+      build_own_vt(i, 0);
+      fence_proxy_async();   // V^T becomes visible to the WGMMA (async) proxy
+      named_barrier_sync(wg_barrier, 128);
+      uint32_t p8[2][4];
+      float gamma[2];
+      {
+        float s[32], k_scale[16];
+        compute_s(i, s);
+        load_scales(i, k_scale);
+        release_page(i);   // this thread's QK WGMMAs completed, V^T built, scales read
+        softmax(i, s, k_scale, p8, gamma);
+      }
+      apply_page(p8, gamma, 0);
+    }
+  } else {
+    // kScheduleSplitRoles.  Page i: WG1 computes S(i), the softmax and P8(i), puts P8(i) and
+    // gamma in hand-over buffer i % 2 and applies the page to output columns
+    // [0, kQkWarpgroupCols); WG2 builds V^T(i) of all 512 columns into V^T buffer i % 2 and
+    // applies the page to the other columns with the handed-over P8.  WG1's chain (QK, softmax,
+    // PV) is the longer one, hence its smaller share of the columns: its registers go to the QK
+    // accumulators instead (compute_s), and the PV time moves to WG2.  They meet at barrier
+    // kPageBarrier (a bar.sync of all 256) before their PVs, so while WG1 computes S(i + 1) and
+    // its softmax, WG2 builds V^T(i + 1).
+    // Buffer reuse, with rounds that never mix (every thread leaves a rendezvous only once it
+    // is complete):
+    // - V^T buffer i % 2: WG2 rewrites it for page i + 2 after WG1's arrival at
+    //   kVtFreeBarrier + i % 2 past its PV(i) (the same bar.sync holds WG2's warps until all
+    //   are past their own PV(i)).  WG1's arrivals for pages i and i + 2 there are separated
+    //   by page i + 2's rendezvous, which WG2 reaches only after its sync for page i.
+    // - Hand-over buffer i % 2: WG1 rewrites it for page i + 2 after page i + 1's rendezvous;
+    //   WG2 read it before page i + 1's.
+    const uint64_t vt_cols0 = sw128_desc(smem_base + kSmemVt);   // V^T row of output column 0
+    if (consumer == 0) {
+      float o_qk[kQkWarpgroupCols / kQkPieceCols][kQkPieceCols / 2];
+#pragma unroll
+      for (int q = 0; q < kQkWarpgroupCols / kQkPieceCols; ++q)
+#pragma unroll
+        for (int v = 0; v < kQkPieceCols / 2; ++v) o_qk[q][v] = 0.f;
+      // Unrolled by the ring's stages: with the stage a constant of each copy, the WGMMA
+      // descriptors of the page's tiles are uniform-register constants instead of 64-bit
+      // values rebuilt in vector registers for every WGMMA (the page counter is not uniform
+      // to the compiler): 1,065 instead of 1,224 static SASS instructions per page.
+      for (int i0 = 0; i0 < num_iters; i0 += kStages) {
+#pragma unroll
+        for (int i = i0; i < i0 + kStages; ++i) {
+          if (i >= num_iters) break;
+          uint32_t p8[2][4];
+          float gamma[2];
+          {
+            float s[32], k_scale[16];
+            wait_page(i);
+            compute_s(i, s);
+            load_scales(i, k_scale);
+            release_page(i);   // QK and scales done (WG2 releases it after its V^T)
+            softmax(i, s, k_scale, p8, gamma);
+          }
+          store_hand_over(i, p8, gamma);
+          named_barrier_sync(kPageBarrier, 256);
+          apply_page_to(o_qk, p8, gamma, vt_cols0, i & 1);
+          if (i + 2 < num_iters) named_barrier_arrive(kVtFreeBarrier + (i & 1), 256);
+        }
+      }
+      if (num_iters > 0) store_row_state();   // for WG2's epilogue
+      named_barrier_sync(kPageBarrier, 256);
+      write_output(o_qk, 0);
+    } else {
+      constexpr int kCols = kKvLoraRank - kQkWarpgroupCols;
+      float o_vt[kCols / 32][16];   // 32-column pieces: two accumulators fit beside them
+#pragma unroll
+      for (int q = 0; q < kCols / 32; ++q)
+#pragma unroll
+        for (int v = 0; v < 16; ++v) o_vt[q][v] = 0.f;
+      // Unrolled by the ring's stages as WG1's loop: with the page parity a constant, the PV
+      // descriptors are uniform-register constants (and the loop has no spill).
+      for (int i0 = 0; i0 < num_iters; i0 += kStages) {
+#pragma unroll
+        for (int i = i0; i < i0 + kStages; ++i) {
+          if (i >= num_iters) break;
+          wait_page(i);
+          if (i >= 2) named_barrier_sync(kVtFreeBarrier + (i & 1), 256);
+          const VtMap vt_map = fresh_vt_map();
+          const uint32_t content =
+              smem_base + kSmemStages + stage_of(i) * kStageBytes + kStageContent;
+#pragma unroll 1
+          for (int c = 0; c < kConsumerWarpgroups; ++c) {   // one half at a time (registers)
+            build_page_vt(content + c * 2 * kContentTileBytes, smem_base + kSmemVt + c * kVtBytes,
+                          vt_map, i & 1, live_of(i));
+          }
+          fence_proxy_async();   // V^T becomes visible to both warpgroups' WGMMAs
+          release_page(i);
+          named_barrier_sync(kPageBarrier, 256);
+          uint32_t p8[2][4];
+          float gamma[2];
+          load_hand_over(i, p8, gamma);
+          apply_page_to(o_vt, p8, gamma,
+                        desc_at(vt_cols0, kQkWarpgroupCols * kSwizzleRowBytes), i & 1);
+        }
+      }
+      named_barrier_sync(kPageBarrier, 256);
+      if (num_iters > 0) load_handed_over_state();
+      write_output(o_vt, kQkWarpgroupCols);
+    }
+  }
+
+  if constexpr (!kSplitRoles) write_output(o, consumer * kOutColsPerWarpgroup);
+#elif defined(__CUDA_ARCH__)
+  // Not sm_90a (e.g. a plain sm_90 build): fail loudly rather than return garbage.  The launcher
+  // never starts this on the sm_89 build.
+  __trap();
+#endif  // SNAPMLA_SM90_DEVICE
+}
+
+}  // namespace snapmla::sm90

@@ -1,0 +1,131 @@
+// Split-KV decode, the part both decode kernels share (the Hopper kernels in csrc/sm90/ and the
+// Triton kernel in vllm_snapmla/kernels/triton_decode.py): how a request's pages are cut into
+// splits, the planner that picks the cut from the batch's real lengths on the GPU, and the
+// combine that merges the splits' partial results.  Plain C++/CUDA, no torch.
+//
+// A decode launch has a fixed grid of `max_splits` splits per (request, row block): fixed, so
+// that a CUDA graph captured once replays for any lengths.  Which of them work is decided on the
+// GPU per call: the planner (one warp, fused into the query quantization's launch) writes
+// `pages_per_split` from the batch's longest request, and each request's pages are cut into runs
+// of that many pages (more only where `max_splits` runs would not cover it).  Splits past a
+// request's last run have nothing to do and return at once; a request with one run writes its
+// final output directly and the combine leaves it alone.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "format.h"
+
+namespace snapmla {
+
+// The pages of one split: [first_page, first_page + num_pages) of its request, which has
+// `num_splits` non-empty runs in all.  `pages_per_split` 0 (no planner) cuts the request's pages
+// into `max_splits` equal runs.
+struct SplitRange {
+  int first_page;
+  int num_pages;
+  int num_splits;
+};
+
+__host__ __device__ __forceinline__ SplitRange split_range(int seq_len, int pages_per_split,
+                                                           int max_splits, int split) {
+  const int pages = seq_len > 0 ? (seq_len + kPageSize - 1) / kPageSize : 0;
+  int run = (pages + max_splits - 1) / max_splits;
+  if (pages_per_split > run) run = pages_per_split;
+  const int num_splits = run > 0 ? (pages + run - 1) / run : 1;
+  const int first = split * run;
+  const int last = first + run < pages ? first + run : pages;
+  return {first, last > first ? last - first : 0, num_splits > 0 ? num_splits : 1};
+}
+
+// The planner's inputs.  Cost model (the same for every kernel): a launch of s splits runs
+// ceil(programs x s / slots) waves of CTAs, each as long as its split's pages plus a split's fixed
+// cost (query load, partial write, combine) of `overhead_pages` pages; the planner takes the
+// cheapest s <= max_splits for the batch's longest request (fewer splits on ties).
+struct SplitPlanParams {
+  const int32_t* seq_lens;     // [batch]
+  int batch;
+  int programs;                // CTAs per split index: batch x row blocks
+  int slots;                   // CTAs the GPU runs at once
+  int max_splits;              // the launch's splits per (request, row block)
+  int overhead_pages;
+  int32_t* pages_per_split;    // out: one int32
+};
+
+// Inputs of the combine: partial outputs [batch, max_splits, num_rows, 512] (fp32, normalized
+// within their split) and their natural-log LSEs [batch, max_splits, num_rows] (-inf: the split
+// saw nothing and wrote no output).  Writes out[batch, num_rows, 512] (bf16) and
+// lse[batch, num_heads, s_q] for every request with more than one run, or for every request when
+// `single_runs_in_partials` (the Triton kernel writes even one-run requests as partials).
+struct CombineParams {
+  const float* part_out;
+  const float* part_lse;
+  const int32_t* seq_lens;
+  const int32_t* pages_per_split;   // as the decode launch read it (may be null)
+  int max_splits;
+  void* out;
+  float* lse;
+  int batch;
+  int num_heads;
+  int s_q;
+  int num_rows;                     // s_q x num_heads
+  bool single_runs_in_partials;
+};
+
+// The planner alone (one warp); the decode ops fuse it into launch_quantize_q instead.
+cudaError_t launch_split_plan(const SplitPlanParams& params, cudaStream_t stream);
+
+cudaError_t launch_combine(const CombineParams& params, cudaStream_t stream);
+
+// The launch's splits per (request, row block): enough for the GPU to run two waves of CTAs
+// even when every request is as long as the table allows, never more than the table's pages.
+inline int max_splits_for(int64_t programs, int slots, int64_t table_pages) {
+  int64_t splits = (2 * int64_t(slots) + programs - 1) / (programs > 0 ? programs : 1);
+  if (splits > table_pages) splits = table_pages;
+  if (splits > 65535) splits = 65535;
+  return splits > 1 ? static_cast<int>(splits) : 1;
+}
+
+#ifdef __CUDACC__
+// The planner's body, for one warp of a kernel (lane = threadIdx.x % 32).
+__device__ __forceinline__ void plan_splits_warp(const SplitPlanParams& p, int lane) {
+  int max_pages = 0;
+  for (int b = lane; b < p.batch; b += 32) {
+    const int seq_len = p.seq_lens[b];
+    const int pages = seq_len > 0 ? (seq_len + kPageSize - 1) / kPageSize : 0;
+    max_pages = pages > max_pages ? pages : max_pages;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) {
+    const int other = __shfl_xor_sync(0xffffffffu, max_pages, o);
+    max_pages = other > max_pages ? other : max_pages;
+  }
+  const int limit = max_pages < p.max_splits ? max_pages : p.max_splits;
+  long long best_cost = -1;
+  int best = 1;
+  for (int s = lane + 1; s <= limit; s += 32) {
+    const long long waves = (static_cast<long long>(p.programs) * s + p.slots - 1) / p.slots;
+    const long long cost = waves * ((max_pages + s - 1) / s + p.overhead_pages);
+    if (best_cost < 0 || cost < best_cost) {
+      best_cost = cost;
+      best = s;
+    }
+  }
+  // Lanes without a candidate (limit < 32) lose every comparison.
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) {
+    const long long other_cost = __shfl_xor_sync(0xffffffffu, best_cost, o);
+    const int other = __shfl_xor_sync(0xffffffffu, best, o);
+    const bool take = other_cost >= 0 &&
+                      (best_cost < 0 || other_cost < best_cost ||
+                       (other_cost == best_cost && other < best));
+    best_cost = take ? other_cost : best_cost;
+    best = take ? other : best;
+  }
+  if (lane == 0) *p.pages_per_split = max_pages > 0 ? (max_pages + best - 1) / best : 1;
+}
+#endif  // __CUDACC__
+
+}  // namespace snapmla

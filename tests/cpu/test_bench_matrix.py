@@ -1,0 +1,394 @@
+"""benchmarks/bench_matrix.py without a GPU: which engines and cells it plans (tight max_model_len
+groups, skip reasons, budget estimates), the cell decisions an engine makes, the continuous-
+batching driver and its statistics against a stand-in engine, and the CSV merge, tables, heat
+maps and --replot."""
+
+import math
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import bench_matrix as bm
+from benchmarks import vllm_engine
+
+_ROOT = Path(__file__).resolve().parents[2]
+SETTINGS = bm.Settings()
+
+
+# --- planning ------------------------------------------------------------------------------
+
+def test_plan_runs_one_engine_per_kv_heads_table_and_mode_with_kv_innermost():
+    engines, skipped = bm.plan_matrix(["auto", "fp8_snapmla"], [16], [512, 2048],
+                                      ["1", "64", "fill"], ["wide", "tight"], ["eager", "graph"],
+                                      SETTINGS)
+    assert skipped == []
+    described = [(e.mode, e.max_model_len, e.max_model_len_tokens, e.kv) for e in engines]
+    # eager first as asked; wide, then one tight engine per context (4x apart); kv innermost.
+    assert [d[:2] for d in described[:6]] == [("eager", "wide")] * 2 + [("eager", "tight")] * 4
+    assert [d[3] for d in described] == ["auto", "fp8_snapmla"] * 6
+    assert len(engines) == 12
+    wide = engines[0]
+    assert wide.max_model_len_tokens == 163840 and wide.table_width == 2560
+    assert wide.cells == [(512, "1"), (512, "64"), (512, "fill"), (2048, "1"), (2048, "64"),
+                          (2048, "fill")]
+    tight = [e for e in engines if e.max_model_len == "tight" and e.mode == "eager"]
+    assert [e.cells for e in tight[::2]] == [[(512, "1"), (512, "64"), (512, "fill")],
+                                            [(2048, "1"), (2048, "64"), (2048, "fill")]]
+    for engine in tight:
+        assert engine.max_model_len_tokens % vllm_engine.BLOCK_SIZE == 0
+        for context, label in engine.cells:
+            batch = bm.largest_batch(label, context, SETTINGS)
+            need = context + bm.max_tokens_for(batch, context, SETTINGS.max_batched_tokens,
+                                               SETTINGS)
+            # Room for the cell, and a table at most 2x as wide as the cell needs.
+            assert need <= engine.max_model_len_tokens
+            assert engine.table_width <= 2 * math.ceil(need / vllm_engine.BLOCK_SIZE)
+
+
+def test_tight_groups_share_an_engine_only_within_twice_the_smallest_width():
+    groups = bm.tight_groups({1000: 1300, 1500: 1800, 2600: 2700, 5000: 5300})
+    # widths 21, 29, 43, 83 pages: 29 <= 42 joins 1000's group, 43 > 42 starts one, 83 > 86? no:
+    # 83 <= 2 * 43 joins 2600's.
+    assert groups == [(29 * 64, [1000, 1500]), (83 * 64, [2600, 5000])]
+    assert bm.tight_groups({512: 726}) == [(768, [512])]
+    assert bm.tight_groups({512: 726, 2048: 2300}, factor=1) == [(768, [512]), (2304, [2048])]
+
+
+def test_prefill_above_the_limit_is_skipped_for_every_engine_with_the_reason():
+    settings = bm.Settings(max_prefill_tokens=2_000_000)
+    engines, skipped = bm.plan_matrix(["auto", "fp8"], [16, 128], [32768, 131072],
+                                      ["8", "64", "fill"], ["wide"], ["graph"], settings)
+    # 64 x 32768 = 2.1M and 64 x 131072 = 8.4M exceed 2M; 8 x 131072 = 1.05M does not.
+    assert sorted({(r["context"], r["batch"]) for r in skipped}) == [(32768, "64"),
+                                                                      (131072, "64")]
+    assert len(skipped) == 2 * 2 * 2    # per heads and kv
+    assert all(r["status"] == "skipped" and "--max-prefill-tokens" in r["reason"]
+               for r in skipped)
+    assert all((32768, "64") not in e.cells and (131072, "8") in e.cells for e in engines)
+    # fill is sized by the engine, so it is never skipped before one starts.
+    assert all((131072, "fill") in e.cells for e in engines)
+
+
+def test_engine_decides_fill_batches_and_skips_what_does_not_fit():
+    blocks = vllm_engine.estimated_kv_blocks("fp8_snapmla", 4.0, 4) - 1
+    bf16_blocks = vllm_engine.estimated_kv_blocks("auto", 4.0, 4) - 1
+    assert 1.75 < blocks / bf16_blocks < 1.76
+    snap = bm.decide_cell("fill", 32768, blocks, 64, 163840, 16384, SETTINGS)
+    bf16 = bm.decide_cell("fill", 32768, bf16_blocks, 64, 163840, 16384, SETTINGS)
+    assert snap["reason"] is None and bf16["reason"] is None
+    pages = math.ceil((32768 + snap["max_tokens"]) / 64)
+    assert snap["batch_size"] * pages <= blocks < (snap["batch_size"] + 1) * pages
+    assert snap["batch_size"] > 1.7 * bf16["batch_size"]
+    assert snap["max_tokens"] == (vllm_engine.warm_tokens(snap["batch_size"], 32768, 16384)
+                                  + SETTINGS.timed_tokens)
+    capped = bm.decide_cell("fill", 512, blocks, 64, 163840, 16384, SETTINGS)
+    assert capped["batch_size"] == SETTINGS.max_batch
+    # A fixed batch the cache cannot hold, a fill with no room at all, a need above
+    # max_model_len, and a fill whose prefill is above the limit.
+    too_many = bm.decide_cell("64", 131072, bf16_blocks, 64, 163840, 16384,
+                              bm.Settings(max_prefill_tokens=10**9))
+    assert "pages of the KV cache" in too_many["reason"]
+    none = bm.decide_cell("fill", 131072, 100, 64, 163840, 16384, SETTINGS)
+    assert none["batch_size"] == 0 and "holds no request" in none["reason"]
+    short = bm.decide_cell("1", 2048, blocks, 64, 2100, 16384, SETTINGS)
+    assert "> max_model_len 2100" in short["reason"]
+    big_fill = bm.decide_cell("fill", 131072, blocks, 64, 163840, 16384,
+                              bm.Settings(max_prefill_tokens=500_000))
+    assert "--max-prefill-tokens" in big_fill["reason"]
+
+
+def test_serve_runs_on_the_wide_engine_or_on_one_of_its_own():
+    engines, _ = bm.plan_matrix(["auto", "fp8_snapmla"], [16], [512], ["1"], ["wide", "tight"],
+                                ["graph"], SETTINGS, serve=True)
+    assert [(e.max_model_len, e.serve, len(e.cells)) for e in engines] == [
+        ("wide", True, 1), ("wide", True, 1), ("tight", False, 1), ("tight", False, 1)]
+    engines, _ = bm.plan_matrix(["auto", "fp8_snapmla"], [16], [512], ["1"], ["tight"],
+                                ["graph"], SETTINGS, serve=True)
+    assert [(e.max_model_len, e.serve, len(e.cells)) for e in engines] == [
+        ("tight", False, 1), ("tight", False, 1), ("wide", True, 0), ("wide", True, 0)]
+    engines, _ = bm.plan_matrix(["auto"], [16, 128], [512], ["1"], ["wide"], ["graph", "eager"],
+                                SETTINGS, serve=True, serve_only=True)
+    assert [(e.heads, e.mode, e.cells, e.serve) for e in engines] == [
+        (16, "graph", [], True), (16, "eager", [], True), (128, "graph", [], True),
+        (128, "eager", [], True)]
+
+
+def test_estimates_grow_with_prefill_and_eager_steps():
+    small = bm.estimate_cell_s(16, "graph", "auto", 512, 1, 100)
+    assert small < bm.estimate_cell_s(16, "eager", "auto", 512, 1, 100)
+    assert small < bm.estimate_cell_s(128, "graph", "auto", 131072, 8, 100)
+    # Attention is quadratic in the context.
+    long = bm.estimate_cell_s(128, "graph", "auto", 131072, 1, 0) - bm.CELL_OVERHEAD_S
+    half = bm.estimate_cell_s(128, "graph", "auto", 65536, 1, 0) - bm.CELL_OVERHEAD_S
+    assert long > 3 * half
+    engine = bm.Engine("fp8_snapmla", 16, "wide", 163840, "graph", [(512, "1"), (512, "fill")])
+    total, decisions = bm.estimate_engine_s(engine, SETTINGS)
+    assert total == pytest.approx(bm.ENGINE_START_S["graph"]
+                                  + sum(d["estimated_s"] for d in decisions))
+
+
+def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_matrix", "--dry-run",
+                           "--out", str(tmp_path / "m"), "--heads", "16", "--kv", "auto",
+                           "fp8_snapmla", "--contexts", "512", "131072", "--batches", "1", "64",
+                           "--max-model-len", "wide", "--modes", "eager"],
+                          capture_output=True, text=True, timeout=300, cwd=_ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert "2 engines (0 graph, 2 eager), 6 cells" in proc.stdout
+    assert "2 cell rows skipped now by --max-prefill-tokens" in proc.stdout
+    assert "[1] auto H=16 wide (163840 tokens, 2560 pages) eager" in proc.stdout
+    assert not (tmp_path / "m").exists()
+
+
+def test_bad_batch_is_refused():
+    with pytest.raises(ValueError):
+        bm.parse_batch("0")
+    assert bm.parse_batch("fill") == "fill" and bm.parse_batch("64") == "64"
+
+
+# --- continuous batching -------------------------------------------------------------------
+
+def test_workload_is_seeded_poisson_with_lengths_in_range():
+    workload = bm.serve_workload(4000, 5.0, (256, 8192), (32, 512), seed=7)
+    assert workload == bm.serve_workload(4000, 5.0, (256, 8192), (32, 512), seed=7)
+    assert workload != bm.serve_workload(4000, 5.0, (256, 8192), (32, 512), seed=8)
+    arrivals = [a for a, _, _ in workload]
+    assert arrivals == sorted(arrivals)
+    assert 4000 / arrivals[-1] == pytest.approx(5.0, rel=0.08)
+    prompts = [p for _, p, _ in workload]
+    assert min(prompts) >= 256 and max(prompts) <= 8192
+    assert all(32 <= o <= 512 for _, _, o in workload)
+    # Log-uniform: the median is near the geometric mean of the range.
+    assert sorted(prompts)[2000] == pytest.approx(math.sqrt(256 * 8192), rel=0.15)
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+    def sleep(self, seconds):
+        assert seconds >= 0
+        self.now += seconds
+
+
+class _Out:
+    def __init__(self, request_id, tokens, stamp, finished):
+        self.request_id, self.finished = request_id, finished
+        self.outputs = [type("Completion", (), {"token_ids": [3] * tokens})()]
+        self.metrics = type("Stats", (), {"last_token_ts": stamp})()
+
+
+class _ServeEngine:
+    """A request added at time t gets its first token at the end of the first step after it
+    (that step takes prefill_s), then one per step of step_s; DELTA outputs with the core's
+    timestamp; params = the request's output length."""
+
+    def __init__(self, clock, step_s=0.01, prefill_s=0.05):
+        self.clock, self.step_s, self.prefill_s = clock, step_s, prefill_s
+        self.requests, self.added_at, self.aborted = {}, {}, []
+
+    def add_request(self, request_id, prompt, params):
+        self.requests[request_id] = [0, params]
+        self.added_at[request_id] = self.clock()
+
+    def has_unfinished_requests(self):
+        return any(n < limit for n, limit in self.requests.values())
+
+    def abort_request(self, ids):
+        self.aborted += ids
+        for request_id in ids:
+            self.requests[request_id][0] = self.requests[request_id][1]
+
+    def step(self):
+        live = [r for r, (n, limit) in self.requests.items() if n < limit]
+        prefill = any(self.requests[r][0] == 0 for r in live)
+        self.clock.now += self.prefill_s if prefill else self.step_s
+        outputs = []
+        for r in live:
+            self.requests[r][0] += 1
+            n, limit = self.requests[r]
+            outputs.append(_Out(r, 1, self.clock.now, n == limit))
+        return outputs
+
+
+def test_serve_adds_requests_at_their_arrival_and_records_core_token_times():
+    clock = _Clock()
+    engine = _ServeEngine(clock)
+    workload = [(0.0, 300, 5), (0.5, 300, 3), (2.0, 300, 4)]
+    requests = [(a, {"prompt_token_ids": [2] * p}, o) for a, p, o in workload]
+    start, records = bm.run_serve(engine, requests, clock=clock, sleep=clock.sleep)
+    assert start == 100.0
+    for (arrival, _, out), record, request_id in zip(workload, records, engine.added_at):
+        assert engine.added_at[request_id] >= start + arrival   # never before its arrival
+        assert engine.added_at[request_id] < start + arrival + 0.06
+        assert record["arrival"] == start + arrival and len(record["tokens"]) == out
+    # The first request alone: prefill step, then 4 decode steps.
+    assert records[0]["tokens"] == pytest.approx([100.05, 100.06, 100.07, 100.08, 100.09])
+    summary = bm.serve_summary(start, records, [o for _, _, o in workload])
+    assert summary["requests"] == 3 and summary["completed"] == 3
+    assert summary["output_tokens"] == 12
+    assert summary["ttft_p50_ms"] == pytest.approx(50.0, abs=0.5)
+    assert summary["tpot_p50_ms"] == pytest.approx(10.0, abs=0.01)
+    last = max(r["tokens"][-1] for r in records)
+    assert summary["output_tok_s"] == pytest.approx(12 / (last - 100.0), abs=0.05)   # 0.1 tok/s
+
+
+def test_serve_stops_at_the_deadline_and_counts_only_completed_requests():
+    clock = _Clock()
+    engine = _ServeEngine(clock)
+    requests = [(0.0, {}, 1000), (0.0, {}, 2)]
+    start, records = bm.run_serve(engine, requests, clock=clock, sleep=clock.sleep,
+                                  stop_at=100.5)
+    assert engine.aborted == ["serve-0"]
+    assert 0 < len(records[0]["tokens"]) < 1000 and len(records[1]["tokens"]) == 2
+    assert bm.serve_summary(start, records, [1000, 2])["completed"] == 1
+
+
+def test_serve_statistics_from_synthetic_token_times():
+    rng = random.Random(11)
+    records, ttfts, tpots = [], [], []
+    for i in range(101):
+        arrival, ttft, tpot = i * 0.1, rng.uniform(0.05, 2.0), rng.uniform(0.005, 0.05)
+        count = rng.randint(2, 50)
+        records.append({"arrival": arrival,
+                        "tokens": [arrival + ttft + k * tpot for k in range(count)]})
+        ttfts.append(ttft)
+        tpots.append(tpot)
+    records.append({"arrival": 20.0, "tokens": []})   # never got a token: not in TTFT/TPOT
+    summary = bm.serve_summary(0.0, records, [2] * 102)
+    numpy = pytest.importorskip("numpy")
+    assert summary["ttft_p50_ms"] == pytest.approx(1000 * numpy.percentile(ttfts, 50), abs=0.01)
+    assert summary["ttft_p99_ms"] == pytest.approx(1000 * numpy.percentile(ttfts, 99), abs=0.01)
+    assert summary["tpot_p50_ms"] == pytest.approx(1000 * numpy.percentile(tpots, 50), abs=1e-3)
+    assert summary["tpot_p99_ms"] == pytest.approx(1000 * numpy.percentile(tpots, 99), abs=1e-3)
+    assert summary["completed"] == 101 and summary["requests"] == 102
+    assert bm.percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert bm.percentile([1.0, 2.0], 99) == pytest.approx(1.99)
+    with pytest.raises(ValueError):
+        bm.serve_summary(0.0, [{"arrival": 0.0, "tokens": []}], [1])
+
+
+# --- results -------------------------------------------------------------------------------
+
+INFO = {"date": "2026-12-03 10:00 UTC", "commit": "abc1234", "gpu": "NVIDIA H200",
+        "vllm": "0.26.0", "command": "python -m benchmarks.bench_matrix --heads 16"}
+
+
+def _cell(kv, tok_s, context=512, batch="64", heads=16, mml="wide", mode="graph", **extra):
+    row = {"heads": heads, "max_model_len": mml, "mode": mode, "context": context,
+           "batch": batch, "kv": kv, "status": "ok", "batch_size": 64,
+           "max_model_len_tokens": 163840, "table_width": 2560, "decode_tok_s": tok_s,
+           "tpot_ms": 64000 / tok_s, "lock_step": True, "timing_ok": True, "spread_pct": 1.0}
+    row.update(extra)
+    return row
+
+
+def _sweep():
+    rows = []
+    for mode in ("graph", "eager"):
+        for context in (512, 8192):
+            for batch in ("1", "fill"):
+                base = 1000.0 * (2 if mode == "graph" else 1)
+                rows += [_cell("auto", base, context, batch, mode=mode),
+                         _cell("fp8_snapmla", base * (0.7 if context == 512 else 1.4), context,
+                               batch, mode=mode),
+                         _cell("fp8", base * 1.1, context, batch, mode=mode)]
+    return rows
+
+
+def test_outputs_merge_runs_replace_cells_and_compute_ratios(tmp_path):
+    rows = _sweep()
+    bm.write_outputs(tmp_path, INFO, rows[:12])
+    second = {**INFO, "commit": "def5678", "command": "python -m benchmarks.bench_matrix x"}
+    skipped = {"heads": 16, "max_model_len": "wide", "mode": "eager", "context": 131072,
+               "batch": "64", "kv": "auto", "status": "skipped",
+               "reason": "prefill 64 x 131072 = 8,388,608 tokens > --max-prefill-tokens"}
+    matrix, _ = bm.write_outputs(tmp_path, second, rows[12:] + [skipped])
+    assert len(matrix) == 25
+    runs, on_disk = vllm_engine.read_csv(tmp_path / "matrix.csv")
+    assert runs == [bm.describe(INFO), bm.describe(second)]
+    assert [bm.matrix_key(r) for r in on_disk] == [bm.matrix_key(r) for r in matrix]
+    assert on_disk[0]["commit"] == "abc1234" and on_disk[-1]["commit"] == "def5678"
+    snap = [r for r in on_disk if r["kv"] == "fp8_snapmla"]
+    assert {float(r["vs_bf16"]) for r in snap if r["context"] == "512"} == {0.7}
+    assert {float(r["vs_bf16"]) for r in snap if r["context"] == "8192"} == {1.4}
+    assert all(float(r["tpot_vs_bf16"]) == pytest.approx(1 / 1.4, abs=1e-3)
+               for r in snap if r["context"] == "8192")
+    # Re-running a cell replaces its row; a failure has no ratio.
+    failed = _cell("fp8_snapmla", 1.0, 8192, "1", mode="eager", status="failed",
+                   reason="exit 1: CUDA error")
+    matrix, _ = bm.write_outputs(tmp_path, INFO, [failed])
+    assert len(matrix) == 25
+    row = next(r for r in matrix if bm.matrix_key(r) == bm.matrix_key(failed))
+    assert row["status"] == "failed" and row["vs_bf16"] == ""
+    table = (tmp_path / "matrix.md").read_text()
+    assert bm.describe(INFO) in table and bm.describe(second) in table
+    assert "## H=16 (one TP8 rank of DeepSeek-V3.1), max_model_len wide, graph" in table
+    assert "## H=16 (one TP8 rank of DeepSeek-V3.1), max_model_len wide, eager" in table
+    line = next(ln for ln in table.splitlines()
+                if ln.startswith("| 512 | fill |") and "2,000" in ln)
+    assert "**0.70x** ▼" in line and "| 1.10x |" in line
+    assert "fp8_snapmla failed: exit 1: CUDA error" in table
+    assert "BF16 skipped: prefill 64 x 131072" in table
+    assert table.count("x** ▼") == 4   # the four cells at 512 tokens
+
+
+def test_heat_maps_have_a_panel_per_heads_table_and_mode(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = bm.add_ratios(_sweep() + [_cell("auto", 50.0, heads=128, mml="tight")])
+    titles = bm.plot_matrix(rows, tmp_path / "m.png", "title")
+    assert titles == ["H=16, wide, graph", "H=16, wide, eager", "H=128, tight, graph"]
+    assert (tmp_path / "m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert bm.plot_matrix([], tmp_path / "none.png", "t") == []
+
+
+def test_serve_rows_merge_with_ratios_and_a_table(tmp_path):
+    serve = [{"heads": 16, "mode": "graph", "kv": kv, "status": "ok", "requests": 96,
+              "completed": 96, "rate": 3.0, "output_tok_s": tok_s, "ttft_p50_ms": 80.0,
+              "ttft_p99_ms": 400.0, "tpot_p50_ms": 9.0, "tpot_p99_ms": 20.0}
+             for kv, tok_s in (("fp8", 900.0), ("auto", 1000.0), ("fp8_snapmla", 1200.0))]
+    _, rows = bm.write_outputs(tmp_path, INFO, serve_rows=serve)
+    assert [r["kv"] for r in rows] == ["auto", "fp8_snapmla", "fp8"]
+    assert [r["vs_bf16"] for r in rows] == [1.0, 1.2, 0.9]
+    table = (tmp_path / "serve.md").read_text()
+    assert bm.describe(INFO) in table and "**0.90x** ▼" in table and "1.20x" in table
+    assert not (tmp_path / "matrix.csv").exists()
+
+
+def test_engine_rows_mark_cells_without_a_result():
+    engine = bm.Engine("fp8", 128, "tight", 8576, "eager", [(8192, "1"), (8192, "fill")],
+                       serve=True)
+    results = [{"kind": "engine", "kv_cache_tokens": 7000000},
+               {"kind": "cell", "context": 8192, "batch": "1", "status": "ok",
+                "decode_tok_s": 10.0}]
+    matrix, serve = bm.engine_rows(engine, results, "timed out after 60 s",
+                                   {"backend": "FLASHMLA", "log_kv_cache_tokens": 7000000})
+    assert matrix[0]["status"] == "ok" and matrix[0]["table_width"] == 134
+    assert "reason" not in matrix[0] and matrix[0]["backend"] == "FLASHMLA"
+    assert matrix[1]["status"] == "failed" and matrix[1]["reason"] == "timed out after 60 s"
+    assert matrix[1]["kv_cache_tokens"] == 7000000
+    assert serve[0]["status"] == "failed" and serve[0]["heads"] == 128
+
+
+def test_replot_redraws_md_and_png_from_the_csvs(tmp_path):
+    pytest.importorskip("matplotlib")
+    bm.write_outputs(tmp_path, INFO, _sweep())
+    (tmp_path / "matrix.md").unlink()
+    (tmp_path / "matrix.png").unlink()
+    before = (tmp_path / "matrix.csv").read_text()
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_matrix", "--replot", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=_ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "matrix.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "**0.70x** ▼" in (tmp_path / "matrix.md").read_text()
+    assert (tmp_path / "matrix.csv").read_text() == before   # no run added by a replot
+    empty = subprocess.run([sys.executable, "-m", "benchmarks.bench_matrix", "--replot",
+                            "--out", str(tmp_path / "nothing")], capture_output=True, text=True,
+                           timeout=300, cwd=_ROOT)
+    assert empty.returncode != 0 and "no matrix.csv" in empty.stderr

@@ -1,0 +1,215 @@
+"""SnapMLA attention backend for vLLM 0.26.0 (dense MLA with the ``fp8_snapmla`` KV cache).
+
+Built on vLLM's common MLA code: prefill of new tokens runs vLLM's MLA prefill backend on the
+fresh BF16 latents; the cache write, the decode attention and the context read-back of
+chunked prefill / prefix-cache hits go through ``vllm_snapmla.ops`` (the only code that
+touches the cache bytes).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from vllm.config import VllmConfig, get_current_vllm_config, get_current_vllm_config_or_none
+from vllm.config.cache import CacheDType
+from vllm.model_executor.layers.attention.mla_attention import (
+    MLACommonBackend,
+    MLACommonImpl,
+    MLACommonMetadata,
+    MLACommonMetadataBuilder,
+    QueryLenSupport,
+)
+from vllm.platforms import current_platform
+from vllm.platforms.interface import DeviceCapability
+from vllm.v1.attention.backend import (
+    AttentionCGSupport,
+    AttentionLayer,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+
+from vllm_snapmla import format as fmt
+from vllm_snapmla import ops as snapmla_ops
+from vllm_snapmla.integration import startup_checks
+from vllm_snapmla.integration.patches import prefill_gather
+from vllm_snapmla.integration.patches.context_merge_bound import fix_context_merge_bound
+
+KV_CACHE_DTYPE = fmt.KV_CACHE_DTYPE
+
+
+class SnapMLABackend(MLACommonBackend):
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float16]
+    supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = [KV_CACHE_DTYPE]
+
+    @staticmethod
+    def get_name() -> str:
+        return "SNAPMLA"
+
+    @staticmethod
+    def get_impl_cls() -> type[SnapMLAImpl]:
+        return SnapMLAImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[SnapMLAMetadataBuilder]:
+        return SnapMLAMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes() -> list[int]:
+        return [fmt.PAGE_SIZE]
+
+    @classmethod
+    def supports_block_size(cls, block_size: int | None) -> bool:
+        # One cache block is one probability-quantization block of the decode kernel.
+        return block_size is None or block_size == fmt.PAGE_SIZE
+
+    @classmethod
+    def get_preferred_block_size(cls, default_block_size: int) -> int:
+        return fmt.PAGE_SIZE
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                           head_size: int, cache_dtype_str: str = "auto") -> tuple[int, ...]:
+        width = fmt.BYTES_PER_TOKEN if cache_dtype_str == KV_CACHE_DTYPE else head_size
+        return (num_blocks, block_size, width)
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return [fmt.HEAD_SIZE]
+
+    @classmethod
+    def supports_compute_capability(cls, capability: DeviceCapability) -> bool:
+        return tuple(capability) >= startup_checks.MIN_CAPABILITY
+
+    @classmethod
+    def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla,
+                             has_sink, use_sparse, use_mm_prefix,
+                             device_capability) -> str | None:
+        vllm_config = get_current_vllm_config_or_none()
+        if vllm_config is None or vllm_config.model_config is None:
+            return None
+        hf = vllm_config.model_config.hf_text_config
+        problem = startup_checks.latent_shape_problem(getattr(hf, "kv_lora_rank", None),
+                                                      getattr(hf, "qk_rope_head_dim", None))
+        if problem is not None:
+            return problem
+        if vllm_config.parallel_config.decode_context_parallel_size > 1:
+            return "decode context parallelism not supported"
+        return None
+
+
+class SnapMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
+    # Decode runs inside FULL CUDA graphs for uniform batches (every request with the same
+    # query length, 1 + num_speculative_tokens), like FlashMLA's builder: the launch depends
+    # only on the padded batch size, the heads, s_q and the block-table width (fixed by vLLM's
+    # persistent buffers); padded rows (seq_len 0, null block) give zeros.  Mixed batches run
+    # attention eagerly between piecewise graphs.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+    # Uniform multi-token decode (speculative decoding): the builder's
+    # _init_reorder_batch_threshold raises reorder_batch_threshold to
+    # 1 + num_speculative_tokens, and split_decodes_and_prefills(require_uniform=True) sends
+    # requests of another query length down the prefill path.  The base threshold stays 1
+    # (FlashMLA uses 128 to run short prefills as decodes): new prefill tokens keep attending
+    # to their exact BF16 latents instead of the FP8 cache.
+    query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.UNIFORM
+    reorder_batch_threshold: int = 1
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> MLACommonMetadata:
+        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        fix_context_merge_bound(metadata, common_attn_metadata.query_start_loc_cpu)
+        return metadata
+
+    @staticmethod
+    def determine_prefill_query_data_type(vllm_config: VllmConfig,
+                                          model_dtype: torch.dtype) -> torch.dtype:
+        # H10: vLLM's FP8 prefill would copy raw 656-byte rows into the workspace
+        # (cp_gather_cache); keep prefill in the model dtype so the context goes
+        # through our dequantizing gather.
+        return model_dtype
+
+
+class SnapMLAImpl(MLACommonImpl[MLACommonMetadata]):
+    can_return_lse_for_decode: bool = True   # natural log, as lse_base_on_e says
+    supports_pcp: bool = False
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 alibi_slopes: list[float] | None, sliding_window: int | None,
+                 kv_cache_dtype: str, logits_soft_cap: float | None, attn_type: str,
+                 kv_sharing_target_layer_name: str | None, **mla_args) -> None:
+        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes,
+                         sliding_window, kv_cache_dtype, logits_soft_cap, attn_type,
+                         kv_sharing_target_layer_name, **mla_args)
+        if alibi_slopes is not None or sliding_window is not None or logits_soft_cap:
+            raise NotImplementedError(
+                "SnapMLA does not support alibi slopes, sliding windows or logit soft-capping")
+        if attn_type != AttentionType.DECODER:
+            raise NotImplementedError(f"SnapMLA supports decoder attention only, not {attn_type}")
+        if kv_cache_dtype != KV_CACHE_DTYPE:
+            raise ValueError(
+                f"the SnapMLA backend reads only the {KV_CACHE_DTYPE} cache, but this layer's "
+                f"KV-cache dtype is {kv_cache_dtype}. Pass --kv-cache-dtype {KV_CACHE_DTYPE} "
+                "or drop --attention-backend CUSTOM.")
+        problem = startup_checks.latent_shape_problem(self.kv_lora_rank, self.qk_rope_head_dim)
+        if problem is not None:
+            raise ValueError(f"{problem}. Use --kv-cache-dtype fp8 or auto for this model.")
+        capability = (current_platform.get_device_capability()
+                      if current_platform.is_cuda() else None)
+        startup_checks.check_snapmla_config(get_current_vllm_config(), capability)
+
+        # H11: decode takes BF16 queries and quantizes them per (token, head) itself.
+        self.supports_quant_query_input = False
+        prefill_gather.apply()   # H9
+
+    def do_kv_cache_update(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor,
+                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor | None,
+                           kv_cache_dtype: str, k_scale: torch.Tensor) -> None:
+        # H7: vLLM's C++ concat_and_cache_mla rejects this dtype.  The cache is empty during
+        # the memory-profiling run.
+        if kv_cache.numel() == 0 or slot_mapping is None:
+            return
+        snapmla_ops.append_kv(kv_c_normed, k_pe, kv_cache.view(torch.uint8), slot_mapping)
+
+    def forward_mqa(self, q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+                    kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: MLACommonMetadata,
+                    layer: AttentionLayer) -> tuple[torch.Tensor, torch.Tensor | None]:
+        decode = attn_metadata.decode
+        assert decode is not None
+        if isinstance(q, tuple):
+            q_nope, q_pe = q
+        else:
+            q_nope, q_pe = q.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        out, lse = decode_uniform(q_nope, q_pe, kv_c_and_k_pe_cache, decode.block_table,
+                                  decode.seq_lens, attn_metadata.num_decodes, self.scale,
+                                  return_lse=self.need_to_return_lse_for_decode)
+        return out.to(q_nope.dtype), lse
+
+
+def decode_uniform(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                   block_table: torch.Tensor, seq_lens: torch.Tensor, num_decodes: int,
+                   softmax_scale: float, return_lse: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Decode attention for vLLM's token-major decode batch (``forward_mqa``'s contract).
+
+    ``q_nope [T,H,512]`` and ``q_pe [T,H,64]`` hold ``num_decodes`` requests of ``s_q = T /
+    num_decodes`` consecutive query tokens each (QueryLenSupport.UNIFORM; under a FULL CUDA
+    graph ``num_decodes`` is the padded batch).  Returns ``out [T,H,512]`` (bfloat16) and,
+    with ``return_lse``, ``lse [T,H]`` (float32, natural log), token-major like ``out``.
+
+    Shapes only, no host sync and no data-dependent branch: safe under CUDA-graph capture.
+    """
+    T = q_nope.shape[0]
+    if num_decodes <= 0 or T % num_decodes:
+        raise ValueError(f"{T} decode tokens do not split into {num_decodes} requests of one "
+                         "query length (SnapMLA decode needs uniform query lengths)")
+    s_q = T // num_decodes
+    # Views, no copies: q_nope is vLLM's transposed bmm output; the fused Q quantization
+    # reads such strided rows in place.
+    q_nope = q_nope.unflatten(0, (num_decodes, s_q))
+    q_pe = q_pe.unflatten(0, (num_decodes, s_q))
+    out, lse = snapmla_ops.decode(q_nope, q_pe, kv_cache.view(torch.uint8), block_table,
+                                  seq_lens, softmax_scale)
+    out = out.flatten(0, 1)                                   # [T, H, 512]
+    if not return_lse:
+        return out, None
+    return out, lse.transpose(1, 2).flatten(0, 1)             # [B,H,s_q] -> [T, H]

@@ -1,0 +1,73 @@
+"""Every patch of vLLM 0.26.0 internals that ``fp8_snapmla`` needs: one module per patch.
+
+vLLM 0.26.0 has no registry for new KV-cache dtypes (the dtype set is a closed ``Literal``
+matched on strings in several modules), so we patch the few private names involved.  Each module
+starts with its record: what it changes, why, how it is checked, and when it can go.  The hook
+numbers (H1..H15) name the places in vLLM 0.26.0 that the plugin touches; H6-H8, H10, H11 and
+H13 need no patch (``integration/backend.py`` overrides and a start-up refusal).
+
+Every patch is idempotent (a wrapper carries the function it wraps), and ``self_check`` verifies
+the result right after patching, so a vLLM that moved these names fails loudly at start-up.
+Importing this package does not import vLLM; ``apply_all`` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+from vllm_snapmla import format as fmt
+from vllm_snapmla.integration.patches import (
+    backend_selection,
+    cache_dtype,
+    page_size,
+    storage_dtype,
+)
+from vllm_snapmla.integration.patches._common import KV_CACHE_DTYPE, literal_options
+
+
+def apply_all() -> None:
+    """Apply the patches every vLLM process needs (called by ``vllm_snapmla.register``)."""
+    cache_dtype.apply()
+    storage_dtype.apply()
+    page_size.apply()
+    backend_selection.apply()
+    self_check()
+
+
+@contextlib.contextmanager
+def _quiet(logger_name: str):
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def self_check() -> None:
+    """Fail at start-up, not mid-serving, if the patches did not take on this vLLM build."""
+    from vllm.config.cache import CacheConfig
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    try:
+        with _quiet("vllm.config.cache"):   # its validator logs an fp8 accuracy warning
+            config = CacheConfig(cache_dtype=KV_CACHE_DTYPE)
+        assert config.cache_dtype == KV_CACHE_DTYPE
+        from vllm.config.speculative import SpeculativeConfig
+
+        assert KV_CACHE_DTYPE in literal_options(
+            SpeculativeConfig.__dataclass_fields__["kv_cache_dtype"].type)
+        spec = MLAAttentionSpec(block_size=fmt.PAGE_SIZE, num_kv_heads=1,
+                                head_size=fmt.HEAD_SIZE, dtype=torch.uint8,
+                                cache_dtype_str=KV_CACHE_DTYPE)
+        expected = fmt.PAGE_SIZE * fmt.BYTES_PER_TOKEN
+        assert spec.page_size_bytes == expected, (
+            f"MLAAttentionSpec page size {spec.page_size_bytes} != {expected}")
+    except Exception as e:
+        raise RuntimeError(
+            "vllm-snapmla could not patch this vLLM build for fp8_snapmla (its internals differ "
+            f"from vLLM 0.26.0): {type(e).__name__}: {e}. Install vllm==0.26.0.") from e

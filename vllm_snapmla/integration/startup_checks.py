@@ -1,0 +1,184 @@
+"""Start-up checks: every configuration ``fp8_snapmla`` cannot serve is refused, saying what to do.
+
+Run twice: by the patched platform hook while vLLM builds its ``VllmConfig`` in the front-end
+process (``patches/backend_selection.py``), and again by ``SnapMLAImpl`` in each worker.
+"""
+
+from __future__ import annotations
+
+from vllm_snapmla import format as fmt
+from vllm_snapmla.integration.patches._common import KV_CACHE_DTYPE, SNAPMLA_BACKEND_PATH
+
+MIN_CAPABILITY = (8, 9)   # native e4m3 (Ada, Hopper, Blackwell)
+
+
+def latent_shape_problem(kv_lora_rank, qk_rope_head_dim) -> str | None:
+    """Why a model's MLA latent does not fit the 656-byte row, or None when it does."""
+    if kv_lora_rank == fmt.KV_LORA_RANK and qk_rope_head_dim == fmt.ROPE_DIM:
+        return None
+    return (f"fp8_snapmla stores a {fmt.KV_LORA_RANK}-wide latent and a {fmt.ROPE_DIM}-wide RoPE "
+            f"key per token, but the model has kv_lora_rank={kv_lora_rank} and "
+            f"qk_rope_head_dim={qk_rope_head_dim}")
+
+
+def is_snapmla_backend_choice(backend) -> bool:
+    """Whether an ``AttentionBackendEnum`` the user chose resolves to SnapMLA."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    return (backend is AttentionBackendEnum.CUSTOM and backend.is_overridden()
+            and backend.get_path() == SNAPMLA_BACKEND_PATH)
+
+
+def wrong_backend_message(name: str, how: str) -> str:
+    return (f"--kv-cache-dtype {KV_CACHE_DTYPE} is served only by the SnapMLA attention "
+            f"backend, but {how} requested {name}. Drop {how} (SnapMLA is selected "
+            f"automatically for {KV_CACHE_DTYPE}) or pass --attention-backend CUSTOM.")
+
+
+def _model_problems(model_config, fix: str | None = None) -> list[str]:
+    """Why fp8_snapmla cannot serve this model's attention; ``fix`` replaces the advice."""
+    import vllm.envs as envs
+
+    name = model_config.model
+    hf = model_config.hf_text_config
+    rank = getattr(hf, "kv_lora_rank", None)
+    rope = getattr(hf, "qk_rope_head_dim", None)
+    if not model_config.use_mla:
+        why = " (VLLM_MLA_DISABLE=1 is set)" if envs.VLLM_MLA_DISABLE else ""
+        reason = (f"{name} does not use multi-head latent attention{why}; fp8_snapmla only "
+                  "applies to MLA models (DeepSeek-V2/V3/R1, Kimi-K2, ...)")
+        default = "Use --kv-cache-dtype fp8 or auto for this model."
+    elif hasattr(hf, "index_topk"):
+        reason = (f"{name} uses DeepSeek sparse attention (DeepSeek-V3.2 style, `index_topk` in "
+                  "its config), which fp8_snapmla does not support yet")
+        default = "Use --kv-cache-dtype fp8_ds_mla or auto for this model."
+    elif hasattr(hf, "compress_ratios"):
+        reason = (f"{name} uses DeepSeek-V4 compressed attention, which fp8_snapmla does not "
+                  "support")
+        default = "Use --kv-cache-dtype auto for this model."
+    elif latent_shape_problem(rank, rope) is not None:
+        reason = f"{name}: {latent_shape_problem(rank, rope)}"
+        default = "Use --kv-cache-dtype fp8 or auto for this model."
+    else:
+        return []
+    return [f"{reason}. {fix or default}"]
+
+
+# Speculative methods whose drafter has no attention layers of its own: token statistics
+# (ngram, ngram_gpu, suffix) or heads on the target's hidden states (medusa, mlp_speculator,
+# extract_hidden_states).  Every other method's drafter (eagle, eagle3, the *_mtp family,
+# draft_model, ...) builds attention layers that get the drafter's KV-cache dtype.
+_NO_DRAFT_ATTENTION = ("ngram", "ngram_gpu", "suffix", "medusa", "mlp_speculator",
+                       "extract_hidden_states")
+# Drafters whose attention is non-causal (block drafting); SnapMLA decode is causal only.
+_NON_CAUSAL_DRAFTERS = ("dflash", "dspark")
+
+
+def draft_kv_cache_dtype(vllm_config) -> str | None:
+    """The KV-cache dtype the drafter's own attention layers get, or None without a drafter.
+
+    vLLM gives the draft model ``speculative_config.kv_cache_dtype`` when set, otherwise the
+    target's ``--kv-cache-dtype`` (``llm_base_proposer._create_draft_vllm_config``,
+    ``worker/gpu/spec_decode/eagle/utils.load_eagle_model``).
+    """
+    spec = vllm_config.speculative_config
+    if spec is None or spec.method in _NO_DRAFT_ATTENTION:
+        return None
+    return spec.kv_cache_dtype or vllm_config.cache_config.cache_dtype
+
+
+def speculative_problems(vllm_config) -> list[str]:
+    """Speculative decoding works when the drafter can use (or does not use) fp8_snapmla.
+
+    The target's decode takes uniform multi-token queries (QueryLenSupport.UNIFORM): vLLM sends
+    requests whose query length differs from the batch's first decode down the prefill path
+    (``split_decodes_and_prefills(require_uniform=True)``), so every method's verification
+    batches are served; FULL CUDA graphs cover the uniform ones (1 + num_speculative_tokens).
+    What remains is the drafter's own attention when it inherits fp8_snapmla.
+    """
+    spec = vllm_config.speculative_config
+    if spec is None or draft_kv_cache_dtype(vllm_config) != KV_CACHE_DTYPE:
+        return []
+    where = ("speculative_config.kv_cache_dtype" if spec.kv_cache_dtype
+             else "inherited from --kv-cache-dtype")
+    fix = ("Give the drafter its own KV-cache dtype, e.g. --speculative-config "
+           f"'{{\"method\": \"{spec.method}\", ..., \"kv_cache_dtype\": \"auto\"}}'.")
+    if spec.method in _NON_CAUSAL_DRAFTERS:
+        return [(f"the {spec.method} drafter attends non-causally, which the SnapMLA decode "
+                 f"kernels do not do, and its attention would use {KV_CACHE_DTYPE} ({where}). "
+                 f"{fix}")]
+    draft = spec.draft_model_config
+    if draft is None or vllm_config.model_config is None:
+        return []
+    return [f"the {spec.method} drafter's attention layers would use {KV_CACHE_DTYPE} "
+            f"({where}): {why}" for why in _model_problems(draft, fix)]
+
+
+def check_snapmla_config(vllm_config, device_capability=None) -> None:
+    """Refuse, with what to do instead, every configuration fp8_snapmla cannot serve yet.
+
+    ``device_capability`` is the GPU's ``DeviceCapability`` (None skips that check).
+    """
+    from vllm.v1.kv_cache_interface import KVCacheSpecKind
+
+    problems: list[str] = []
+    if vllm_config.model_config is not None:
+        problems += _model_problems(vllm_config.model_config)
+
+    if device_capability is not None and tuple(device_capability) < MIN_CAPABILITY:
+        problems.append(
+            "fp8_snapmla needs a GPU with FP8 support (compute capability 8.9 or newer: Ada, "
+            f"Hopper, Blackwell), but this GPU has compute capability "
+            f"{device_capability.major}.{device_capability.minor}. Use --kv-cache-dtype auto "
+            "on this GPU.")
+
+    cache_config = vllm_config.cache_config
+    if cache_config.user_specified_block_size and cache_config.block_size != fmt.PAGE_SIZE:
+        problems.append(
+            f"fp8_snapmla uses {fmt.PAGE_SIZE}-token KV blocks (its decode kernel quantizes "
+            f"attention probabilities per {fmt.PAGE_SIZE}-token block), but --block-size "
+            f"{cache_config.block_size} was given. Drop --block-size or pass --block-size "
+            f"{fmt.PAGE_SIZE}.")
+    if cache_config.kv_cache_dtype_skip_layers:
+        problems.append(
+            "fp8_snapmla does not support --kv-cache-dtype-skip-layers yet (every MLA layer "
+            "must use the same cache format). Remove --kv-cache-dtype-skip-layers "
+            f"({cache_config.kv_cache_dtype_skip_layers}).")
+
+    attention_config = vllm_config.attention_config
+    chosen = attention_config.backend
+    if chosen is not None and not is_snapmla_backend_choice(chosen):
+        problems.append(wrong_backend_message(chosen.name, "--attention-backend"))
+    per_kind = (attention_config.backend_per_kind or {}).get(KVCacheSpecKind.MLA_ATTENTION.value)
+    if per_kind is not None and not is_snapmla_backend_choice(per_kind):
+        problems.append(wrong_backend_message(
+            per_kind.name, "--attention-config backend_per_kind"))
+
+    problems += speculative_problems(vllm_config)
+    parallel_config = vllm_config.parallel_config
+    if parallel_config.decode_context_parallel_size > 1:
+        problems.append(
+            "fp8_snapmla does not support decode context parallelism yet. Remove "
+            "--decode-context-parallel-size/-dcp, or use --kv-cache-dtype fp8.")
+    if parallel_config.prefill_context_parallel_size > 1:
+        problems.append(
+            "fp8_snapmla does not support prefill context parallelism yet. Remove "
+            "--prefill-context-parallel-size/-pcp, or use --kv-cache-dtype fp8.")
+
+    pass_config = vllm_config.compilation_config.pass_config
+    if pass_config.fuse_rope_kvcache_cat_mla:
+        # H13: the pass swaps our cache write for vLLM's fused C++ writer, which
+        # rejects this dtype.
+        problems.append(
+            "fp8_snapmla writes the KV cache with its own kernel, but the MLA RoPE+KV-cache "
+            "fusion pass (pass_config.fuse_rope_kvcache_cat_mla) would replace it with vLLM's "
+            "C++ writer, which cannot write fp8_snapmla. Turn the pass off: "
+            "--compilation-config '{\"pass_config\": {\"fuse_rope_kvcache_cat_mla\": false}}'.")
+
+    raise_if(problems)
+
+
+def raise_if(problems: list[str]) -> None:
+    if problems:
+        raise ValueError(f"--kv-cache-dtype {KV_CACHE_DTYPE} cannot be used here:\n- "
+                         + "\n- ".join(problems))

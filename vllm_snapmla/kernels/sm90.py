@@ -1,0 +1,90 @@
+"""SnapMLA split-KV decode on Hopper: the sm_90a kernels of ``csrc/sm90/``.
+
+``decode_sm90`` is the path ``vllm_snapmla.ops.decode`` takes on sm_90 GPUs, and so vLLM's: one
+op call per decode that quantizes the query (with the split planner in the same launch), runs
+the decode kernel and, where a request is cut into several runs, the combine
+(``kernels/splits.py``).  ``snapmla_decode_sm90`` takes an already quantized query
+(``ops.quantize_q``), for tests and benchmarks of the kernels alone.
+
+Two kernels, picked by query rows per request (``s_q x heads``): the narrow kernel up to
+``NARROW_MAX_ROWS`` (a 16-row form up to 16 rows, a 32-row form above; S^T = K Q^T, so nothing is
+padded to 64 rows), and the 64-row kernel above it, whose two consumer warpgroups divide the
+work by ``schedule``:
+- ``split-roles`` (the default): one warpgroup computes every page's P, the other builds every
+  page's V^T, and each applies the page to its own output columns;
+- ``free``: both compute every page's P and V^T and apply it to their own 256 columns (the
+  plain form, the reference of the bit-identity tests).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_snapmla import format as fmt
+from vllm_snapmla._native import native, require_native
+
+SCHEDULES = {"free": 0, "split-roles": 1, "narrow": 2}
+NARROW_MAX_ROWS = 32
+DEFAULT_SCHEDULE = "split-roles"
+# csrc/sm90/config.h hard-codes these (kPScaleRange, kPScaleFloor).
+assert fmt.P_SCALE_RANGE == 2.0 ** -32 and fmt.P_SCALE_FLOOR == 2.0 ** -126
+
+
+def available(device: torch.device | int | None = None) -> bool:
+    """True when the extension has the Hopper ops and ``device`` (default: current) is sm_90."""
+    ops = native()
+    if ops is None or not hasattr(ops, "decode_sm90") or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def _schedule_id(schedule: str | None) -> int:
+    if schedule is None:
+        return -1   # by row count: narrow up to NARROW_MAX_ROWS, split-roles above
+    try:
+        return SCHEDULES[schedule]
+    except KeyError:
+        raise ValueError(f"schedule must be one of {sorted(SCHEDULES)} or None, "
+                         f"got {schedule!r}") from None
+
+
+def decode_sm90(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                block_table: torch.Tensor, seq_lens: torch.Tensor, softmax_scale: float,
+                causal: bool = True, num_splits: int | None = None, schedule: str | None = None):
+    """SnapMLA decode from the model's query on an sm_90 GPU.
+
+    ``q_nope [B,s_q,H,512]``, ``q_pe [B,s_q,H,64]`` (bf16, fp16 or fp32; row-strided views are
+    read in place); ``kv_cache`` uint8 ``[num_blocks,64,656]``; ``block_table`` int32
+    ``[>=B, max_blocks]``; ``seq_lens`` int32 ``[>=B]``.  Returns ``out`` bf16 ``[B,s_q,H,512]``
+    and ``lse`` fp32 ``[B,H,s_q]`` (natural log; -inf and zero output for rows that see no
+    token).  ``num_splits`` None lets the planner choose on the GPU from the real lengths; an
+    int cuts every request into that many equal runs.
+    """
+    return require_native("decode_sm90").decode_sm90(
+        q_nope, q_pe, kv_cache, block_table, seq_lens, float(softmax_scale), bool(causal),
+        num_splits or 0, _schedule_id(schedule))
+
+
+def snapmla_decode_sm90(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: torch.Tensor,
+                        kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                        softmax_scale: float, causal: bool = True, num_splits: int | None = None,
+                        schedule: str | None = None):
+    """``decode_sm90`` from a quantized query (``ops.quantize_q``): ``q8`` e4m3 ``[B,s_q,H,512]``,
+    ``q_scale`` fp32 ``[B,s_q,H]``, ``q_pe_scaled`` bf16 ``[B,s_q,H,64]``; the rest as there."""
+    return require_native("snapmla_decode_sm90").decode_sm90_quantized(
+        q8, q_scale, q_pe_scaled, kv_cache, block_table, seq_lens, float(softmax_scale),
+        bool(causal), num_splits or 0, _schedule_id(schedule))
+
+
+def schedule_variant(schedule: str):
+    """``snapmla_decode_sm90`` with a fixed ``schedule`` (for tests and benchmarks)."""
+    _schedule_id(schedule)
+
+    def decode(*args, **kwargs):
+        return snapmla_decode_sm90(*args, schedule=schedule, **kwargs)
+    decode.__name__ = f"snapmla_decode_sm90[{schedule}]"
+    return decode
+
+
+snapmla_decode_sm90_free = schedule_variant("free")
+snapmla_decode_sm90_split_roles = schedule_variant("split-roles")

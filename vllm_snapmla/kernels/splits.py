@@ -1,0 +1,93 @@
+"""Split-KV decode planning and combine, shared by the Hopper and Triton kernels.
+
+A decode launch has a fixed grid of ``max_splits`` KV splits per (request, row block), so that a
+CUDA graph captured once replays for any lengths.  Which splits work is decided on the GPU at
+every call (``csrc/split_kv.h``): the planner reads the batch's lengths and writes how many pages
+a split takes, from a cost model of waves of CTAs; each request's pages are cut into runs of
+that many pages, and splits past a request's last run return at once.  A wide block table
+(vLLM's is ``max_model_len / 64`` columns) with short requests therefore costs what a tight one
+does.  ``split_range`` is the one rule every kernel and the combine apply.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_snapmla import format as fmt
+from vllm_snapmla._native import require_native
+
+
+def max_splits_for(programs: int, slots: int, table_pages: int) -> int:
+    """The grid's splits: enough for two waves of CTAs even when every request is as long as the
+    table allows, never more than the table's pages (``split_kv.h max_splits_for``)."""
+    splits = -(-2 * slots // max(programs, 1))
+    return max(1, min(splits, table_pages, 65535))
+
+
+def split_range(seq_len: int, pages_per_split: int, max_splits: int, split: int):
+    """``(first_page, num_pages, num_splits)`` of one split (``split_kv.h split_range``)."""
+    pages = -(-seq_len // fmt.PAGE_SIZE) if seq_len > 0 else 0
+    run = max(-(-pages // max_splits), pages_per_split)
+    num_splits = max(-(-pages // run), 1) if run > 0 else 1
+    first = split * run
+    return first, max(min(first + run, pages) - first, 0), num_splits
+
+
+# A split's fixed cost (query load, partial write, combine) in pages of streaming, for the
+# planner's cost model (csrc/api/decode_ops.cpp kSplitOverheadPages).
+SPLIT_OVERHEAD_PAGES = 2
+
+
+def pages_per_split_for(seq_lens: list[int], programs: int, slots: int, max_splits: int) -> int:
+    """The planner's choice (``split_kv.h plan_splits_warp``): the cheapest split count ``s <=
+    max_splits`` for the longest request, cost = ceil(programs s / slots) waves x (its pages /
+    s + SPLIT_OVERHEAD_PAGES), fewer splits on ties; returns pages per split."""
+    max_pages = max((-(-n // fmt.PAGE_SIZE) for n in seq_lens if n > 0), default=0)
+    best, best_cost = 1, None
+    for s in range(1, min(max_pages, max_splits) + 1):
+        cost = -(-programs * s // slots) * (-(-max_pages // s) + SPLIT_OVERHEAD_PAGES)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = s, cost
+    return -(-max_pages // best) if max_pages > 0 else 1
+
+
+def plan(seq_lens: torch.Tensor, batch: int, programs: int, slots: int,
+         max_splits: int) -> torch.Tensor:
+    """``pages_per_split`` as an int32[1] tensor on ``seq_lens``' device; on a GPU computed
+    there (no host sync), on the CPU (Triton's interpreter) in Python."""
+    if not seq_lens.is_cuda:
+        return torch.tensor([pages_per_split_for(seq_lens[:batch].tolist(), programs, slots,
+                                                 max_splits)], dtype=torch.int32)
+    pages_per_split = torch.empty(1, dtype=torch.int32, device=seq_lens.device)
+    require_native("split planning").split_plan(seq_lens, pages_per_split, batch, programs,
+                                                slots, max_splits)
+    return pages_per_split
+
+
+def combine(part_out: torch.Tensor, part_lse: torch.Tensor, seq_lens: torch.Tensor,
+            pages_per_split: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
+            single_runs_in_partials: bool) -> None:
+    """Merge the splits' partials ``[B, max_splits, rows, 512]`` into ``out [B, s_q, H, 512]``
+    (bf16) and ``lse [B, H, s_q]`` by LSE, for every request cut into several runs (every
+    request with ``single_runs_in_partials``).  Splits with LSE -inf wrote no output."""
+    if part_out.is_cuda:
+        require_native("the split-KV combine").combine_splits(
+            part_out, part_lse, seq_lens, pages_per_split, out, lse, single_runs_in_partials)
+        return
+    B, max_splits, rows, _ = part_out.shape
+    s_q, H = out.shape[1], out.shape[2]
+    chunk = int(pages_per_split[0]) if pages_per_split is not None else 0
+    for b in range(B):
+        runs = split_range(int(seq_lens[b]), chunk, max_splits, 0)[2]
+        if runs == 1 and not single_runs_in_partials:
+            continue
+        lses = part_lse[b, :runs].double()                       # [runs, rows]
+        m = lses.max(0).values
+        m_ref = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+        w = torch.exp(lses - m_ref)
+        total = w.sum(0)
+        parts = torch.where(w[..., None] > 0, part_out[b, :runs].double(), 0.0)
+        merged = (w[..., None] * parts).sum(0) / torch.where(total == 0, 1.0, total)[:, None]
+        out[b] = merged.view(s_q, H, -1).to(out.dtype)
+        lse[b] = torch.where(total == 0, float("-inf"), m + torch.log(total)).float() \
+            .view(s_q, H).T

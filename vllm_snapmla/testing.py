@@ -1,0 +1,273 @@
+"""Helpers shared by the tests, the benchmarks and the evaluation scripts.
+
+- ``write_tiny_deepseek_v3``: a tiny DeepSeek-V3 checkpoint (config, optionally random weights
+  of trained-model scale) that vLLM starts in seconds;
+- ``generate_in_subprocess`` / ``run_json_child``: ``LLM.generate`` in a fresh process that
+  loads this plugin from this source tree (``subprocess_env``);
+- ``build_cache``: a random paged ``fp8_snapmla`` cache with shuffled block tables and garbage
+  (NaN scales) in every byte no request owns.
+
+``python -m vllm_snapmla.testing`` is the child process of ``generate_in_subprocess``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+from vllm_snapmla import format as fmt
+from vllm_snapmla import reference as ref
+
+# Small enough to start in seconds, shaped like DeepSeek-V3 where it matters: MLA with the
+# 512/64 latent/RoPE split, (128, 64, 128) head dims (what vLLM's SM90 MLA prefill accepts),
+# one dense layer followed by one MoE layer.  No `head_dim`: transformers ties it to
+# qk_rope_head_dim.  No `index_topk`: that would make it DeepSeek-V3.2 sparse attention.
+TINY_DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+    "torch_dtype": "bfloat16", "vocab_size": 4096, "hidden_size": 1024,
+    "intermediate_size": 2048, "num_hidden_layers": 2, "num_attention_heads": 16,
+    "num_key_value_heads": 16, "q_lora_rank": 256, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 256, "n_group": 1, "topk_group": 1, "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid", "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+    "first_k_dense_replace": 1, "moe_layer_freq": 1, "hidden_act": "silu",
+    "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "rope_theta": 10000.0,
+    "rope_scaling": None, "attention_bias": False, "tie_word_embeddings": False,
+    "bos_token_id": 0, "eos_token_id": 1,
+}
+
+RESULT_TAG = "SNAPMLA_RESULT "
+_KV_TOKENS_LOG = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
+
+
+def write_tiny_deepseek_v3(path, *, random_weights: bool = False, seed: int = 0,
+                           **overrides) -> pathlib.Path:
+    """Write ``config.json`` of the tiny DeepSeek-V3 (``overrides`` replace or add keys).
+
+    With ``random_weights`` also write ``model.safetensors`` holding random weights of
+    trained-model scale (N(0, 0.02) matrices, unit norms).  vLLM's ``load_format="dummy"``
+    weights are U(-1e-3, 1e-3) everywhere, norms included, which shrinks every attention
+    output to ~1e-4 of the residual stream: attention, and so the KV cache, then barely
+    moves the logits.  Use real weights to compare KV-cache formats.
+    """
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = {**TINY_DEEPSEEK_V3, **overrides}
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    if random_weights:
+        from safetensors.torch import save_file
+
+        save_file(_random_deepseek_v3_weights(config, seed), str(path / "model.safetensors"),
+                  metadata={"format": "pt"})
+    return path
+
+
+def _random_deepseek_v3_weights(c: dict, seed: int) -> dict[str, torch.Tensor]:
+    """DeepSeek-V3 checkpoint tensors (HF names, per-expert MoE layout) for config ``c``."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def matrix(rows, cols):
+        return (torch.randn(rows, cols, generator=gen) * 0.02).to(torch.bfloat16)
+
+    def norm(n):
+        return (1.0 + 0.1 * torch.randn(n, generator=gen)).to(torch.bfloat16)
+
+    H, N = c["hidden_size"], c["num_attention_heads"]
+    nope, rope, v = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
+    rank = c["kv_lora_rank"]
+    w = {"model.embed_tokens.weight": matrix(c["vocab_size"], H),
+         "model.norm.weight": norm(H),
+         "lm_head.weight": matrix(c["vocab_size"], H)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = norm(H)
+        w[p + "post_attention_layernorm.weight"] = norm(H)
+        a = p + "self_attn."
+        if c.get("q_lora_rank"):
+            w[a + "q_a_proj.weight"] = matrix(c["q_lora_rank"], H)
+            w[a + "q_a_layernorm.weight"] = norm(c["q_lora_rank"])
+            w[a + "q_b_proj.weight"] = matrix(N * (nope + rope), c["q_lora_rank"])
+        else:
+            w[a + "q_proj.weight"] = matrix(N * (nope + rope), H)
+        w[a + "kv_a_proj_with_mqa.weight"] = matrix(rank + rope, H)
+        w[a + "kv_a_layernorm.weight"] = norm(rank)
+        w[a + "kv_b_proj.weight"] = matrix(N * (nope + v), rank)
+        w[a + "o_proj.weight"] = matrix(H, N * v)
+        is_moe = (c.get("n_routed_experts") and i >= c["first_k_dense_replace"]
+                  and i % c["moe_layer_freq"] == 0)
+        if not is_moe:
+            mlp = {p + "mlp.": c["intermediate_size"]}
+        else:
+            E, inter = c["n_routed_experts"], c["moe_intermediate_size"]
+            w[p + "mlp.gate.weight"] = matrix(E, H)
+            if c.get("topk_method") == "noaux_tc":
+                w[p + "mlp.gate.e_score_correction_bias"] = 0.01 * torch.randn(E, generator=gen)
+            mlp = {f"{p}mlp.experts.{e}.": inter for e in range(E)}
+            if c.get("n_shared_experts"):
+                mlp[p + "mlp.shared_experts."] = inter * c["n_shared_experts"]
+        for prefix, inter in mlp.items():
+            w[prefix + "gate_proj.weight"] = matrix(inter, H)
+            w[prefix + "up_proj.weight"] = matrix(inter, H)
+            w[prefix + "down_proj.weight"] = matrix(H, inter)
+    return w
+
+
+# --- running vLLM in a child process -------------------------------------------------------
+
+def _plugin_visible() -> bool:
+    from importlib.metadata import entry_points
+
+    return any(ep.value.startswith("vllm_snapmla") for ep in
+               entry_points(group="vllm.general_plugins"))
+
+
+@functools.cache
+def _entry_point_dir() -> str:
+    """A directory whose ``.dist-info`` declares the plugin's entry point (as pyproject does)."""
+    meta = pathlib.Path(tempfile.mkdtemp(prefix="snapmla-entry-point-"))
+    info = meta / "vllm_snapmla_source-0.0.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: vllm-snapmla-source\nVersion: 0.0.0\n")
+    (info / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\nsnapmla = vllm_snapmla:register\n")
+    return str(meta)
+
+
+def subprocess_env(extra: dict | None = None) -> dict:
+    """Environment for a vLLM process that must load this plugin from this source tree.
+
+    vLLM finds plugins through entry points, in the API server, the engine core and every
+    worker; when vllm-snapmla is not pip-installed, a ``.dist-info`` on ``PYTHONPATH``
+    declares the entry point.
+    """
+    env = dict(os.environ)
+    paths = [str(pathlib.Path(__file__).resolve().parent.parent)]
+    if not _plugin_visible():
+        paths.append(_entry_point_dir())
+    env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [env.get("PYTHONPATH")] if p])
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"   # vLLM imports it for sampling by default
+    env.update(extra or {})
+    return env
+
+
+def run_generation(spec: dict) -> dict:
+    """Build one ``LLM`` and run ``spec["rounds"]`` (lists of prompts) through it, in order.
+
+    ``spec``: ``model``, ``kv_cache_dtype``, ``rounds`` (list of lists of token-id prompts),
+    ``max_tokens``, optional ``logprobs`` and ``llm_kwargs``.  Returns per round and prompt
+    the generated ``token_ids``, the top ``logprobs`` per step (``{token: logprob}``) and
+    ``num_cached_tokens``, plus the KV-cache capacity.
+    """
+    from vllm import LLM, SamplingParams
+
+    kwargs = dict(load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
+                  dtype="bfloat16", max_model_len=2048, gpu_memory_utilization=0.4, seed=0)
+    kwargs.update(spec.get("llm_kwargs", {}))
+    llm = LLM(model=spec["model"], kv_cache_dtype=spec["kv_cache_dtype"], **kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True,
+                            logprobs=spec.get("logprobs"))
+    rounds = []
+    for prompts in spec["rounds"]:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                               use_tqdm=False)
+        rounds.append([{
+            "token_ids": list(o.outputs[0].token_ids),
+            "logprobs": [{str(t): lp.logprob for t, lp in step.items()}
+                         for step in (o.outputs[0].logprobs or [])],
+            "num_cached_tokens": o.num_cached_tokens or 0,
+        } for o in outputs])
+    cache = llm.llm_engine.vllm_config.cache_config
+    return {"rounds": rounds, "num_gpu_blocks": cache.num_gpu_blocks,
+            "block_size": cache.block_size,
+            "kv_cache_tokens": cache.num_gpu_blocks * cache.block_size}
+
+
+def run_json_child(args: list[str], spec: dict, env: dict | None, timeout: float
+                   ) -> tuple[dict, str]:
+    """``python <args>`` with ``spec`` as JSON on stdin, in this plugin's environment: the JSON
+    after its last ``RESULT_TAG`` line, and everything it printed."""
+    proc = subprocess.run([sys.executable, *args], input=json.dumps(spec), capture_output=True,
+                          text=True, timeout=timeout, env=subprocess_env(env))
+    log = proc.stdout + proc.stderr
+    result_lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
+    if proc.returncode != 0 or not result_lines:
+        raise RuntimeError(f"vLLM run failed (exit {proc.returncode}) for "
+                           f"{spec['kv_cache_dtype']}; last output:\n{log[-6000:]}")
+    return json.loads(result_lines[-1][len(RESULT_TAG):]), log
+
+
+def generate_in_subprocess(spec: dict, env: dict | None = None, timeout: float = 900) -> dict:
+    """``run_generation`` in a fresh Python process (it owns the GPU until it exits).
+
+    Adds ``log`` (everything the processes printed) and ``log_kv_cache_tokens`` (the
+    capacity vLLM logs) to the result.
+    """
+    result, log = run_json_child(["-m", "vllm_snapmla.testing"], spec, env, timeout)
+    logged = _KV_TOKENS_LOG.findall(log)
+    result["log_kv_cache_tokens"] = int(logged[-1].replace(",", "")) if logged else None
+    result["log"] = log
+    return result
+
+
+def _child() -> None:
+    spec = json.loads(sys.stdin.read())
+    result = run_generation(spec)
+    print(RESULT_TAG + json.dumps(result), flush=True)
+
+
+# --- random paged caches -------------------------------------------------------------------
+
+NAN_F32 = torch.tensor([float("nan")], dtype=torch.float32).view(torch.uint8)
+
+
+def build_cache(seq_lens, kv=None, gen=None, device="cpu", extra_blocks=3, content_std=1.0,
+                rope_std=3.0, kv_dtype=torch.bfloat16):
+    """Return ``(cache uint8[nb,64,656], block_table int32[B,max_blocks], kv)``.
+
+    ``kv[b] = (kv_c[n,512], k_pe[n,64])`` are the values written for request ``b`` (random unless
+    given).  Every byte not written by ``append_kv`` is random, and every unused row's scale is NaN,
+    so a kernel that reads past a request's length produces NaN.  Unused block-table entries point
+    at real (other requests') blocks for the same reason.
+    """
+    gen = gen or torch.Generator().manual_seed(0)
+    pages = [(n + fmt.PAGE_SIZE - 1) // fmt.PAGE_SIZE for n in seq_lens]
+    nb = sum(pages) + extra_blocks
+    cache = torch.randint(0, 256, (nb, fmt.PAGE_SIZE, fmt.BYTES_PER_TOKEN), dtype=torch.uint8,
+                          generator=gen)
+    cache[..., fmt.SCALE_OFFSET:fmt.PAD_OFFSET] = NAN_F32
+    perm = torch.randperm(nb, generator=gen)
+    width = max(max(pages, default=1), 1)
+    block_table = torch.randint(0, nb, (len(seq_lens), width), dtype=torch.int32, generator=gen)
+    kv_out, start = [], 0
+    for b, n in enumerate(seq_lens):
+        block_table[b, :pages[b]] = perm[start:start + pages[b]].int()
+        start += pages[b]
+        if kv is None:
+            kv_c = (torch.randn(n, fmt.KV_LORA_RANK, generator=gen) * content_std).to(kv_dtype)
+            k_pe = (torch.randn(n, fmt.ROPE_DIM, generator=gen) * rope_std).to(kv_dtype)
+        else:
+            kv_c, k_pe = kv[b]
+        slots = (block_table[b, :pages[b]].long()[:, None] * fmt.PAGE_SIZE
+                 + torch.arange(fmt.PAGE_SIZE)).flatten()[:n]
+        ref.append_kv(kv_c, k_pe, cache, slots)
+        kv_out.append((kv_c, k_pe))
+    cache = cache.to(device)
+    return cache, block_table.to(device), kv_out
+
+
+if __name__ == "__main__":
+    _child()
