@@ -18,6 +18,7 @@ import torch
 
 from vllm_snapmla import format as fmt
 from vllm_snapmla import ops
+from vllm_snapmla._native import native
 
 FLOAT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -61,7 +62,7 @@ def kv_inputs(T: int, dtype: torch.dtype):
 def quantize_kv_case(T: int, dtype: torch.dtype):
     kv_c, k_pe = kv_inputs(T, dtype)
     out = torch.empty(T, fmt.BYTES_PER_TOKEN, dtype=torch.uint8, device="cuda")
-    C = ops.native()
+    C = native()
     nbytes = T * (fmt.HEAD_SIZE * kv_c.element_size() + fmt.BYTES_PER_TOKEN)
     return (lambda: C.quantize_kv(kv_c, k_pe, out)), nbytes
 
@@ -74,7 +75,7 @@ def append_kv_case(T: int, dtype: torch.dtype):
     page = torch.randperm(blocks, device="cuda")
     pos = torch.arange(T, device="cuda")
     slots = page[pos // fmt.PAGE_SIZE] * fmt.PAGE_SIZE + pos % fmt.PAGE_SIZE
-    C = ops.native()
+    C = native()
     nbytes = T * (fmt.HEAD_SIZE * kv_c.element_size() + fmt.BYTES_PER_TOKEN + slots.element_size())
     return (lambda: C.append_kv(kv_c, k_pe, cache, slots)), nbytes
 
@@ -94,7 +95,7 @@ def gather_kv_case(T: int, dtype: torch.dtype, num_seqs: int = 8):
     cu[1:] = lens.cumsum(0)
     token_to_seq = torch.repeat_interleave(torch.arange(num_seqs, device="cuda"), lens).int()
     dst = torch.empty(T, fmt.HEAD_SIZE, dtype=dtype, device="cuda")
-    C = ops.native()
+    C = native()
     nbytes = T * (fmt.BYTES_PER_TOKEN + fmt.HEAD_SIZE * dst.element_size() + 4)
     return (lambda: C.gather_kv(cache, dst, block_table, cu, token_to_seq, T, None)), nbytes
 
@@ -106,7 +107,7 @@ def quantize_q_case(T: int, dtype: torch.dtype, heads: int = 128):
     q8 = torch.empty(T, heads, fmt.KV_LORA_RANK, dtype=torch.float8_e4m3fn, device="cuda")
     scale = torch.empty(T, heads, dtype=torch.float32, device="cuda")
     qpe = torch.empty(T, heads, fmt.ROPE_DIM, dtype=torch.bfloat16, device="cuda")
-    C = ops.native()
+    C = native()
     rows = T * heads
     nbytes = rows * (fmt.HEAD_SIZE * q_pe.element_size() + fmt.KV_LORA_RANK + 4 + 2 * fmt.ROPE_DIM)
     return (lambda: C.quantize_q(q_nope, q_pe, q8, scale, qpe)), nbytes
@@ -125,7 +126,7 @@ def main() -> None:
 
     if not torch.cuda.is_available():
         sys.exit("bench_cache_ops needs a CUDA GPU")
-    if ops.native() is None:
+    if native() is None:
         sys.exit("the native extension vllm_snapmla._C is not built")
     tokens = [int(x) for x in args.tokens.split(",") if x]
     q_tokens = [int(x) for x in args.q_tokens.split(",") if x]

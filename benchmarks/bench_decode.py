@@ -57,6 +57,7 @@ import torch
 from benchmarks.provenance import describe, run_info
 from vllm_snapmla import format as fmt
 from vllm_snapmla import ops, reference
+from vllm_snapmla._native import native
 
 
 def _sm90_kernel(schedule=None):
@@ -397,7 +398,7 @@ def main():
     fm, why = _flashmla()
     if fm is None:
         print(f"FlashMLA unavailable, timing ours only: {why}", flush=True)
-    if ops.native() is not None:
+    if native() is not None:
         quantize, quant_note = ops.quantize_q, "native quantize_q"
     else:
         quantize, quant_note = reference.quantize_q, "torch reference quantize_q (no native build)"
@@ -432,10 +433,11 @@ def main():
             us = measured["us"]
             times[name] = us
             nbytes = inp["tokens"] * BYTES_PER_TOKEN.get(name, fmt.BYTES_PER_TOKEN)
-            shape_rows.append(dict(backend=name, B=B, H=H, N=N, s_q=s_q, us=us,
-                                   tflops=flops / us * 1e-6, gbps=nbytes / us * 1e-3,
-                                   relerr=relerr, table_width=inp["block_table"].shape[1],
-                                   ragged=int(args.ragged), timing=timing, **measured))
+            shape_rows.append({**measured, "backend": name, "B": B, "H": H, "N": N,
+                               "s_q": s_q, "us": us, "tflops": flops / us * 1e-6,
+                               "gbps": nbytes / us * 1e-3, "relerr": relerr,
+                               "table_width": inp["block_table"].shape[1],
+                               "ragged": int(args.ragged), "timing": timing})
             metadata = (f"  metadata {measured['metadata_us']:6.1f} us "
                         f"(host {measured['metadata_host_us']:5.1f})"
                         if "metadata_us" in measured else "")
