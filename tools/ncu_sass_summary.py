@@ -8,7 +8,7 @@ in blocks of --block instructions: each block's share of the kernel's samples, h
 instructions ran (the most of any of them), its three main stall reasons, and its landmark
 instructions (WGMMAs, barriers, TMA and mbarrier waits, MUFU, shared-memory and local-memory
 accesses).  In a warp-specialized kernel the execution counts and landmarks tell the
-warpgroups' phases apart (tools/h200.sh ncu packs this next to the raw pages).
+warpgroups' phases apart (run it on the source page that `ncu --page source --csv --print-source sass` writes).
 """
 from __future__ import annotations
 

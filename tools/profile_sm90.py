@@ -1,4 +1,4 @@
-"""One sm90 decode launch per schedule on random data, for Nsight Compute (tools/h200.sh ncu).
+"""One sm90 decode launch per schedule on random data, for Nsight Compute.
 
     ncu --clock-control none --kernel-name regex:decode_kernel python3 tools/profile_sm90.py
     python3 tools/profile_sm90.py --time [--distinct-blocks 64]
