@@ -52,8 +52,9 @@ __global__ void __launch_bounds__(32 * kCombineRowsPerBlock) combine_kernel(cons
   }
   const bool seen_any = total > 0.f;
   const float inv = seen_any ? 1.f / total : 0.f;
-  __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(
-      static_cast<__nv_bfloat16*>(p.out) + (static_cast<int64_t>(b) * p.num_rows + row) * kKvLoraRank);
+  const int64_t out_row = static_cast<int64_t>(b) * p.num_rows + row;
+  __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.out) +
+                                                          out_row * kKvLoraRank);
 #pragma unroll
   for (int j = 0; j < kColsPerLane / 4; ++j) {
     const int col = 4 * (j * 32 + lane);

@@ -115,11 +115,7 @@ void quantize_q(const at::Tensor& q_nope, const at::Tensor& q_pe, at::Tensor& q8
                 at::Tensor& q_scale, at::Tensor& q_pe_scaled) {
   constexpr const char* op = "quantize_q";
   const at::Device device = q_nope.device();
-  check_cuda(op, "q_nope", q_nope, device);
-  check_cuda(op, "q_pe", q_pe, device);
-  const FloatType dtype = float_type(op, "q_nope", q_nope);
-  TORCH_CHECK_TYPE(q_pe.scalar_type() == q_nope.scalar_type(), op, ": q_pe is ",
-                   q_pe.scalar_type(), " but q_nope is ", q_nope.scalar_type(), "; they must match");
+  const FloatType dtype = query_pair_type(op, q_nope, q_pe, device);
   TORCH_CHECK_VALUE(q_nope.dim() >= 1 && q_nope.size(-1) == kKvLoraRank, op,
                     ": q_nope must be [..., ", kKvLoraRank, "], got ", shape_of(q_nope));
   TORCH_CHECK_VALUE(q_pe.dim() == q_nope.dim() && q_pe.size(-1) == kRopeDim &&

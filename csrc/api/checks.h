@@ -27,7 +27,8 @@ inline FloatType float_type(const char* op, const char* name, const at::Tensor& 
   }
 }
 
-inline void check_cuda(const char* op, const char* name, const at::Tensor& t, const at::Device& device) {
+inline void check_cuda(const char* op, const char* name, const at::Tensor& t,
+                       const at::Device& device) {
   TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got one on ", t.device());
   TORCH_CHECK(t.device() == device, op, ": ", name, " is on ", t.device(), " but the op runs on ",
               device);
@@ -52,7 +53,8 @@ inline at::Tensor vector_ready(const at::Tensor& t) {
 inline at::Tensor token_rows(const char* op, const char* name, const at::Tensor& t, int64_t width) {
   const bool squeezable = t.dim() == 3 && t.size(1) == 1;
   TORCH_CHECK_VALUE((t.dim() == 2 || squeezable) && t.size(-1) == width, op, ": ", name,
-                    " must be [tokens, ", width, "]", width == kRopeDim ? " or [tokens, 1, 64]" : "",
+                    " must be [tokens, ", width, "]",
+                    width == kRopeDim ? " or [tokens, 1, 64]" : "",
                     ", got ", shape_of(t));
   return squeezable ? t.squeeze(1) : t;
 }
@@ -91,6 +93,18 @@ inline StridedRows strided_rows(const at::Tensor& rows2d) {
 
 inline void check_launch(const char* op, cudaError_t err) {
   TORCH_CHECK(err == cudaSuccess, op, ": CUDA launch failed: ", cudaGetErrorString(err));
+}
+
+// The query's two parts: CUDA tensors on `device` of one float type, which is returned.
+inline FloatType query_pair_type(const char* op, const at::Tensor& q_nope, const at::Tensor& q_pe,
+                                 const at::Device& device) {
+  check_cuda(op, "q_nope", q_nope, device);
+  check_cuda(op, "q_pe", q_pe, device);
+  const FloatType dtype = float_type(op, "q_nope", q_nope);
+  TORCH_CHECK_TYPE(q_pe.scalar_type() == q_nope.scalar_type(), op, ": q_pe is ",
+                   q_pe.scalar_type(), " but q_nope is ", q_nope.scalar_type(),
+                   "; they must match");
+  return dtype;
 }
 
 // A tensor of exactly this dtype and shape.

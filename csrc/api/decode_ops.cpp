@@ -212,17 +212,40 @@ std::tuple<at::Tensor, at::Tensor> run_decode(const char* op, const at::Tensor& 
   return {out, lse};
 }
 
-SplitPlanParams plan_params(const at::Tensor& lens, const at::Tensor& pages_per_split,
-                            const LaunchShape& shape) {
+SplitPlanParams plan_params(const at::Tensor& lens, int64_t batch,
+                            const at::Tensor& pages_per_split, const LaunchShape& shape) {
   SplitPlanParams plan{};
   plan.seq_lens = lens.data_ptr<int32_t>();
-  plan.batch = static_cast<int>(lens.size(0));
+  plan.batch = static_cast<int>(batch);
   plan.programs = shape.programs;
   plan.slots = shape.slots;
   plan.max_splits = shape.max_splits;
   plan.overhead_pages = kSplitOverheadPages;
   plan.pages_per_split = pages_per_split.data_ptr<int32_t>();
   return plan;
+}
+
+// What both decode entries settle before their first launch: the limits, the GPU, the inputs,
+// the kernel and the launch shape.  The caller holds the device guard.
+struct DecodeSetup {
+  at::Tensor table, lens;   // the first `batch` rows, int32
+  int64_t schedule;
+  LaunchShape shape;
+};
+
+DecodeSetup setup_decode(const char* op, const at::Device& device, int64_t batch, int64_t rows,
+                         const at::Tensor& kv_cache, const at::Tensor& block_table,
+                         const at::Tensor& seq_lens, double softmax_scale, int64_t num_splits,
+                         int64_t schedule) {
+  TORCH_CHECK_VALUE(rows <= 65535 * 64 && batch <= 2147483647, op,
+                    ": batch or query rows exceed the launch limits");
+  check_sm90_device(op, device);
+  auto [table, lens] = check_decode_inputs(op, device, batch, kv_cache, block_table, seq_lens,
+                                           softmax_scale, num_splits);
+  schedule = resolve_schedule(op, schedule, rows);
+  const LaunchShape shape =
+      launch_shape(op, device, batch, rows, schedule, table.size(1), num_splits);
+  return {table, lens, schedule, shape};
 }
 
 }  // namespace
@@ -234,12 +257,7 @@ std::tuple<at::Tensor, at::Tensor> decode_sm90(const at::Tensor& q_nope, const a
                                                bool causal, int64_t num_splits, int64_t schedule) {
   constexpr const char* op = "decode_sm90";
   const at::Device device = q_nope.device();
-  check_cuda(op, "q_nope", q_nope, device);
-  check_cuda(op, "q_pe", q_pe, device);
-  const FloatType dtype = float_type(op, "q_nope", q_nope);
-  TORCH_CHECK_TYPE(q_pe.scalar_type() == q_nope.scalar_type(), op, ": q_pe is ",
-                   q_pe.scalar_type(), " but q_nope is ", q_nope.scalar_type(),
-                   "; they must match");
+  const FloatType dtype = query_pair_type(op, q_nope, q_pe, device);
   check_query(op, "q_nope", q_nope, kKvLoraRank);
   check_query(op, "q_pe", q_pe, kRopeDim);
   TORCH_CHECK_VALUE(q_pe.sizes().slice(0, 3) == q_nope.sizes().slice(0, 3), op,
@@ -247,14 +265,9 @@ std::tuple<at::Tensor, at::Tensor> decode_sm90(const at::Tensor& q_nope, const a
                     shape_of(q_nope), " leading shape, got ", shape_of(q_pe));
   const int64_t batch = q_nope.size(0), s_q = q_nope.size(1), heads = q_nope.size(2);
   const int64_t rows = s_q * heads;
-  TORCH_CHECK_VALUE(rows <= 65535 * 64 && batch <= 2147483647, op,
-                    ": batch or query rows exceed the launch limits");
   const c10::cuda::CUDAGuard guard(device);
-  check_sm90_device(op, device);
-  auto [table, lens] = check_decode_inputs(op, device, batch, kv_cache, block_table, seq_lens,
-                                           softmax_scale, num_splits);
-  schedule = resolve_schedule(op, schedule, rows);
-  const LaunchShape shape = launch_shape(op, device, batch, rows, schedule, table.size(1), num_splits);
+  const DecodeSetup d = setup_decode(op, device, batch, rows, kv_cache, block_table, seq_lens,
+                                     softmax_scale, num_splits, schedule);
 
   const auto opts = q_nope.options();
   at::Tensor q8 = at::empty({batch, s_q, heads, kKvLoraRank}, opts.dtype(at::kFloat8_e4m3fn));
@@ -262,10 +275,10 @@ std::tuple<at::Tensor, at::Tensor> decode_sm90(const at::Tensor& q_nope, const a
   at::Tensor q_pe_scaled = at::empty({batch, s_q, heads, kRopeDim}, opts.dtype(at::kBFloat16));
   at::Tensor pages_per_split;
   SplitPlanParams plan{};
-  const bool planned = num_splits == 0 && shape.max_splits > 1;
+  const bool planned = num_splits == 0 && d.shape.max_splits > 1;
   if (planned) {
     pages_per_split = at::empty({1}, opts.dtype(at::kInt));
-    plan = plan_params(lens, pages_per_split, shape);
+    plan = plan_params(d.lens, batch, pages_per_split, d.shape);
   }
   if (batch > 0 && rows > 0) {
     // Rows are (b * s_q + i, head): vLLM's [T, H, 512] bmm output viewed as [B, s_q, H, 512]
@@ -279,8 +292,8 @@ std::tuple<at::Tensor, at::Tensor> decode_sm90(const at::Tensor& q_nope, const a
                          q_pe_scaled.data_ptr(), planned ? &plan : nullptr,
                          c10::cuda::getCurrentCUDAStream()));
   }
-  return run_decode(op, q8, q_scale, q_pe_scaled, kv_cache, table, lens, softmax_scale, causal,
-                    shape, schedule, pages_per_split);
+  return run_decode(op, q8, q_scale, q_pe_scaled, kv_cache, d.table, d.lens, softmax_scale,
+                    causal, d.shape, d.schedule, pages_per_split);
 }
 
 std::tuple<at::Tensor, at::Tensor> decode_sm90_quantized(
@@ -300,22 +313,17 @@ std::tuple<at::Tensor, at::Tensor> decode_sm90_quantized(
   check_cuda(op, "q_pe_scaled", q_pe_scaled, device);
   check_shape(op, "q_pe_scaled", q_pe_scaled, at::kBFloat16, {batch, s_q, heads, kRopeDim});
   check_rows_aligned(op, "q_pe_scaled", q_pe_scaled);
-  TORCH_CHECK_VALUE(rows <= 65535 * 64 && batch <= 2147483647, op,
-                    ": batch or query rows exceed the launch limits");
   const c10::cuda::CUDAGuard guard(device);
-  check_sm90_device(op, device);
-  auto [table, lens] = check_decode_inputs(op, device, batch, kv_cache, block_table, seq_lens,
-                                           softmax_scale, num_splits);
-  schedule = resolve_schedule(op, schedule, rows);
-  const LaunchShape shape = launch_shape(op, device, batch, rows, schedule, table.size(1), num_splits);
+  const DecodeSetup d = setup_decode(op, device, batch, rows, kv_cache, block_table, seq_lens,
+                                     softmax_scale, num_splits, schedule);
   at::Tensor pages_per_split;
-  if (num_splits == 0 && shape.max_splits > 1 && batch > 0) {
+  if (num_splits == 0 && d.shape.max_splits > 1 && batch > 0) {
     pages_per_split = at::empty({1}, q8.options().dtype(at::kInt));
-    check_launch(op, launch_split_plan(plan_params(lens, pages_per_split, shape),
+    check_launch(op, launch_split_plan(plan_params(d.lens, batch, pages_per_split, d.shape),
                                        c10::cuda::getCurrentCUDAStream()));
   }
-  return run_decode(op, q8, q_scale, q_pe_scaled, kv_cache, table, lens, softmax_scale, causal,
-                    shape, schedule, pages_per_split);
+  return run_decode(op, q8, q_scale, q_pe_scaled, kv_cache, d.table, d.lens, softmax_scale,
+                    causal, d.shape, d.schedule, pages_per_split);
 }
 
 void split_plan(const at::Tensor& seq_lens, at::Tensor& pages_per_split, int64_t batch,
@@ -334,15 +342,10 @@ void split_plan(const at::Tensor& seq_lens, at::Tensor& pages_per_split, int64_t
                         max_splits <= 65535 && programs <= 2147483647,
                     op, ": batch, programs, slots or max_splits out of range");
   const c10::cuda::CUDAGuard guard(device);
-  SplitPlanParams plan{};
-  plan.seq_lens = seq_lens.data_ptr<int32_t>();
-  plan.batch = static_cast<int>(batch);
-  plan.programs = static_cast<int>(programs);
-  plan.slots = static_cast<int>(slots);
-  plan.max_splits = static_cast<int>(max_splits);
-  plan.overhead_pages = kSplitOverheadPages;
-  plan.pages_per_split = pages_per_split.data_ptr<int32_t>();
-  check_launch(op, launch_split_plan(plan, c10::cuda::getCurrentCUDAStream()));
+  const LaunchShape shape{static_cast<int>(programs), static_cast<int>(slots),
+                          static_cast<int>(max_splits)};
+  check_launch(op, launch_split_plan(plan_params(seq_lens, batch, pages_per_split, shape),
+                                     c10::cuda::getCurrentCUDAStream()));
 }
 
 void combine_splits(const at::Tensor& part_out, const at::Tensor& part_lse,

@@ -77,6 +77,16 @@ def _store_chunk(base, rows, cols, o, norm, mask, ROW: tl.constexpr, DIRECT: tl.
 
 
 @triton.jit
+def _store_rows(base, rows, cols, o0, o1, o2, o3, norm, mask, CHUNK: tl.constexpr,
+                DIRECT: tl.constexpr):
+    """The four 128-column chunks of the rows' output, normalised, at ``base``."""
+    _store_chunk(base, rows, cols, o0, norm, mask, 4 * CHUNK, DIRECT)
+    _store_chunk(base + CHUNK, rows, cols, o1, norm, mask, 4 * CHUNK, DIRECT)
+    _store_chunk(base + 2 * CHUNK, rows, cols, o2, norm, mask, 4 * CHUNK, DIRECT)
+    _store_chunk(base + 3 * CHUNK, rows, cols, o3, norm, mask, 4 * CHUNK, DIRECT)
+
+
+@triton.jit
 def _split_kernel(
         q8_ptr, q_scale_ptr, qpe_ptr,
         content_ptr, scale_ptr, rope_ptr,
@@ -190,22 +200,15 @@ def _split_kernel(
     lse = tl.where(seen_any, (m + tl.log2(l)) * 0.6931471805599453, float("-inf"))
     if direct:
         final_rows = row_ok & active
-        out_base = out_ptr + b64 * num_rows * (4 * CHUNK)
         tl.store(lse_ptr + b64 * num_rows + qh * s_q + qi, lse, mask=final_rows)
-        _store_chunk(out_base, rows, cols, o0, norm, final_rows, 4 * CHUNK, True)
-        _store_chunk(out_base + CHUNK, rows, cols, o1, norm, final_rows, 4 * CHUNK, True)
-        _store_chunk(out_base + 2 * CHUNK, rows, cols, o2, norm, final_rows, 4 * CHUNK, True)
-        _store_chunk(out_base + 3 * CHUNK, rows, cols, o3, norm, final_rows, 4 * CHUNK, True)
+        _store_rows(out_ptr + b64 * num_rows * (4 * CHUNK), rows, cols, o0, o1, o2, o3, norm,
+                    final_rows, CHUNK, True)
     else:
         # The combine skips splits with LSE -inf, so their O need not be written.
         part_row = (b64 * max_splits + split) * num_rows
         tl.store(part_lse_ptr + part_row + rows, lse, mask=row_ok & active)
-        part_rows = row_ok & active & seen_any
-        part_base = part_ptr + part_row * (4 * CHUNK)
-        _store_chunk(part_base, rows, cols, o0, norm, part_rows, 4 * CHUNK, False)
-        _store_chunk(part_base + CHUNK, rows, cols, o1, norm, part_rows, 4 * CHUNK, False)
-        _store_chunk(part_base + 2 * CHUNK, rows, cols, o2, norm, part_rows, 4 * CHUNK, False)
-        _store_chunk(part_base + 3 * CHUNK, rows, cols, o3, norm, part_rows, 4 * CHUNK, False)
+        _store_rows(part_ptr + part_row * (4 * CHUNK), rows, cols, o0, o1, o2, o3, norm,
+                    row_ok & active & seen_any, CHUNK, False)
 
 
 class LaunchConfig(NamedTuple):
