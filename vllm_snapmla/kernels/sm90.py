@@ -20,14 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from vllm_snapmla import format as fmt
 from vllm_snapmla._native import native, require_native
 
 SCHEDULES = {"free": 0, "split-roles": 1, "narrow": 2}
 NARROW_MAX_ROWS = 32
 DEFAULT_SCHEDULE = "split-roles"
-# csrc/sm90/config.h hard-codes these (kPScaleRange, kPScaleFloor).
-assert fmt.P_SCALE_RANGE == 2.0 ** -32 and fmt.P_SCALE_FLOOR == 2.0 ** -126
 
 
 def available(device: torch.device | int | None = None) -> bool:
