@@ -336,9 +336,7 @@ quantize_q_kernel(StridedRows q_nope, StridedRows q_pe, int64_t heads, int64_t n
 // rope values [l * kVec, +kVec): one 16-byte store each, contiguous across the warp.
 template <typename OutT>
 __global__ void __launch_bounds__(kThreads)
-gather_kv_kernel(const uint8_t* cache, int64_t block_stride, OutT* dst, int64_t dst_stride,
-                 const int32_t* block_table, int64_t block_table_stride, const int32_t* cu_seq_lens,
-                 const int32_t* token_to_seq, const int32_t* seq_starts, int64_t num_tokens) {
+gather_kv_kernel(const GatherSource src_desc, OutT* dst, int64_t dst_stride, int64_t num_tokens) {
   constexpr int kVec = 16 / sizeof(OutT);
   constexpr int kContentVecs = kKvLoraRank / (kWarp * kVec);
   constexpr int kRopeLanes = kRopeDim / kVec;
@@ -348,11 +346,30 @@ gather_kv_kernel(const uint8_t* cache, int64_t block_stride, OutT* dst, int64_t 
   const int lane = threadIdx.x % kWarp;
   const int64_t token = int64_t(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
   if (token >= num_tokens) return;
-  const int64_t seq = token_to_seq[token];
-  int64_t pos = token - cu_seq_lens[seq];
-  if (seq_starts != nullptr) pos += seq_starts[seq];
-  const int64_t block = block_table[seq * block_table_stride + pos / kPageSize];
-  const uint8_t* src = cache + block * block_stride + (pos % kPageSize) * kBytesPerToken;
+  OutT* out = dst + token * dst_stride;
+  const GatherSource& g = src_desc;
+  const int64_t seq = g.token_to_seq[token];
+  int64_t block = -1;
+  int64_t pos = -1;
+  if (seq >= 0 && seq < g.num_seqs) {
+    pos = token - g.cu_seq_lens[seq] + (g.seq_starts != nullptr ? g.seq_starts[seq] : 0);
+    if (pos >= 0 && pos < g.table_pages * kPageSize) {
+      block = g.block_table[seq * g.block_table_stride + pos / kPageSize];
+    }
+  }
+  if (block < 0 || block >= g.num_blocks) {   // an index outside the source: NaN, not a guess
+    const float nan = __int_as_float(0x7fc00000);
+    float f[kVec];
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) f[i] = nan;
+#pragma unroll
+    for (int j = 0; j < kContentVecs; ++j) {
+      reinterpret_cast<uint4*>(out)[j * kWarp + lane] = pack<OutT>(f);
+    }
+    if (lane < kRopeLanes) reinterpret_cast<uint4*>(out + kKvLoraRank)[lane] = pack<OutT>(f);
+    return;
+  }
+  const uint8_t* src = g.cache + block * g.block_stride + (pos % kPageSize) * kBytesPerToken;
 
   ContentBytes content[kContentVecs];
 #pragma unroll
@@ -364,7 +381,6 @@ gather_kv_kernel(const uint8_t* cache, int64_t block_stride, OutT* dst, int64_t 
   if (lane < kRopeLanes) rope = __ldg(reinterpret_cast<const RopeBytes*>(src + kRopeOffset) + lane);
   const float s = __ldg(reinterpret_cast<const float*>(src + kScaleOffset));
 
-  OutT* out = dst + token * dst_stride;
 #pragma unroll
   for (int j = 0; j < kContentVecs; ++j) {
     float f[kVec];
@@ -412,13 +428,10 @@ cudaError_t quantize_q_typed(StridedRows q_nope, StridedRows q_pe, int64_t outer
 }
 
 template <typename OutT>
-cudaError_t gather_kv_typed(const uint8_t* cache, int64_t block_stride, void* dst, int64_t dst_stride,
-                            const int32_t* block_table, int64_t block_table_stride,
-                            const int32_t* cu_seq_lens, const int32_t* token_to_seq,
-                            const int32_t* seq_starts, int64_t num_tokens, cudaStream_t stream) {
+cudaError_t gather_kv_typed(const GatherSource& src, void* dst, int64_t dst_stride,
+                            int64_t num_tokens, cudaStream_t stream) {
   gather_kv_kernel<OutT><<<blocks_for(num_tokens), kThreads, 0, stream>>>(
-      cache, block_stride, static_cast<OutT*>(dst), dst_stride, block_table, block_table_stride,
-      cu_seq_lens, token_to_seq, seq_starts, num_tokens);
+      src, static_cast<OutT*>(dst), dst_stride, num_tokens);
   return cudaGetLastError();
 }
 
@@ -440,25 +453,16 @@ cudaError_t launch_quantize_kv(FloatType dtype, StridedRows kv_c, StridedRows k_
   return cudaErrorInvalidValue;
 }
 
-cudaError_t launch_gather_kv(FloatType dst_type, const uint8_t* cache, int64_t block_stride,
-                             void* dst, int64_t dst_stride, const int32_t* block_table,
-                             int64_t block_table_stride, const int32_t* cu_seq_lens,
-                             const int32_t* token_to_seq, const int32_t* seq_starts,
-                             int64_t num_tokens, cudaStream_t stream) {
+cudaError_t launch_gather_kv(FloatType dst_type, const GatherSource& src, void* dst,
+                             int64_t dst_stride, int64_t num_tokens, cudaStream_t stream) {
   if (num_tokens <= 0) return cudaSuccess;
   switch (dst_type) {
     case FloatType::kFloat32:
-      return gather_kv_typed<float>(cache, block_stride, dst, dst_stride, block_table,
-                                    block_table_stride, cu_seq_lens, token_to_seq, seq_starts,
-                                    num_tokens, stream);
+      return gather_kv_typed<float>(src, dst, dst_stride, num_tokens, stream);
     case FloatType::kFloat16:
-      return gather_kv_typed<__half>(cache, block_stride, dst, dst_stride, block_table,
-                                     block_table_stride, cu_seq_lens, token_to_seq, seq_starts,
-                                     num_tokens, stream);
+      return gather_kv_typed<__half>(src, dst, dst_stride, num_tokens, stream);
     case FloatType::kBFloat16:
-      return gather_kv_typed<__nv_bfloat16>(cache, block_stride, dst, dst_stride, block_table,
-                                            block_table_stride, cu_seq_lens, token_to_seq,
-                                            seq_starts, num_tokens, stream);
+      return gather_kv_typed<__nv_bfloat16>(src, dst, dst_stride, num_tokens, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -36,13 +36,26 @@ cudaError_t launch_quantize_kv(FloatType dtype, StridedRows kv_c, StridedRows k_
                                const void* slot_mapping, IndexType slot_type, int64_t num_tokens,
                                cudaStream_t stream);
 
+// Where gather_kv reads: the cache and vLLM's index tensors (int32; seq_starts may be null),
+// with their extents, so that indices outside them are never followed.
+struct GatherSource {
+  const uint8_t* cache;
+  int64_t block_stride;
+  int64_t num_blocks;
+  const int32_t* block_table;   // [num_seqs, table_pages]
+  int64_t block_table_stride;
+  int64_t table_pages;
+  int64_t num_seqs;             // requests token_to_seq may name
+  const int32_t* cu_seq_lens;   // [num_seqs + 1]
+  const int32_t* token_to_seq;  // [>= num_tokens]
+  const int32_t* seq_starts;    // [num_seqs] or null
+};
+
 // dst[t] = dequantized [kv_c ; k_pe] of position seq_starts[b] + t - cu_seq_lens[b] of request
-// b = token_to_seq[t], for t < num_tokens.  Index tensors are int32; seq_starts may be null.
-cudaError_t launch_gather_kv(FloatType dst_type, const uint8_t* cache, int64_t block_stride,
-                             void* dst, int64_t dst_stride, const int32_t* block_table,
-                             int64_t block_table_stride, const int32_t* cu_seq_lens,
-                             const int32_t* token_to_seq, const int32_t* seq_starts,
-                             int64_t num_tokens, cudaStream_t stream);
+// b = token_to_seq[t], for t < num_tokens.  A token whose request, position or block lies
+// outside the source's extents gets a NaN row (nothing is read for it).
+cudaError_t launch_gather_kv(FloatType dst_type, const GatherSource& src, void* dst,
+                             int64_t dst_stride, int64_t num_tokens, cudaStream_t stream);
 
 // Quantizes outer * heads query rows into contiguous q8[rows,512] (e4m3), q_scale[rows] and
 // q_pe_scaled[rows,64] (bf16).  With `plan`, the same launch also runs the decode's split

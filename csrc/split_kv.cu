@@ -23,7 +23,8 @@ __global__ void __launch_bounds__(32 * kCombineRowsPerBlock) combine_kernel(cons
   const int b = blockIdx.y;
   if (row >= p.num_rows) return;
   const int chunk = p.pages_per_split != nullptr ? *p.pages_per_split : 0;
-  const int runs = split_range(p.seq_lens[b], chunk, p.max_splits, 0).num_splits;
+  const int runs =
+      split_range(p.seq_lens[b], p.table_pages, chunk, p.max_splits, 0).num_splits;
   if (runs == 1 && !p.single_runs_in_partials) return;   // the decode kernel wrote it directly
 
   const int64_t first = (static_cast<int64_t>(b) * p.max_splits) * p.num_rows + row;
@@ -50,7 +51,8 @@ __global__ void __launch_bounds__(32 * kCombineRowsPerBlock) combine_kernel(cons
       acc[4 * j + 3] += w * v.w;
     }
   }
-  const bool seen_any = total > 0.f;
+  // A NaN partial (non-finite inputs, an invalid request) makes the total NaN: NaN out, not 0.
+  const bool seen_any = !(total == 0.f);
   const float inv = seen_any ? 1.f / total : 0.f;
   const int64_t out_row = static_cast<int64_t>(b) * p.num_rows + row;
   __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.out) +

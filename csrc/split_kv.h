@@ -23,21 +23,37 @@ namespace snapmla {
 // The pages of one split: [first_page, first_page + num_pages) of its request, which has
 // `num_splits` non-empty runs in all.  `pages_per_split` 0 (no planner) cuts the request's pages
 // into `max_splits` equal runs.
+//
+// A length outside [0, table_pages * kPageSize] cannot come from a block table `table_pages`
+// wide: such a request is `valid == false`, gets no pages (nothing is read through its table
+// row) and one run, and the kernels write NaN for it, so the error shows in the output instead
+// of reading another request's blocks.
 struct SplitRange {
   int first_page;
   int num_pages;
   int num_splits;
+  bool valid;
 };
 
-__host__ __device__ __forceinline__ SplitRange split_range(int seq_len, int pages_per_split,
-                                                           int max_splits, int split) {
-  const int pages = seq_len > 0 ? (seq_len + kPageSize - 1) / kPageSize : 0;
+__host__ __device__ __forceinline__ bool valid_length(int seq_len, int table_pages) {
+  return seq_len >= 0 && static_cast<int64_t>(seq_len) <= int64_t(table_pages) * kPageSize;
+}
+
+__host__ __device__ __forceinline__ int request_pages(int seq_len, int table_pages) {
+  return valid_length(seq_len, table_pages) ? (seq_len + kPageSize - 1) / kPageSize : 0;
+}
+
+__host__ __device__ __forceinline__ SplitRange split_range(int seq_len, int table_pages,
+                                                           int pages_per_split, int max_splits,
+                                                           int split) {
+  const int pages = request_pages(seq_len, table_pages);
   int run = (pages + max_splits - 1) / max_splits;
   if (pages_per_split > run) run = pages_per_split;
   const int num_splits = run > 0 ? (pages + run - 1) / run : 1;
   const int first = split * run;
   const int last = first + run < pages ? first + run : pages;
-  return {first, last > first ? last - first : 0, num_splits > 0 ? num_splits : 1};
+  return {first, last > first ? last - first : 0, num_splits > 0 ? num_splits : 1,
+          valid_length(seq_len, table_pages)};
 }
 
 // The planner's inputs.  Cost model (the same for every kernel): a launch of s splits runs
@@ -46,6 +62,7 @@ __host__ __device__ __forceinline__ SplitRange split_range(int seq_len, int page
 // cheapest s <= max_splits for the batch's longest request (fewer splits on ties).
 struct SplitPlanParams {
   const int32_t* seq_lens;     // [batch]
+  int table_pages;             // the block table's columns (longer lengths are invalid)
   int batch;
   int programs;                // CTAs per split index: batch x row blocks
   int slots;                   // CTAs the GPU runs at once
@@ -64,6 +81,7 @@ struct CombineParams {
   const float* part_lse;
   const int32_t* seq_lens;
   const int32_t* pages_per_split;   // as the decode launch read it (may be null)
+  int table_pages;                  // the block table's columns
   int max_splits;
   void* out;
   float* lse;
@@ -93,8 +111,7 @@ inline int max_splits_for(int64_t programs, int slots, int64_t table_pages) {
 __device__ __forceinline__ void plan_splits_warp(const SplitPlanParams& p, int lane) {
   int max_pages = 0;
   for (int b = lane; b < p.batch; b += 32) {
-    const int seq_len = p.seq_lens[b];
-    const int pages = seq_len > 0 ? (seq_len + kPageSize - 1) / kPageSize : 0;
+    const int pages = request_pages(p.seq_lens[b], p.table_pages);
     max_pages = pages > max_pages ? pages : max_pages;
   }
 #pragma unroll

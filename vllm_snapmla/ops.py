@@ -7,6 +7,13 @@ Every function takes CPU or CUDA tensors.  CPU tensors run the exact PyTorch ref
 (``vllm_snapmla.kernels.triton_decode``).  All give the same results within the tolerances the
 tests state.
 
+Each function states its contract in its docstring (``vllm_snapmla._checks`` enforces it):
+shapes agree exactly, dtypes and devices are checked, and a violation raises ``TypeError`` or
+``ValueError`` naming the argument.  Checks that read the data (lengths, block ids, slots) run
+on CPU tensors, or on CUDA tensors with ``validate=True`` or ``SNAPMLA_VALIDATE=1`` (they sync
+with the GPU, so vLLM's path skips them); without them the CUDA kernels never read outside the
+cache and give NaN for a request whose indices are invalid.
+
 ``SNAPMLA_DECODE_KERNEL`` picks the decode kernel: ``auto`` (default: sm90 where it is built and
 the GPU is sm_90, Triton otherwise), ``sm90`` (always; refuse to run without it) or ``triton``.
 """
@@ -18,8 +25,8 @@ import os
 
 import torch
 
+from vllm_snapmla import _checks, reference
 from vllm_snapmla import format as fmt
-from vllm_snapmla import reference
 from vllm_snapmla._native import require_native
 from vllm_snapmla.kernels import sm90, triton_decode
 
@@ -28,28 +35,20 @@ def _require_native(what: str):
     return require_native(f"vllm_snapmla.ops.{what}")
 
 
-def _check_rows(name: str, t: torch.Tensor, width: int) -> None:
-    if t.shape[-1] != width:
-        raise ValueError(f"{name} must have last dimension {width}, got shape {tuple(t.shape)}")
-    if t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise TypeError(f"{name} must be bfloat16, float16 or float32, got {t.dtype}")
+def quantize_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, *,
+                validate: bool | None = None) -> torch.Tensor:
+    """Quantize ``kv_c[T,512]`` and ``k_pe[T,64]`` (or ``[T,1,64]``) into ``uint8[T,656]`` rows.
 
-
-def _check_cache(kv_cache: torch.Tensor) -> None:
-    if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 3 or kv_cache.shape[1:] != (
-            fmt.PAGE_SIZE, fmt.BYTES_PER_TOKEN):
-        raise ValueError(
-            f"kv_cache must be uint8[num_blocks, {fmt.PAGE_SIZE}, {fmt.BYTES_PER_TOKEN}], "
-            f"got {kv_cache.dtype}{list(kv_cache.shape)}")
-
-
-def quantize_kv(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
-    """Quantize ``kv_c[T,512]`` and ``k_pe[T,64]`` into ``uint8[T,656]`` rows."""
-    _check_rows("kv_c", kv_c, fmt.KV_LORA_RANK)
-    k_pe = k_pe.reshape(k_pe.shape[0], -1) if k_pe.dim() == 3 else k_pe
-    _check_rows("k_pe", k_pe, fmt.ROPE_DIM)
-    if kv_c.shape[0] != k_pe.shape[0]:
-        raise ValueError(f"kv_c has {kv_c.shape[0]} rows but k_pe has {k_pe.shape[0]}")
+    Both float (bf16, fp16, fp32), same dtype, device and ``T``.  A row holding NaN or Inf raises
+    ``ValueError`` when the data checks run (module docstring); without them it is stored so that
+    attention over that token gives NaN.
+    """
+    kv_c = _checks.token_rows("kv_c", kv_c, fmt.KV_LORA_RANK)
+    k_pe = _checks.token_rows("k_pe", k_pe, fmt.ROPE_DIM)
+    _kv_pair(kv_c, k_pe, kv_c.shape[0])
+    if _checks.data_checks_on(validate, kv_c):
+        _checks.finite_rows("kv_c", kv_c, kv_c.shape[0])
+        _checks.finite_rows("k_pe", k_pe, k_pe.shape[0])
     if kv_c.is_cuda:
         out = torch.empty(kv_c.shape[0], fmt.BYTES_PER_TOKEN, dtype=torch.uint8, device=kv_c.device)
         _require_native("quantize_kv").quantize_kv(kv_c, k_pe, out)
@@ -57,29 +56,46 @@ def quantize_kv(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
     return reference.quantize_kv(kv_c, k_pe)
 
 
+def _kv_pair(kv_c: torch.Tensor, k_pe: torch.Tensor, rows: int) -> None:
+    if k_pe.dtype != kv_c.dtype:
+        raise TypeError(f"k_pe is {k_pe.dtype} but kv_c is {kv_c.dtype}; they must match")
+    _checks.same_device(kv_c.device, k_pe=k_pe)
+    if kv_c.shape[0] < rows or k_pe.shape[0] < rows or (
+            rows == kv_c.shape[0] and k_pe.shape[0] != rows):
+        raise ValueError(f"kv_c has {kv_c.shape[0]} rows and k_pe {k_pe.shape[0]}; "
+                         f"{rows} are needed (and both must have the same count)")
+
+
 def dequantize_kv(rows: torch.Tensor, dtype: torch.dtype = torch.float32):
-    """Inverse of ``quantize_kv``: ``uint8[...,656] -> (kv_c[...,512], k_pe[...,64])`` in ``dtype``."""
-    if rows.dtype != torch.uint8 or rows.shape[-1] != fmt.BYTES_PER_TOKEN:
+    """Inverse of ``quantize_kv``: ``uint8[...,656] -> (kv_c[...,512], k_pe[...,64])`` in ``dtype``
+    (a floating-point dtype)."""
+    _checks.tensor("rows", rows)
+    if rows.dtype != torch.uint8 or rows.dim() == 0 or rows.shape[-1] != fmt.BYTES_PER_TOKEN:
         raise ValueError(f"rows must be uint8[..., {fmt.BYTES_PER_TOKEN}], got "
                          f"{rows.dtype}{list(rows.shape)}")
-    return reference.dequantize_kv(rows, dtype)
+    return reference.dequantize_kv(rows, _checks.float_dtype("dtype", dtype))
 
 
 def append_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
-              slot_mapping: torch.Tensor) -> None:
+              slot_mapping: torch.Tensor, *, validate: bool | None = None) -> None:
     """Quantize and write token ``t`` to slot ``slot_mapping[t]`` for ``t < len(slot_mapping)``.
 
-    Negative slots (vLLM's padding) are skipped; ``kv_c`` may have more rows than
-    ``slot_mapping`` (CUDA-graph padding), and those rows are ignored.
+    ``slot_mapping`` is an integer tensor (flattened); slot ``s`` is row ``s % 64`` of block
+    ``s // 64``.  Negative slots (vLLM's padding) are skipped; ``kv_c`` may have more rows than
+    ``slot_mapping`` (CUDA-graph padding), and those rows are ignored.  A slot past the cache
+    raises ``ValueError`` when the data checks run, and is skipped otherwise.
     """
-    _check_cache(kv_cache)
-    _check_rows("kv_c", kv_c, fmt.KV_LORA_RANK)
-    k_pe = k_pe.reshape(k_pe.shape[0], -1) if k_pe.dim() == 3 else k_pe
-    _check_rows("k_pe", k_pe, fmt.ROPE_DIM)
+    _checks.cache(kv_cache)
+    kv_c = _checks.token_rows("kv_c", kv_c, fmt.KV_LORA_RANK)
+    k_pe = _checks.token_rows("k_pe", k_pe, fmt.ROPE_DIM)
+    _checks.index_tensor("slot_mapping", slot_mapping)
+    _checks.same_device(kv_cache.device, kv_c=kv_c, k_pe=k_pe, slot_mapping=slot_mapping)
     n = slot_mapping.numel()
-    if kv_c.shape[0] < n or k_pe.shape[0] < n:
-        raise ValueError(f"slot_mapping has {n} entries but kv_c/k_pe have "
-                         f"{kv_c.shape[0]}/{k_pe.shape[0]} rows")
+    _kv_pair(kv_c, k_pe, n)
+    if _checks.data_checks_on(validate, kv_cache):
+        _checks.slots(slot_mapping, kv_cache.shape[0])
+        _checks.finite_rows("kv_c", kv_c, n)
+        _checks.finite_rows("k_pe", k_pe, n)
     if kv_cache.is_cuda:
         _require_native("append_kv").append_kv(kv_c, k_pe, kv_cache, slot_mapping.flatten())
         return
@@ -88,20 +104,32 @@ def append_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
 
 def gather_kv(kv_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,
               cu_seq_lens: torch.Tensor, token_to_seq: torch.Tensor, num_tokens,
-              seq_starts: torch.Tensor | None = None) -> torch.Tensor:
+              seq_starts: torch.Tensor | None = None, *,
+              validate: bool | None = None) -> torch.Tensor:
     """Dequantizing gather with the semantics of vLLM's ``gather_and_maybe_dequant_cache``.
 
     For ``t < num_tokens``: ``b = token_to_seq[t]``, ``pos = seq_starts[b] + t - cu_seq_lens[b]``
     (``seq_starts`` defaults to 0), and ``dst[t] = [kv_c ; k_pe]`` of the token at ``pos`` of
-    request ``b``, found through ``block_table[b, pos // 64]``.  ``dst`` is ``[>=num_tokens, 576]``.
+    request ``b``, found through ``block_table[b, pos // 64]``.  ``dst`` is ``[>=num_tokens, 576]``
+    (float).  A token whose request, position or block falls outside the inputs raises
+    ``ValueError`` when the data checks run, and gets a NaN row otherwise.
     """
-    _check_cache(kv_cache)
-    if dst.shape[-1] != fmt.HEAD_SIZE or dst.dim() != 2:
-        raise ValueError(f"dst must be [tokens, {fmt.HEAD_SIZE}], got {list(dst.shape)}")
+    _checks.cache(kv_cache)
+    _checks.float_rows("dst", dst, fmt.HEAD_SIZE, dims=2)
+    _checks.index_tensor("block_table", block_table, dims=2)
+    _checks.index_tensor("cu_seq_lens", cu_seq_lens, dims=1)
+    _checks.index_tensor("token_to_seq", token_to_seq, dims=1)
+    if seq_starts is not None:
+        _checks.index_tensor("seq_starts", seq_starts, dims=1)
+    _checks.same_device(kv_cache.device, dst=dst, block_table=block_table,
+                        cu_seq_lens=cu_seq_lens, token_to_seq=token_to_seq, seq_starts=seq_starts)
     n = int(num_tokens)
-    if dst.shape[0] < n or token_to_seq.numel() < n:
-        raise ValueError(f"num_tokens={n} exceeds dst ({dst.shape[0]}) or token_to_seq "
-                         f"({token_to_seq.numel()}) rows")
+    if n < 0 or dst.shape[0] < n or token_to_seq.numel() < n:
+        raise ValueError(f"num_tokens={n} must be >= 0 and within dst ({dst.shape[0]} rows) and "
+                         f"token_to_seq ({token_to_seq.numel()} entries)")
+    if _checks.data_checks_on(validate, kv_cache):
+        _checks.gather_indices(block_table, cu_seq_lens, token_to_seq, n, seq_starts,
+                               kv_cache.shape[0])
     if kv_cache.is_cuda:
         _require_native("gather_kv").gather_kv(kv_cache, dst, block_table, cu_seq_lens,
                                                token_to_seq, n, seq_starts)
@@ -111,11 +139,15 @@ def gather_kv(kv_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tens
 
 
 def quantize_q(q_nope: torch.Tensor, q_pe: torch.Tensor):
-    """Per (token, head) query quantization: ``(q8 e4m3[...,512], q_scale f32[...], q_pe/q_scale bf16[...,64])``."""
-    _check_rows("q_nope", q_nope, fmt.KV_LORA_RANK)
-    _check_rows("q_pe", q_pe, fmt.ROPE_DIM)
-    if q_nope.shape[:-1] != q_pe.shape[:-1]:
-        raise ValueError(f"q_nope {list(q_nope.shape)} and q_pe {list(q_pe.shape)} disagree")
+    """Per (token, head) query quantization: ``(q8 e4m3[...,512], q_scale f32[...], q_pe/q_scale bf16[...,64])``.
+
+    ``q_nope [..., 512]`` and ``q_pe [..., 64]``: float, same leading shape (no broadcasting),
+    same device.  NaN or Inf in a row gives a row that decode turns into NaN output.
+    """
+    _checks.float_rows("q_nope", q_nope, fmt.KV_LORA_RANK)
+    _checks.float_rows("q_pe", q_pe, fmt.ROPE_DIM)
+    _checks.same_leading("q_nope", q_nope, "q_pe", q_pe)
+    _checks.same_device(q_nope.device, q_pe=q_pe)
     if q_nope.is_cuda:
         lead = q_nope.shape[:-1]
         q8 = torch.empty(*lead, fmt.KV_LORA_RANK, dtype=torch.float8_e4m3fn, device=q_nope.device)
@@ -156,38 +188,68 @@ def decode_kernel(device: torch.device):
     return sm90.snapmla_decode_sm90 if _use_sm90(device) else triton_decode.snapmla_decode
 
 
+def _check_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale,
+                  validate: bool | None) -> float:
+    """The whole contract of ``decode``; returns the scale as a float."""
+    _checks.float_rows("q_nope", q_nope, fmt.KV_LORA_RANK, dims=4)
+    _checks.float_rows("q_pe", q_pe, fmt.ROPE_DIM, dims=4)
+    _checks.same_leading("q_nope", q_nope, "q_pe", q_pe)
+    _checks.cache(kv_cache)
+    _checks.index_tensor("block_table", block_table, dims=2)
+    _checks.index_tensor("seq_lens", seq_lens, dims=1)
+    _checks.same_device(q_nope.device, q_pe=q_pe, kv_cache=kv_cache, block_table=block_table,
+                        seq_lens=seq_lens)
+    B = q_nope.shape[0]
+    if block_table.shape[0] < B or block_table.shape[1] < 1 or seq_lens.numel() < B:
+        raise ValueError(f"block_table [{', '.join(map(str, block_table.shape))}] and seq_lens "
+                         f"[{seq_lens.numel()}] must have at least batch = {B} rows (and the "
+                         "table at least one column)")
+    scale = _checks.softmax_scale(softmax_scale)
+    if _checks.data_checks_on(validate, seq_lens):
+        _checks.decode_indices(block_table, seq_lens, B, kv_cache.shape[0])
+    return scale
+
+
 def decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
            block_table: torch.Tensor, seq_lens: torch.Tensor, softmax_scale: float,
-           causal: bool = True):
+           causal: bool = True, *, validate: bool | None = None):
     """SnapMLA decode attention over the paged ``fp8_snapmla`` cache.
 
-    ``q_nope[B,s_q,H,512]``, ``q_pe[B,s_q,H,64]``; ``block_table[B,max_blocks]`` int32;
-    ``seq_lens[B]`` counts every cached token of a request, its ``s_q`` new ones included.
-    With ``causal``, query ``i`` sees positions ``< seq_len - s_q + i + 1``.
-    Returns ``out[B,s_q,H,512]`` (bfloat16) and ``lse[B,H,s_q]`` (float32, natural log).
+    ``q_nope[B,s_q,H,512]``, ``q_pe[B,s_q,H,64]`` (float, the same ``[B,s_q,H]``);
+    ``kv_cache`` uint8 ``[num_blocks,64,656]``; ``block_table[>=B,max_blocks]`` and
+    ``seq_lens[>=B]`` integer tensors (their first ``B`` rows are read); ``softmax_scale``
+    positive and finite.  ``seq_lens`` counts every cached token of a request, its ``s_q`` new
+    ones included, and lies in ``[0, max_blocks*64]``; the block ids of the pages a request
+    reads lie in ``[0, num_blocks)``.  With ``causal``, query ``i`` sees positions
+    ``< seq_len - s_q + i + 1``.  Returns ``out[B,s_q,H,512]`` (bfloat16) and ``lse[B,H,s_q]``
+    (float32, natural log); rows that see no token give zeros and LSE -inf.
+
+    Non-finite values propagate as in exact attention: NaN or Inf in a query row, or in a cache
+    row the request attends to, gives NaN in the outputs that depend on it.  Bytes of unused
+    slots (past a request's length) are never read.  Lengths and block ids are checked when the
+    data checks run (CPU tensors, ``validate=True``, ``SNAPMLA_VALIDATE=1``); otherwise an
+    invalid request comes out NaN and nothing outside the cache is read.
 
     On CUDA the launch shape depends only on the shapes (never on the lengths' values), so a
     call can be captured in a CUDA graph and replayed for other lengths; the split count is
     chosen on the GPU from the real lengths (``vllm_snapmla.kernels.splits``).
     """
-    if q_nope.is_cuda and _use_sm90(q_nope.device):
-        # One op call: every check, the query quantization, the decode and the combine in C++.
-        return sm90.decode_sm90(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale,
-                                causal)
-    _check_cache(kv_cache)
-    if q_nope.dim() != 4 or q_pe.dim() != 4:
-        raise ValueError(f"q_nope and q_pe must be [B, s_q, H, D], got {list(q_nope.shape)} "
-                         f"and {list(q_pe.shape)}")
-    _check_rows("q_nope", q_nope, fmt.KV_LORA_RANK)
-    _check_rows("q_pe", q_pe, fmt.ROPE_DIM)
-    B = q_nope.shape[0]
-    if block_table.dim() != 2 or block_table.shape[0] < B or seq_lens.numel() < B:
-        raise ValueError(f"block_table {list(block_table.shape)} / seq_lens "
-                         f"{list(seq_lens.shape)} do not cover batch {B}")
+    if (isinstance(q_nope, torch.Tensor) and q_nope.is_cuda and not validate
+            and _use_sm90(q_nope.device) and not _checks.data_checks_on(validate, q_nope)):
+        # vLLM's path: one op call, whose C++ layer checks shapes, dtypes and devices.  On an
+        # error, the Python contract names the argument where it can.
+        try:
+            return sm90.decode_sm90(q_nope, q_pe, kv_cache, block_table, seq_lens,
+                                    softmax_scale, causal)
+        except (RuntimeError, TypeError, ValueError):
+            _check_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, False)
+            raise
+    scale = _check_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, validate)
     if q_nope.is_cuda:
+        if _use_sm90(q_nope.device):
+            return sm90.decode_sm90(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, causal)
         q8, q_scale, qpe = quantize_q(q_nope, q_pe)
-        return triton_decode.snapmla_decode(q8, q_scale, qpe, kv_cache, block_table, seq_lens,
-                                            softmax_scale, causal)
-    out, lse = reference.decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale,
-                                causal)
+        return triton_decode.snapmla_decode(q8, q_scale, qpe, kv_cache, block_table,
+                                            seq_lens.to(torch.int32), scale, causal)
+    out, lse = reference.decode(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, causal)
     return out.to(torch.bfloat16), lse.float()

@@ -57,10 +57,11 @@ def dequantize_kv(rows: torch.Tensor, dtype: torch.dtype = torch.float32):
 
 def append_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
               slot_mapping: torch.Tensor) -> None:
-    """Write token ``t`` to slot ``slot_mapping[t]`` (``t < slot_mapping.numel()``), skipping slots < 0."""
+    """Write token ``t`` to slot ``slot_mapping[t]`` (``t < slot_mapping.numel()``), skipping slots
+    < 0 and slots past the cache (as the CUDA kernel does)."""
     slots = slot_mapping.flatten().long()
     n = slots.numel()
-    keep = slots >= 0
+    keep = (slots >= 0) & (slots < kv_cache.shape[0] * fmt.PAGE_SIZE)
     slots = slots[keep]
     rows = quantize_kv(kv_c[:n][keep], k_pe[:n].reshape(n, fmt.ROPE_DIM)[keep])
     kv_cache[slots // fmt.PAGE_SIZE, slots % fmt.PAGE_SIZE] = rows
@@ -69,18 +70,28 @@ def append_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
 def gather_kv(kv_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,
               cu_seq_lens: torch.Tensor, token_to_seq: torch.Tensor, num_tokens: int,
               seq_starts: torch.Tensor | None = None) -> torch.Tensor:
-    """Dequantizing gather; semantics of vLLM's ``gather_and_maybe_dequant_cache``."""
+    """Dequantizing gather; semantics of vLLM's ``gather_and_maybe_dequant_cache``.  A token whose
+    request, position or block lies outside the inputs gets a NaN row, as on CUDA."""
     n = int(num_tokens)
     dev = kv_cache.device
-    t = torch.arange(n, device=dev)
-    b = token_to_seq[:n].to(dev).long()
-    pos = t - cu_seq_lens.to(dev).long()[b]
+    table = block_table.to(dev).long()
+    cu = cu_seq_lens.to(dev).long()
+    num_seqs = min(table.shape[0], cu.numel() - 1)
     if seq_starts is not None:
+        num_seqs = min(num_seqs, seq_starts.numel())
+    b = token_to_seq[:n].to(dev).long()
+    ok = (b >= 0) & (b < num_seqs)
+    b = torch.where(ok, b, 0)
+    pos = torch.arange(n, device=dev) - cu[b] if num_seqs > 0 else torch.zeros_like(b)
+    if seq_starts is not None and num_seqs > 0:
         pos = pos + seq_starts.to(dev).long()[b]
-    blk = block_table.to(dev).long()[b, pos // fmt.PAGE_SIZE]
-    c, r = dequantize_kv(kv_cache[blk, pos % fmt.PAGE_SIZE])
-    dst[:n, :fmt.KV_LORA_RANK] = c.to(dst.dtype)
-    dst[:n, fmt.KV_LORA_RANK:fmt.HEAD_SIZE] = r.to(dst.dtype)
+    ok &= (pos >= 0) & (pos < table.shape[1] * fmt.PAGE_SIZE)
+    pos = torch.where(ok, pos, 0)
+    blk = table[b, pos // fmt.PAGE_SIZE] if num_seqs > 0 else torch.zeros_like(b)
+    ok &= (blk >= 0) & (blk < kv_cache.shape[0])
+    c, r = dequantize_kv(kv_cache[torch.where(ok, blk, 0), pos % fmt.PAGE_SIZE])
+    row = torch.cat([c, r], -1)
+    dst[:n] = torch.where(ok[:, None], row, float("nan")).to(dst.dtype)
     return dst
 
 
@@ -102,18 +113,28 @@ def _page(kv_cache, block_table, seq, k):
     """Rows of page ``k`` of every request, with positions past ``seq_len`` zeroed.
 
     Unused cache bytes are arbitrary (NaN, Inf); zeroing them before any arithmetic keeps them from
-    leaking through ``0 * NaN``.  Masking the logits is done separately, per query row.
+    leaking through ``0 * NaN``.  Masking the logits is done separately, per query row.  A live
+    page whose block id is outside the cache is not read: its live tokens get a NaN scale (the
+    CUDA kernels read zeros there and turn the zero scale into NaN).
     """
     B = seq.shape[0]
     pos = k * fmt.PAGE_SIZE + torch.arange(fmt.PAGE_SIZE, device=seq.device)
     live = pos[None, :] < seq[:, None]                                   # [B, 64]
     page_live = (k * fmt.PAGE_SIZE) < seq                               # [B]
     blk = torch.where(page_live, block_table[:B, min(k, block_table.shape[1] - 1)].long(), 0)
-    c8, s, r16 = split_rows(kv_cache[blk])                              # [B,64,...]
+    blk_ok = (blk >= 0) & (blk < kv_cache.shape[0])
+    c8, s, r16 = split_rows(kv_cache[torch.where(blk_ok, blk, 0)])     # [B,64,...]
+    s = torch.where(blk_ok[:, None] & (s > 0), s.double(), torch.nan)  # scales are positive
     c = torch.where(live[..., None], c8.double(), 0.0)
-    s = torch.where(live, s.double(), 0.0)
+    s = torch.where(live, s, 0.0)
     r = torch.where(live[..., None], r16.double(), 0.0)
     return pos, c, s, r
+
+
+def valid_lengths(seq: torch.Tensor, table_pages: int) -> torch.Tensor:
+    """Lengths a table ``table_pages`` wide can hold; an invalid request reads nothing and comes
+    out NaN (``kernels/splits.py valid_length``)."""
+    return (seq >= 0) & (seq <= table_pages * fmt.PAGE_SIZE)
 
 
 def decode_quantized(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: torch.Tensor,
@@ -134,12 +155,15 @@ def decode_quantized(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: torch
     qr = q_pe_scaled.double()
     qs = q_scale.double() * softmax_scale
     seq = seq_lens[:B].to(dev).long()
+    valid = valid_lengths(seq, block_table.shape[1])
+    seq = torch.where(valid, seq, 0)
     vis = visible_lengths(seq, B, s_q, causal)                           # [B, s_q]
     shape = (B, s_q, H)
     m = torch.full(shape, -torch.inf, dtype=torch.float64, device=dev)
     peak = torch.zeros(shape, dtype=torch.float64, device=dev)
     sigma = torch.ones(shape, dtype=torch.float64, device=dev)
-    L = torch.zeros(shape, dtype=torch.float64, device=dev)
+    L = torch.where(valid[:, None, None], torch.zeros(shape, dtype=torch.float64, device=dev),
+                    torch.nan)
     O = torch.zeros(*shape, fmt.KV_LORA_RANK, dtype=torch.float64, device=dev)
     num_pages = (int(seq.max()) + fmt.PAGE_SIZE - 1) // fmt.PAGE_SIZE if B else 0
     for k in range(num_pages):
@@ -161,28 +185,36 @@ def decode_quantized(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: torch
         O = g[..., None] * O + torch.einsum("bsht,btd->bshd", p8, c)
         L = g * L + e.sum(-1) / sigma_new
         m, sigma = m_new, sigma_new
-    out = torch.where(L[..., None] > 0, O / L.clamp_min(1e-300)[..., None], 0.0)
-    lse = torch.where(L > 0, m + torch.log(sigma * L), -torch.inf)
+    # A NaN sum (non-finite inputs, an invalid request) gives NaN, never a quiet zero.
+    seen = L != 0
+    out = torch.where(seen[..., None], O / torch.where(seen, L, 1.0)[..., None], 0.0)
+    lse = torch.where(seen, m + torch.log(sigma * L), -torch.inf)
     return out, lse.permute(0, 2, 1).contiguous()
 
 
 def decode_exact(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                  block_table: torch.Tensor, seq_lens: torch.Tensor, softmax_scale: float,
                  causal: bool = True):
-    """Float64 attention of the unquantized query over the dequantized cache."""
+    """Float64 attention of the unquantized query over the dequantized cache.  Invalid
+    requests (a length the table cannot hold, a live block id outside the cache) give NaN."""
     B, s_q, H, _ = q_nope.shape
     dev = q_nope.device
     seq = seq_lens[:B].to(dev).long()
-    vis = visible_lengths(seq, B, s_q, causal)
+    valid = valid_lengths(seq, block_table.shape[1])
+    vis = visible_lengths(torch.where(valid, seq, 0), B, s_q, causal)
     qn = q_nope.double()
     qr = q_pe.double()
     out = torch.zeros(B, s_q, H, fmt.KV_LORA_RANK, dtype=torch.float64, device=dev)
     lse = torch.full((B, H, s_q), -torch.inf, dtype=torch.float64, device=dev)
     for b in range(B):
         n = int(seq[b])
+        pages = block_table[b, :max(n + fmt.PAGE_SIZE - 1, 0) // fmt.PAGE_SIZE].to(dev).long()
+        if not valid[b] or ((pages < 0) | (pages >= kv_cache.shape[0])).any():
+            out[b] = torch.nan
+            lse[b] = torch.nan
+            continue
         if n == 0:
             continue
-        pages = block_table[b, :(n + fmt.PAGE_SIZE - 1) // fmt.PAGE_SIZE].to(dev).long()
         c, r = dequantize_kv(kv_cache[pages].reshape(-1, fmt.BYTES_PER_TOKEN)[:n])
         c, r = c.double(), r.double()
         logit = (qn[b] @ c.T + qr[b] @ r.T) * softmax_scale               # [s_q, H, n]

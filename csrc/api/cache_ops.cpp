@@ -1,6 +1,7 @@
 // The data-path ops of torch.ops._snapmla_C: quantize_kv, append_kv, gather_kv, quantize_q.
 // Checks here, kernels in csrc/cache_kernels.cu.
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -103,11 +104,21 @@ void gather_kv(const at::Tensor& kv_cache, at::Tensor& dst, const at::Tensor& bl
   std::optional<at::Tensor> starts;
   if (seq_starts.has_value()) starts = int32_indices(op, "seq_starts", *seq_starts, 1, device);
   if (num_tokens == 0) return;
-  check_launch(op, launch_gather_kv(dst_type, kv_cache.data_ptr<uint8_t>(), kv_cache.stride(0),
-                                    dst.data_ptr(), dst.stride(0), table.data_ptr<int32_t>(),
-                                    table.stride(0), cu.data_ptr<int32_t>(),
-                                    t2s.data_ptr<int32_t>(),
-                                    starts ? starts->data_ptr<int32_t>() : nullptr, num_tokens,
+  // Requests token_to_seq may name: those with a table row, a cu_seq_lens pair and a start.
+  int64_t num_seqs = std::min(table.size(0), cu.size(0) - 1);
+  if (starts) num_seqs = std::min(num_seqs, starts->size(0));
+  GatherSource src{};
+  src.cache = kv_cache.data_ptr<uint8_t>();
+  src.block_stride = kv_cache.stride(0);
+  src.num_blocks = kv_cache.size(0);
+  src.block_table = table.data_ptr<int32_t>();
+  src.block_table_stride = table.stride(0);
+  src.table_pages = table.size(1);
+  src.num_seqs = num_seqs;
+  src.cu_seq_lens = cu.data_ptr<int32_t>();
+  src.token_to_seq = t2s.data_ptr<int32_t>();
+  src.seq_starts = starts ? starts->data_ptr<int32_t>() : nullptr;
+  check_launch(op, launch_gather_kv(dst_type, src, dst.data_ptr(), dst.stride(0), num_tokens,
                                     c10::cuda::getCurrentCUDAStream()));
 }
 

@@ -176,6 +176,7 @@ std::tuple<at::Tensor, at::Tensor> run_decode(const char* op, const at::Tensor& 
   p.block_table = table.data_ptr<int32_t>();
   p.block_table_stride = table.stride(0);
   p.seq_lens = lens.data_ptr<int32_t>();
+  p.table_pages = static_cast<int>(table.size(1));
   p.out = out.data_ptr();
   p.lse = lse.data_ptr<float>();
   p.part_out = part_out.defined() ? part_out.data_ptr<float>() : nullptr;
@@ -199,6 +200,7 @@ std::tuple<at::Tensor, at::Tensor> run_decode(const char* op, const at::Tensor& 
     c.part_lse = p.part_lse;
     c.seq_lens = p.seq_lens;
     c.pages_per_split = p.pages_per_split;
+    c.table_pages = p.table_pages;
     c.max_splits = shape.max_splits;
     c.out = p.out;
     c.lse = p.lse;
@@ -212,10 +214,11 @@ std::tuple<at::Tensor, at::Tensor> run_decode(const char* op, const at::Tensor& 
   return {out, lse};
 }
 
-SplitPlanParams plan_params(const at::Tensor& lens, int64_t batch,
+SplitPlanParams plan_params(const at::Tensor& lens, int64_t table_pages, int64_t batch,
                             const at::Tensor& pages_per_split, const LaunchShape& shape) {
   SplitPlanParams plan{};
   plan.seq_lens = lens.data_ptr<int32_t>();
+  plan.table_pages = static_cast<int>(table_pages);
   plan.batch = static_cast<int>(batch);
   plan.programs = shape.programs;
   plan.slots = shape.slots;
@@ -278,7 +281,7 @@ std::tuple<at::Tensor, at::Tensor> decode_sm90(const at::Tensor& q_nope, const a
   const bool planned = num_splits == 0 && d.shape.max_splits > 1;
   if (planned) {
     pages_per_split = at::empty({1}, opts.dtype(at::kInt));
-    plan = plan_params(d.lens, batch, pages_per_split, d.shape);
+    plan = plan_params(d.lens, d.table.size(1), batch, pages_per_split, d.shape);
   }
   if (batch > 0 && rows > 0) {
     // Rows are (b * s_q + i, head): vLLM's [T, H, 512] bmm output viewed as [B, s_q, H, 512]
@@ -319,15 +322,16 @@ std::tuple<at::Tensor, at::Tensor> decode_sm90_quantized(
   at::Tensor pages_per_split;
   if (num_splits == 0 && d.shape.max_splits > 1 && batch > 0) {
     pages_per_split = at::empty({1}, q8.options().dtype(at::kInt));
-    check_launch(op, launch_split_plan(plan_params(d.lens, batch, pages_per_split, d.shape),
+    check_launch(op, launch_split_plan(plan_params(d.lens, d.table.size(1), batch,
+                                                   pages_per_split, d.shape),
                                        c10::cuda::getCurrentCUDAStream()));
   }
   return run_decode(op, q8, q_scale, q_pe_scaled, kv_cache, d.table, d.lens, softmax_scale,
                     causal, d.shape, d.schedule, pages_per_split);
 }
 
-void split_plan(const at::Tensor& seq_lens, at::Tensor& pages_per_split, int64_t batch,
-                int64_t programs, int64_t slots, int64_t max_splits) {
+void split_plan(const at::Tensor& seq_lens, at::Tensor& pages_per_split, int64_t table_pages,
+                int64_t batch, int64_t programs, int64_t slots, int64_t max_splits) {
   constexpr const char* op = "split_plan";
   const at::Device device = seq_lens.device();
   check_cuda(op, "seq_lens", seq_lens, device);
@@ -339,18 +343,21 @@ void split_plan(const at::Tensor& seq_lens, at::Tensor& pages_per_split, int64_t
   check_cuda(op, "pages_per_split", pages_per_split, device);
   check_shape(op, "pages_per_split", pages_per_split, at::kInt, {1});
   TORCH_CHECK_VALUE(batch >= 0 && programs >= 1 && slots >= 1 && max_splits >= 1 &&
-                        max_splits <= 65535 && programs <= 2147483647,
-                    op, ": batch, programs, slots or max_splits out of range");
+                        max_splits <= 65535 && programs <= 2147483647 && table_pages >= 1 &&
+                        table_pages <= 2147483647 / kPageSize,
+                    op, ": table_pages, batch, programs, slots or max_splits out of range");
   const c10::cuda::CUDAGuard guard(device);
   const LaunchShape shape{static_cast<int>(programs), static_cast<int>(slots),
                           static_cast<int>(max_splits)};
-  check_launch(op, launch_split_plan(plan_params(seq_lens, batch, pages_per_split, shape),
+  check_launch(op, launch_split_plan(plan_params(seq_lens, table_pages, batch, pages_per_split,
+                                                 shape),
                                      c10::cuda::getCurrentCUDAStream()));
 }
 
 void combine_splits(const at::Tensor& part_out, const at::Tensor& part_lse,
                     const at::Tensor& seq_lens, const std::optional<at::Tensor>& pages_per_split,
-                    at::Tensor& out, at::Tensor& lse, bool single_runs_in_partials) {
+                    int64_t table_pages, at::Tensor& out, at::Tensor& lse,
+                    bool single_runs_in_partials) {
   constexpr const char* op = "combine_splits";
   const at::Device device = part_out.device();
   check_cuda(op, "part_out", part_out, device);
@@ -380,12 +387,15 @@ void combine_splits(const at::Tensor& part_out, const at::Tensor& part_lse,
   check_cuda(op, "lse", lse, device);
   check_shape(op, "lse", lse, at::kFloat, {batch, out.size(2), out.size(1)});
   TORCH_CHECK_VALUE(lse.is_contiguous(), op, ": lse must be contiguous");
+  TORCH_CHECK_VALUE(table_pages >= 1 && table_pages <= 2147483647 / kPageSize, op,
+                    ": table_pages must be in [1, 2^31 / 64), got ", table_pages);
   const c10::cuda::CUDAGuard guard(device);
   CombineParams c{};
   c.part_out = part_out.data_ptr<float>();
   c.part_lse = part_lse.data_ptr<float>();
   c.seq_lens = seq_lens.data_ptr<int32_t>();
   c.pages_per_split = pages_per_split.has_value() ? pages_per_split->data_ptr<int32_t>() : nullptr;
+  c.table_pages = static_cast<int>(table_pages);
   c.max_splits = static_cast<int>(splits);
   c.out = out.data_ptr();
   c.lse = lse.data_ptr<float>();

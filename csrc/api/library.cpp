@@ -24,9 +24,11 @@ void append_kv_meta(const at::Tensor&, const at::Tensor&, at::Tensor&, const at:
 void gather_kv_meta(const at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&,
                     const at::Tensor&, int64_t, const std::optional<at::Tensor>&) {}
 void quantize_q_meta(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&) {}
-void split_plan_meta(const at::Tensor&, at::Tensor&, int64_t, int64_t, int64_t, int64_t) {}
+void split_plan_meta(const at::Tensor&, at::Tensor&, int64_t, int64_t, int64_t, int64_t,
+                     int64_t) {}
 void combine_splits_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                         const std::optional<at::Tensor>&, at::Tensor&, at::Tensor&, bool) {}
+                         const std::optional<at::Tensor>&, int64_t, at::Tensor&, at::Tensor&,
+                         bool) {}
 
 std::tuple<at::Tensor, at::Tensor> decode_outputs_meta(const at::Tensor& q) {
   const int64_t batch = q.size(0), s_q = q.size(1), heads = q.size(2);
@@ -68,11 +70,11 @@ TORCH_LIBRARY(_snapmla_C, m) {
       "Tensor block_table, Tensor seq_lens, float softmax_scale, bool causal, int num_splits=0, "
       "int schedule=-1) -> (Tensor, Tensor)");
   m.def(
-      "split_plan(Tensor seq_lens, Tensor(a!) pages_per_split, int batch, int programs, "
-      "int slots, int max_splits) -> ()");
+      "split_plan(Tensor seq_lens, Tensor(a!) pages_per_split, int table_pages, int batch, "
+      "int programs, int slots, int max_splits) -> ()");
   m.def(
       "combine_splits(Tensor part_out, Tensor part_lse, Tensor seq_lens, Tensor? pages_per_split, "
-      "Tensor(a!) out, Tensor(b!) lse, bool single_runs_in_partials) -> ()");
+      "int table_pages, Tensor(a!) out, Tensor(b!) lse, bool single_runs_in_partials) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(_snapmla_C, CUDA, m) {

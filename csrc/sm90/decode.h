@@ -18,6 +18,7 @@ struct DecodeParams {
   const int32_t* block_table;     // [B, max_blocks]
   int64_t block_table_stride;
   const int32_t* seq_lens;        // [B]
+  int table_pages;                // block_table's columns: a longer seq_len is invalid (NaN out)
   // Final results: bf16 out [B, s_q*H, 512] and lse [B, H, s_q], written here for requests
   // decoded in one run.  Requests cut into several runs write fp32 partials [B, max_splits,
   // s_q*H, 512] and their lse [B, max_splits, s_q*H] instead, which the combine merges

@@ -133,17 +133,31 @@ __device__ __forceinline__ void build_page_vt(uint32_t tile, uint32_t vt, const 
 }
 
 // The pages a CTA decodes, [first_page, first_page + num_iters) of request b (split_kv.h), and
-// whether they are the request's only run, whose result is then final (`direct`).
+// whether they are the request's only run, whose result is then final (`direct`).  An invalid
+// request (its length does not fit its table row) reads nothing and comes out NaN.
 struct SplitPages {
   int seq_len, first_page, num_iters;
-  bool direct;
+  bool direct, valid;
 };
 
 __device__ __forceinline__ SplitPages split_pages(const DecodeParams& p, int b, int split) {
   const int seq_len = p.seq_lens[b];
   const int chunk = p.pages_per_split != nullptr ? *p.pages_per_split : 0;
-  const SplitRange r = split_range(seq_len, chunk, p.max_splits, split);
-  return {seq_len, r.first_page, r.num_pages, r.num_splits == 1};
+  const SplitRange r = split_range(seq_len, p.table_pages, chunk, p.max_splits, split);
+  return {seq_len, r.first_page, r.num_pages, r.num_splits == 1, r.valid};
+}
+
+// The row sum a row starts from: 0, or NaN for an invalid request, which the epilogue's
+// out = O / l and lse = m + log(l) carry into every output of the request.
+__device__ __forceinline__ float initial_row_sum(bool valid) {
+  return valid ? 0.f : __int_as_float(0x7fc00000);
+}
+
+// A live token's scale as the softmax uses it.  Every scale the cache format writes is positive
+// (at least format.h's kScaleFloor); a zero is what TMA fills in for a block id outside the cache (the page
+// was never read), a negative or NaN one is not a cache row: NaN, so that the output shows it.
+__device__ __forceinline__ float checked_scale(float s) {
+  return s > 0.f ? s : __int_as_float(0x7fc00000);
 }
 
 // The producer thread: the split's pages (`pages`, block numbers) in order into a ring of kRing
@@ -252,7 +266,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int split = blockIdx.z;
   const int warpgroup = threadIdx.x / 128;
 
-  const auto [seq_len, first_page, num_iters, direct] = split_pages(p, b, split);
+  const auto [seq_len, first_page, num_iters, direct, valid] = split_pages(p, b, split);
   // Splits past the request's last run (the planner cut it into fewer): nothing to do.  Split 0
   // always runs, so that a request with no tokens still gets its zeros and LSE -inf.
   if (split > 0 && num_iters == 0) return;
@@ -302,7 +316,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     m[h] = -INFINITY;              // running max logit (log2 units)
     peak[h] = 0.f;                           // largest P'' so far, at the current m
     amax_prev[h] = kPScaleFloor * kPShift;   // 448 * sigma_P of the last page, times kPShift
-    l[h] = 0.f;                    // sum of exp, unscaled (= sigma_P * L)
+    l[h] = initial_row_sum(valid);   // sum of exp, unscaled (= sigma_P * L)
   }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -311,11 +325,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int qi = row_ok ? g / p.num_heads : 0, qh = row_ok ? g % p.num_heads : 0;
     // Query i of s_q sees positions < seq_len - s_q + i + 1 when causal.
     visible[h] = row_ok ? seq_len - p.causal * (p.s_q - 1 - qi) : 0;
-    // Positive and normal (softmax's FFMA multiplies -inf by it); padding rows' Q is zero.
-    row_scale[h] = row_ok ? fmaxf(p.q_scale[b * p.q_scale_stride[0] + qi * p.q_scale_stride[1] +
-                                            qh * p.q_scale_stride[2]] * p.qk_scale_log2,
-                                  FLT_MIN)
-                          : 1.f;
+    // Positive and normal (softmax's FFMA multiplies -inf by it), or NaN from a NaN query
+    // scale, kept so that the row comes out NaN; padding rows' Q is zero.
+    const float q_row_scale = row_ok ? p.q_scale[b * p.q_scale_stride[0] +
+                                                 qi * p.q_scale_stride[1] +
+                                                 qh * p.q_scale_stride[2]] * p.qk_scale_log2
+                                     : 1.f;
+    row_scale[h] = q_row_scale != q_row_scale ? q_row_scale : fmaxf(q_row_scale, FLT_MIN);
   }
   float o[2][kPvN / 2];         // O in the current sigma_P domain: two 64x128 column halves
 #pragma unroll
@@ -436,7 +452,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        k_scale[2 * j + e] = scale_tile[(8 * j + 2 * quad + e) * kScaleBoxFloats];
+        k_scale[2 * j + e] =
+            checked_scale(scale_tile[(8 * j + 2 * quad + e) * kScaleBoxFloats]);
       }
   };
 
@@ -572,7 +589,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
 
   // Epilogue: out = sigma_P O / (sigma_P L) for the columns of `o` from col0 on (pieces of any
-  // width, each an accumulator fragment); rows that saw nothing give 0 and LSE -inf.
+  // width, each an accumulator fragment); rows that saw nothing give 0 and LSE -inf, rows whose
+  // sum is NaN (non-finite inputs, an invalid request) give NaN.
   const auto write_output = [&](auto& o_pieces, int col0) {
     constexpr int kPieces = sizeof(o_pieces) / sizeof(o_pieces[0]);
     constexpr int kPieceN = 2 * (sizeof(o_pieces[0]) / sizeof(float));
@@ -580,7 +598,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int h = 0; h < 2; ++h) {
       const int g = row0 + 16 * warp + lane / 4 + 8 * h;
       if (g >= p.num_rows) continue;
-      const bool seen_any = l[h] > 0.f;
+      const bool seen_any = !(l[h] == 0.f);   // NaN l: NaN out and LSE, never a quiet zero
       const float norm = seen_any ? amax_prev[h] * (1.f / kPShift) / (kFp8Max * l[h]) : 0.f;
       const float lse = seen_any ? (m[h] + log2f(l[h])) * kLn2 : -INFINITY;
       const bool writes_lse = consumer == 0 && quad == 0;

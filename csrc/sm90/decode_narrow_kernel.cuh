@@ -194,7 +194,7 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
   const int b = blockIdx.x;
   constexpr int row0 = 0;
   const int split = blockIdx.z;
-  const auto [seq_len, first_page, num_iters, direct] = split_pages(p, b, split);
+  const auto [seq_len, first_page, num_iters, direct, valid] = split_pages(p, b, split);
   // Splits past the request's last run: nothing to do (split 0 always runs, see decode_kernel).
   if (split > 0 && num_iters == 0) return;
 
@@ -264,7 +264,7 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
     m[k] = -INFINITY;              // running max logit (log2 units)
     peak[k] = 0.f;                 // largest P' so far, at the current m
     amax_prev[k] = kPScaleFloor;   // 448 * sigma_P of the last page
-    l[k * 128] = 0.f;              // sum of exp (sigma_P * L) over this thread's tokens
+    l[k * 128] = initial_row_sum(valid);   // sum of exp (sigma_P * L), this thread's tokens
   }
   named_barrier_sync(1, 256);   // the query tiles and row_scale are written
 
@@ -390,7 +390,7 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int t = token0 + 8 * h;
-      k_scale[h] = t < live ? scale_tile[t * kScaleBoxFloats] : 0.f;
+      k_scale[h] = t < live ? checked_scale(scale_tile[t * kScaleBoxFloats]) : 0.f;
     }
 
 #pragma unroll
@@ -634,7 +634,7 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
     const float w0 = m_max == -INFINITY ? 0.f : exp2f(m[k] - m_max);
     const float w1 = m_max == -INFINITY ? 0.f : exp2f(other.x - m_max);
     const float total = l_sum[k] * w0 + other.y * w1;
-    const bool seen_any = total > 0.f;
+    const bool seen_any = !(total == 0.f);   // NaN total: NaN out and LSE
     const float f0 = seen_any ? amax_prev[k] / kFp8Max * w0 / total : 0.f;
     const float f1 = seen_any ? other.z / kFp8Max * w1 / total : 0.f;
     const float lse = seen_any ? (m_max + log2f(total)) * kLn2 : -INFINITY;

@@ -94,6 +94,30 @@ def _interpreted_cases():
             "empty_rows_zero": bool((out.permute(0, 2, 1, 3)[~seen] == 0).all()),
             "finite": bool(torch.isfinite(out).all()),
         })
+    # Invalid indices and non-finite values: the same rows come out NaN as in the reference,
+    # with and without splits, and the other rows are unaffected.
+    for splits in (None, 1, 3):
+        cache, bt, _ = build_cache([70, 130, 200, 300, 90], gen=gen)
+        bt = bt.clone()
+        bt[2, 1] = -1                          # live page of request 2: outside the cache
+        bt[3, 4] = cache.shape[0] + 7          # live page of request 3: outside the cache
+        sl = torch.tensor([70, 130, 200, 300, bt.shape[1] * 64 + 1], dtype=torch.int32)
+        q = torch.randn(5, 1, 8, 512, generator=gen).bfloat16()
+        qp = torch.randn(5, 1, 8, 64, generator=gen).bfloat16()
+        q[0, 0, 3, 7] = float("nan")           # one head of request 0
+        cache[bt[1, 1], 5, 100] = 0x7F         # an e4m3 NaN in a live row of request 1
+        q8, qs, qpe = ref.quantize_q(q, qp)
+        out, lse = snapmla_decode(q8, qs, qpe, cache, bt, sl, 0.1, True, num_splits=splits)
+        r_out, r_lse = ref.decode_quantized(q8, qs, qpe, cache, bt, sl, 0.1, True)
+        nan_rows = r_out.isnan().any(-1)
+        ok = ~nan_rows
+        results.append({
+            "case": ["nan", splits],
+            "same_nan_rows": torch.equal(out.isnan().any(-1), nan_rows)
+            and torch.equal(lse.isnan(), r_lse.isnan()),
+            "expected_nan_rows": nan_rows.sum().item(),
+            "rel": ((out.double() - r_out)[ok].norm() / r_out[ok].norm()).item(),
+        })
     print(json.dumps(results))
 
 
@@ -106,6 +130,11 @@ def test_interpreted_kernel_matches_reference():
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert child.returncode == 0, child.stderr[-4000:]
     for r in json.loads(child.stdout.strip().splitlines()[-1]):
+        if r["case"][0] == "nan":
+            # Request 0: one head; requests 1-4: every head (16 + ... rows of 8 heads).
+            assert r["same_nan_rows"] and r["expected_nan_rows"] == 1 + 4 * 8, r
+            assert r["rel"] < 4e-3, r
+            continue
         # FP32 kernel vs float64 reference of the same algorithm, then a bf16 output cast.
         assert r["rel"] < 4e-3 and r["lse"] < 1e-4, r
         assert r["same_empty_rows"] and r["empty_rows_zero"] and r["finite"], r
@@ -115,16 +144,22 @@ def test_split_planner_model():
     from vllm_snapmla.kernels import splits
 
     # Enough programs already (one 64-row block per SM): one split, the whole request.
-    assert splits.pages_per_split_for([128 * 64] * 66, programs=132, slots=132, max_splits=4) == 128
+    assert splits.pages_per_split_for([128 * 64] * 66, programs=132, slots=132, max_splits=4,
+                                      table_pages=128) == 128
     # Half the GPU: two splits of half the pages.
-    assert splits.pages_per_split_for([128 * 64] * 66, programs=66, slots=132, max_splits=4) == 64
+    assert splits.pages_per_split_for([128 * 64] * 66, programs=66, slots=132, max_splits=4,
+                                      table_pages=128) == 64
     # One long request on an empty GPU: spread over many splits, never more than max_splits.
-    per_split = splits.pages_per_split_for([131072], programs=1, slots=132, max_splits=264)
+    per_split = splits.pages_per_split_for([131072], programs=1, slots=132, max_splits=264,
+                                           table_pages=2048)
     assert 2048 / 264 <= per_split <= 64
     # The longest request decides; empty batches take one page per split.
-    assert splits.pages_per_split_for([1, 64 * 64, 0], 3, 132, 100) == \
-        splits.pages_per_split_for([64 * 64], 3, 132, 100)
-    assert splits.pages_per_split_for([0, 0], 2, 132, 8) == 1
+    assert splits.pages_per_split_for([1, 64 * 64, 0], 3, 132, 100, 64) == \
+        splits.pages_per_split_for([64 * 64], 3, 132, 100, 64)
+    assert splits.pages_per_split_for([0, 0], 2, 132, 8, 64) == 1
+    # Invalid lengths (negative, longer than the table) are ignored: they read nothing.
+    assert splits.pages_per_split_for([-5, 10**9, 64 * 64], 3, 132, 100, 64) == \
+        splits.pages_per_split_for([64 * 64], 3, 132, 100, 64)
 
 
 def test_split_ranges_cover_each_request_once():
@@ -133,13 +168,18 @@ def test_split_ranges_cover_each_request_once():
     for seq_len in (0, 1, 64, 65, 700, 131072):
         for per_split in (0, 1, 3, 64):
             for max_splits in (1, 2, 7, 264):
-                ranges = [splits.split_range(seq_len, per_split, max_splits, s)
+                ranges = [splits.split_range(seq_len, 2048, per_split, max_splits, s)
                           for s in range(max_splits)]
                 runs = ranges[0][2]
                 assert 1 <= runs <= max_splits
                 pages = [p for first, n, _ in ranges for p in range(first, first + n)]
                 assert pages == list(range(-(-seq_len // 64))), (seq_len, per_split, max_splits)
                 assert all(n == 0 for _, n, _ in ranges[runs:])
+    # A length the table cannot hold: no pages, one run (written directly, as NaN).
+    for seq_len, table_pages in ((-1, 4), (4 * 64 + 1, 4), (10**9, 2048)):
+        assert splits.split_range(seq_len, table_pages, 0, 8, 0) == (0, 0, 1)
+        assert not splits.valid_length(seq_len, table_pages)
+    assert splits.valid_length(4 * 64, 4) and splits.valid_length(0, 4)
     # The grid: two waves of CTAs at most, never more splits than the table has pages.
     assert splits.max_splits_for(programs=64, slots=132, table_pages=2560) == 5
     assert splits.max_splits_for(programs=1, slots=132, table_pages=16) == 16

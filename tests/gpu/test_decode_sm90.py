@@ -244,9 +244,12 @@ def test_planner_matches_its_python_model():
                                                (300, 300, 132, 1), (33, 66, 132, 4)]:
         lens = torch.randint(0, 140000, (batch,), generator=gen, dtype=torch.int32)
         lens[0] = 0
-        got = splits.plan(lens.cuda(), batch, programs, slots, max_splits)
+        lens[-1] = -lens[-1] if batch > 2 else lens[-1]   # invalid lengths count for nothing
+        table_pages = 2048                                  # also some lengths past the table
+        got = splits.plan(lens.cuda(), table_pages, batch, programs, slots, max_splits)
         assert int(got) == splits.pages_per_split_for(lens.tolist(), programs, slots,
-                                                      max_splits), (batch, programs, max_splits)
+                                                      max_splits, table_pages), \
+            (batch, programs, max_splits)
 
 
 def test_graph_replay_adapts_to_new_lengths():

@@ -57,8 +57,9 @@ def decode_sm90(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
     token).  ``num_splits`` None lets the planner choose on the GPU from the real lengths; an
     int cuts every request into that many equal runs.
     """
+    # softmax_scale goes to the op as given: its schema takes a float and refuses anything else.
     return require_native("decode_sm90").decode_sm90(
-        q_nope, q_pe, kv_cache, block_table, seq_lens, float(softmax_scale), bool(causal),
+        q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, bool(causal),
         num_splits or 0, _schedule_id(schedule))
 
 

@@ -24,9 +24,21 @@ def max_splits_for(programs: int, slots: int, table_pages: int) -> int:
     return max(1, min(splits, table_pages, 65535))
 
 
-def split_range(seq_len: int, pages_per_split: int, max_splits: int, split: int):
+def valid_length(seq_len: int, table_pages: int) -> bool:
+    """A length a block table ``table_pages`` wide can hold (``split_kv.h valid_length``); the
+    kernels read nothing for any other and write NaN for its request."""
+    return 0 <= seq_len <= table_pages * fmt.PAGE_SIZE
+
+
+def request_pages(seq_len: int, table_pages: int) -> int:
+    """Pages a request's kernels read: none for an invalid length."""
+    return -(-seq_len // fmt.PAGE_SIZE) if valid_length(seq_len, table_pages) else 0
+
+
+def split_range(seq_len: int, table_pages: int, pages_per_split: int, max_splits: int,
+                split: int):
     """``(first_page, num_pages, num_splits)`` of one split (``split_kv.h split_range``)."""
-    pages = -(-seq_len // fmt.PAGE_SIZE) if seq_len > 0 else 0
+    pages = request_pages(seq_len, table_pages)
     run = max(-(-pages // max_splits), pages_per_split)
     num_splits = max(-(-pages // run), 1) if run > 0 else 1
     first = split * run
@@ -38,11 +50,12 @@ def split_range(seq_len: int, pages_per_split: int, max_splits: int, split: int)
 SPLIT_OVERHEAD_PAGES = 2
 
 
-def pages_per_split_for(seq_lens: list[int], programs: int, slots: int, max_splits: int) -> int:
+def pages_per_split_for(seq_lens: list[int], programs: int, slots: int, max_splits: int,
+                        table_pages: int) -> int:
     """The planner's choice (``split_kv.h plan_splits_warp``): the cheapest split count ``s <=
-    max_splits`` for the longest request, cost = ceil(programs s / slots) waves x (its pages /
-    s + SPLIT_OVERHEAD_PAGES), fewer splits on ties; returns pages per split."""
-    max_pages = max((-(-n // fmt.PAGE_SIZE) for n in seq_lens if n > 0), default=0)
+    max_splits`` for the longest valid request, cost = ceil(programs s / slots) waves x (its
+    pages / s + SPLIT_OVERHEAD_PAGES), fewer splits on ties; returns pages per split."""
+    max_pages = max((request_pages(n, table_pages) for n in seq_lens), default=0)
     best, best_cost = 1, None
     for s in range(1, min(max_pages, max_splits) + 1):
         cost = -(-programs * s // slots) * (-(-max_pages // s) + SPLIT_OVERHEAD_PAGES)
@@ -51,42 +64,44 @@ def pages_per_split_for(seq_lens: list[int], programs: int, slots: int, max_spli
     return -(-max_pages // best) if max_pages > 0 else 1
 
 
-def plan(seq_lens: torch.Tensor, batch: int, programs: int, slots: int,
+def plan(seq_lens: torch.Tensor, table_pages: int, batch: int, programs: int, slots: int,
          max_splits: int) -> torch.Tensor:
     """``pages_per_split`` as an int32[1] tensor on ``seq_lens``' device; on a GPU computed
     there (no host sync), on the CPU (Triton's interpreter) in Python."""
     if not seq_lens.is_cuda:
         return torch.tensor([pages_per_split_for(seq_lens[:batch].tolist(), programs, slots,
-                                                 max_splits)], dtype=torch.int32)
+                                                 max_splits, table_pages)], dtype=torch.int32)
     pages_per_split = torch.empty(1, dtype=torch.int32, device=seq_lens.device)
-    require_native("split planning").split_plan(seq_lens, pages_per_split, batch, programs,
-                                                slots, max_splits)
+    require_native("split planning").split_plan(seq_lens, pages_per_split, table_pages, batch,
+                                                programs, slots, max_splits)
     return pages_per_split
 
 
 def combine(part_out: torch.Tensor, part_lse: torch.Tensor, seq_lens: torch.Tensor,
-            pages_per_split: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
-            single_runs_in_partials: bool) -> None:
+            pages_per_split: torch.Tensor | None, table_pages: int, out: torch.Tensor,
+            lse: torch.Tensor, single_runs_in_partials: bool) -> None:
     """Merge the splits' partials ``[B, max_splits, rows, 512]`` into ``out [B, s_q, H, 512]``
     (bf16) and ``lse [B, H, s_q]`` by LSE, for every request cut into several runs (every
-    request with ``single_runs_in_partials``).  Splits with LSE -inf wrote no output."""
+    request with ``single_runs_in_partials``).  Splits with LSE -inf wrote no output; a NaN
+    LSE makes the request's rows NaN."""
     if part_out.is_cuda:
         require_native("the split-KV combine").combine_splits(
-            part_out, part_lse, seq_lens, pages_per_split, out, lse, single_runs_in_partials)
+            part_out, part_lse, seq_lens, pages_per_split, table_pages, out, lse,
+            single_runs_in_partials)
         return
     B, max_splits, rows, _ = part_out.shape
     s_q, H = out.shape[1], out.shape[2]
     chunk = int(pages_per_split[0]) if pages_per_split is not None else 0
     for b in range(B):
-        runs = split_range(int(seq_lens[b]), chunk, max_splits, 0)[2]
+        runs = split_range(int(seq_lens[b]), table_pages, chunk, max_splits, 0)[2]
         if runs == 1 and not single_runs_in_partials:
             continue
         lses = part_lse[b, :runs].double()                       # [runs, rows]
-        m = lses.max(0).values
+        m = torch.where(lses.isnan(), float("-inf"), lses).max(0).values   # as fmaxf: NaN skipped
         m_ref = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
         w = torch.exp(lses - m_ref)
         total = w.sum(0)
-        parts = torch.where(w[..., None] > 0, part_out[b, :runs].double(), 0.0)
+        parts = torch.where(w[..., None] != 0, part_out[b, :runs].double(), 0.0)
         merged = (w[..., None] * parts).sum(0) / torch.where(total == 0, 1.0, total)[:, None]
         out[b] = merged.view(s_q, H, -1).to(out.dtype)
         lse[b] = torch.where(total == 0, float("-inf"), m + torch.log(total)).float() \

@@ -96,7 +96,8 @@ def _split_kernel(
         stride_qs_b, stride_qs_s, stride_qs_h,
         stride_qpe_b, stride_qpe_s, stride_qpe_h,
         stride_content_blk, stride_scale_blk, stride_rope_blk,
-        stride_bt_b, qk_scale_log2, num_heads, s_q, num_rows, causal, max_splits,
+        stride_bt_b, table_pages, num_blocks, qk_scale_log2, num_heads, s_q, num_rows, causal,
+        max_splits,
         PAGE: tl.constexpr, ROW_BYTES: tl.constexpr, SCALE_OFFSET: tl.constexpr,
         ROPE_OFFSET: tl.constexpr, ROPE_DIM: tl.constexpr, CHUNK: tl.constexpr,
         FP8_MAX: tl.constexpr, P_SCALE_RANGE: tl.constexpr, P_SCALE_FLOOR: tl.constexpr,
@@ -106,9 +107,11 @@ def _split_kernel(
     split = tl.program_id(2)
 
     # This split's pages (kernels/splits.py split_range): the request's pages cut into runs of
-    # the planner's pages_per_split (an equal cut into max_splits without a planner).
+    # the planner's pages_per_split (an equal cut into max_splits without a planner).  A length
+    # the table cannot hold reads nothing and makes the request NaN (its row sum starts NaN).
     seq_len = tl.load(seq_lens_ptr + b)
-    num_pages = tl.cdiv(tl.maximum(seq_len, 0), PAGE)
+    valid = (seq_len >= 0) & (seq_len <= table_pages * PAGE)
+    num_pages = tl.where(valid, tl.cdiv(tl.maximum(seq_len, 0), PAGE), 0)
     run = tl.cdiv(num_pages, max_splits)
     if PLANNED:
         run = tl.maximum(run, tl.load(pages_per_split_ptr))
@@ -141,7 +144,8 @@ def _split_kernel(
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)      # running max logit (log2 units)
     peak = tl.zeros([BLOCK_H], tl.float32)                  # largest P' so far, at the current m
     amax_prev = tl.full([BLOCK_H], P_SCALE_FLOOR, tl.float32)   # 448 * sigma_P of the last page
-    l = tl.zeros([BLOCK_H], tl.float32)                     # sum of exp, unscaled (= sigma_P * L)
+    # sum of exp, unscaled (= sigma_P * L)
+    l = tl.where(valid, tl.zeros([BLOCK_H], tl.float32), float("nan"))
     o0 = tl.zeros([BLOCK_H, CHUNK], tl.float32)            # O in the current sigma_P domain
     o1 = tl.zeros([BLOCK_H, CHUNK], tl.float32)
     o2 = tl.zeros([BLOCK_H, CHUNK], tl.float32)
@@ -155,15 +159,21 @@ def _split_kernel(
         blk = blk_next
         blk_next = tl.load(bt_row + page + 1, mask=page + 1 < end_page, other=0).to(tl.int64)
         pos = page * PAGE + tok
-        live = pos < seq_len            # slots past seq_len hold arbitrary bytes (NaN, Inf)
+        # A block id outside the cache is never read: its page loads as zeros and its live
+        # tokens get a NaN scale, so the request's output shows it.
+        blk_ok = (blk >= 0) & (blk < num_blocks)
+        in_use = pos < seq_len            # slots past seq_len hold arbitrary bytes (NaN, Inf)
+        live = in_use & blk_ok
         k_scale = tl.load(scale_ptr + blk * stride_scale_blk + tok * (ROW_BYTES // 4)
                           + SCALE_OFFSET // 4, mask=live, other=0.0)
+        # Every scale the format writes is positive: anything else in a live slot is NaN.
+        k_scale = tl.where(in_use & ~(k_scale > 0.0), float("nan"), k_scale)
         k_rope = tl.load(rope_ptr + blk * stride_rope_blk + tok[:, None] * (ROW_BYTES // 2)
                          + ROPE_OFFSET // 2 + dr[None, :], mask=live[:, None], other=0.0)
         k_rows = content_ptr + blk * stride_content_blk + tok * ROW_BYTES
         # The same slots as `live`, written differently on purpose: identical K and V loads
         # would be merged into one load that Triton cannot pipeline (see the module docstring).
-        k_live = tok < seq_len - page * PAGE
+        k_live = (tok < seq_len - page * PAGE) & blk_ok
 
         s = tl.dot(qpe, tl.trans(k_rope))
         s = _qk_chunk(q8_rows, k_rows, 0, cols, row_ok, k_live, s)
@@ -194,8 +204,9 @@ def _split_kernel(
         m = m_new
         amax_prev = amax_new
 
-    seen_any = l > 0.0
-    # out = sigma_P * O / (sigma_P * L); rows that saw nothing give 0 and LSE -inf.
+    # out = sigma_P * O / (sigma_P * L); rows that saw nothing give 0 and LSE -inf, rows whose
+    # sum is NaN (non-finite inputs, an invalid request) NaN.
+    seen_any = l != 0.0
     norm = tl.where(seen_any, amax_prev / (FP8_MAX * l), 0.0)
     lse = tl.where(seen_any, (m + tl.log2(l)) * 0.6931471805599453, float("-inf"))
     if direct:
@@ -280,8 +291,9 @@ def snapmla_decode(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: torch.T
     if num_splits is None:
         max_splits = splits.max_splits_for(programs, num_sms * cfg.programs_per_sm,
                                            block_table.shape[1])
-        pages_per_split = (splits.plan(seq_lens, B, programs, num_sms * cfg.programs_per_sm,
-                                       max_splits) if max_splits > 1 else None)
+        pages_per_split = (splits.plan(seq_lens, block_table.shape[1], B, programs,
+                                       num_sms * cfg.programs_per_sm, max_splits)
+                           if max_splits > 1 else None)
     else:
         max_splits, pages_per_split = max(int(num_splits), 1), None
 
@@ -299,14 +311,14 @@ def snapmla_decode(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: torch.T
         out, lse, part, part_lse,
         *q8.stride()[:3], *q_scale.stride()[:3], *q_pe_scaled.stride()[:3],
         content.stride(0), kv_cache.view(torch.float32).stride(0),
-        kv_cache.view(torch.bfloat16).stride(0), block_table.stride(0),
-        float(softmax_scale) * _LOG2E, H, s_q, num_rows, int(bool(causal)), max_splits,
+        kv_cache.view(torch.bfloat16).stride(0), block_table.stride(0), block_table.shape[1],
+        kv_cache.shape[0], float(softmax_scale) * _LOG2E, H, s_q, num_rows, int(bool(causal)), max_splits,
         PAGE=fmt.PAGE_SIZE, ROW_BYTES=fmt.BYTES_PER_TOKEN, SCALE_OFFSET=fmt.SCALE_OFFSET,
         ROPE_OFFSET=fmt.ROPE_OFFSET, ROPE_DIM=fmt.ROPE_DIM, CHUNK=_CHUNK, FP8_MAX=fmt.FP8_MAX,
         P_SCALE_RANGE=fmt.P_SCALE_RANGE, P_SCALE_FLOOR=fmt.P_SCALE_FLOOR,
         BLOCK_H=cfg.block_h, PLANNED=pages_per_split is not None, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     if max_splits > 1:
-        splits.combine(part, part_lse, seq_lens, pages_per_split, out, lse,
-                       single_runs_in_partials=False)
+        splits.combine(part, part_lse, seq_lens, pages_per_split, block_table.shape[1], out,
+                       lse, single_runs_in_partials=False)
     return out, lse

@@ -1,0 +1,213 @@
+"""The contract of ``vllm_snapmla.ops`` on CPU tensors (the reference path): every violation
+raises an error naming the argument, invalid indices never read another block, and NaN/Inf
+propagate as in exact attention.  Property-based (``hypothesis``) over shapes, lengths, tables
+and where things go wrong; the same properties run on the GPU kernels in
+``tests/gpu/test_ops_cuda.py``."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from vllm_snapmla import format as fmt
+from vllm_snapmla import ops
+from vllm_snapmla import reference as ref
+from vllm_snapmla.testing import build_cache
+
+from tests.decode_cases import (BAD_ARGUMENTS, BAD_INDICES, NON_FINITE, decode_case,
+                                nan_rows_of)
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+SETTINGS = settings(max_examples=25, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+lengths = st.lists(st.integers(0, 200), min_size=1, max_size=3)
+heads = st.sampled_from([1, 2, 4])
+s_qs = st.sampled_from([1, 2])
+seeds = st.integers(0, 2**16)
+
+
+@SETTINGS
+@given(lens=lengths, H=heads, s_q=s_qs, seed=seeds, name=st.sampled_from(sorted(BAD_ARGUMENTS)))
+def test_bad_arguments_raise_errors_that_name_them(lens, H, s_q, seed, name):
+    change, error, argument = BAD_ARGUMENTS[name]
+    case = decode_case(lens, H, s_q, seed)
+    if name == "q_pe broadcasts over the batch":
+        assume(len(lens) > 1)
+    if name == "seq_lens too short":
+        assume(len(lens) > 0)
+    with pytest.raises(error, match=re.escape(argument)):
+        ops.decode(*change(case).args())
+
+
+@SETTINGS
+@given(lens=lengths, H=heads, s_q=s_qs, seed=seeds, name=st.sampled_from(sorted(BAD_INDICES)),
+       pick=st.integers(0, 2))
+def test_bad_indices_raise_or_give_nan_for_that_request_only(lens, H, s_q, seed, name, pick):
+    change, message = BAD_INDICES[name]
+    b = pick % len(lens)
+    if "block id" in name:
+        assume(lens[b] > 0)   # a page the request reads
+    case = decode_case(lens, H, s_q, seed)
+    bad = change(case, b)
+    with pytest.raises(ValueError, match=message.format(b=b)):
+        ops.decode(*bad.args())
+    # Unchecked (what the CUDA kernels do without validate): NaN for request b, nothing else
+    # changes, and no block outside the request's pages is read.
+    out, lse = ops.decode(*bad.args(), validate=False)
+    base_out, base_lse = ops.decode(*case.args())
+    assert out[b].isnan().all() and lse[b].isnan().all()
+    others = [i for i in range(len(lens)) if i != b]
+    torch.testing.assert_close(out[others], base_out[others], rtol=0, atol=0, equal_nan=False)
+    torch.testing.assert_close(lse[others], base_lse[others], rtol=0, atol=0)
+    ex_out, ex_lse = ref.decode(*bad.args(), exact=True)
+    assert ex_out[b].isnan().all() and ex_lse[b].isnan().all()
+
+
+@SETTINGS
+@given(lens=st.lists(st.integers(2, 200), min_size=1, max_size=3), H=heads, s_q=s_qs,
+       seed=seeds, name=st.sampled_from(sorted(NON_FINITE)), pick=st.integers(0, 2))
+def test_nan_inputs_give_nan_where_attention_uses_them(lens, H, s_q, seed, name, pick):
+    b = pick % len(lens)
+    case = decode_case(lens, H, s_q, seed)
+    poisoned, rows = NON_FINITE[name](case, b, torch.Generator().manual_seed(seed))
+    out, lse = ops.decode(*poisoned.args())
+    nan_out, nan_lse = nan_rows_of(out, lse)
+    assert torch.equal(nan_out, rows) and torch.equal(nan_lse, rows), name
+    base_out, _ = ops.decode(*case.args())
+    assert torch.equal(out[~rows], base_out[~rows])
+    # Exact float64 attention agrees on which rows are NaN.
+    ex_out, ex_lse = ref.decode(*poisoned.args(), exact=True)
+    assert torch.equal(nan_rows_of(ex_out, ex_lse)[0], rows)
+
+
+@SETTINGS
+@given(lens=lengths, H=heads, s_q=s_qs, seed=seeds)
+def test_garbage_in_unused_slots_is_ignored(lens, H, s_q, seed):
+    """Unused bytes (past each length, spare table columns, free blocks) never matter."""
+    case = decode_case(lens, H, s_q, seed)
+    out, lse = ops.decode(*case.args())
+    assert torch.isfinite(out).all() and not lse.isnan().any()
+    cache = case.kv_cache.clone()
+    used = torch.zeros(cache.shape[:2], dtype=torch.bool)
+    for b, n in enumerate(lens):
+        for pos in range(n):
+            used[int(case.block_table[b, pos // 64]), pos % 64] = True
+    cache[~used] = 0xFF   # e4m3 NaN bytes, NaN scales and RoPE
+    out2, lse2 = ops.decode(*case.replace(kv_cache=cache).args())
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
+def test_decode_contract_cases_from_the_report():
+    """The cases first seen giving plausible wrong answers, now errors."""
+    cache, bt, _ = build_cache([150, 100])
+    bt = bt[:, :2].contiguous()
+    q = torch.randn(2, 1, 16, 512).bfloat16()
+    qp = torch.randn(2, 1, 16, 64).bfloat16()
+    with pytest.raises(ValueError, match=r"seq_lens\[0\] = 192 is outside \[0, 128\]"):
+        ops.decode(q, qp, cache, bt, torch.tensor([192, 100]), 0.1)
+    bad = bt.clone()
+    bad[0, 1] = -1
+    with pytest.raises(ValueError, match=r"block_table\[0, 1\] = -1"):
+        ops.decode(q, qp, cache, bad, torch.tensor([100, 100]), 0.1)
+    with pytest.raises(ValueError, match="no broadcasting"):
+        ops.decode(q, qp[:1], cache, bt, torch.tensor([100, 100]), 0.1)
+    with pytest.raises(ValueError, match=r"q_pe must have the leading shape .*\[2, 1, 8, 64\]"):
+        ops.decode(q, qp[:, :, :8], cache, bt, torch.tensor([100, 100]), 0.1)
+    with pytest.raises(TypeError, match="seq_lens must be a torch.Tensor, got list"):
+        ops.decode(q, qp, cache, bt, [100, 100], 0.1)
+    with pytest.raises(ValueError, match=r"seq_lens\[1\] = -1"):
+        ops.decode(q, qp, cache, bt, torch.tensor([100, -1]), 0.1)
+
+
+def test_quantize_and_append_contract():
+    kv_c, k_pe = torch.randn(4, 512), torch.randn(4, 64)
+    with pytest.raises(ValueError, match=r"kv_c must be \[\.\.\., 512\], got float32\[4, 500\]"):
+        ops.quantize_kv(kv_c[:, :500], k_pe)
+    with pytest.raises(ValueError, match="kv_c has 4 rows and k_pe 3"):
+        ops.quantize_kv(kv_c, k_pe[:3])
+    with pytest.raises(TypeError, match="kv_c must be bfloat16, float16 or float32"):
+        ops.quantize_kv(kv_c.to(torch.int32), k_pe)
+    with pytest.raises(ValueError, match=r"k_pe must be \[tokens, 64\].*got float32\[4, 2, 64\]"):
+        ops.quantize_kv(kv_c, torch.randn(4, 2, 64))
+    assert torch.equal(ops.quantize_kv(kv_c, k_pe[:, None]), ops.quantize_kv(kv_c, k_pe))
+    with pytest.raises(TypeError, match="k_pe is torch.bfloat16 but kv_c is torch.float32"):
+        ops.quantize_kv(kv_c, k_pe.bfloat16())
+    # A non-finite row is refused when checked; unchecked it is stored so that it reads as NaN.
+    bad = kv_c.clone()
+    bad[2, 5] = float("inf")
+    with pytest.raises(ValueError, match="kv_c row 2 holds a NaN or Inf"):
+        ops.quantize_kv(bad, k_pe)
+    rows = ops.quantize_kv(bad, k_pe, validate=False)
+    c, r = ops.dequantize_kv(rows[2])
+    assert c.isnan().any() or r.isnan().any() or not torch.isfinite(c).all()
+    with pytest.raises(TypeError, match="dtype must be a floating-point torch.dtype"):
+        ops.dequantize_kv(rows, dtype=torch.int32)
+
+    cache = torch.zeros(2, 64, 656, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="kv_cache must be uint8"):
+        ops.append_kv(kv_c, k_pe, torch.zeros(2, 16, 656, dtype=torch.uint8), torch.tensor([0]))
+    with pytest.raises(TypeError, match="slot_mapping must be int32 or int64, got torch.float32"):
+        ops.append_kv(kv_c, k_pe, cache, torch.tensor([0.0, 1.0]))
+    with pytest.raises(ValueError, match=r"slot_mapping\[1\] = 128 is outside the cache's 128 slots"):
+        ops.append_kv(kv_c, k_pe, cache, torch.tensor([0, 128]))
+    with pytest.raises(ValueError, match="4 are needed"):
+        ops.append_kv(kv_c[:1], k_pe[:1], cache, torch.tensor([0, 1, 2, 3]))
+    # Unchecked, a slot past the cache is skipped (as on CUDA) and negative slots always are.
+    ops.append_kv(kv_c, k_pe, cache, torch.tensor([0, 128, -1, 127]), validate=False)
+    written = (cache != 0).any(-1)
+    assert written.sum() == 2 and written[0, 0] and written[1, 63]
+
+
+def test_gather_contract():
+    cache, bt, kv = build_cache([70, 10])
+    dst = torch.empty(80, 576)
+    cu = torch.tensor([0, 70, 80], dtype=torch.int32)
+    t2s = torch.tensor([0] * 70 + [1] * 10, dtype=torch.int32)
+    ops.gather_kv(cache, dst, bt, cu, t2s, 80)
+    assert torch.isfinite(dst).all()
+    for bad_t2s, match in ((t2s.clone().index_fill_(0, torch.tensor([75]), 2),
+                            r"token_to_seq\[75\] = 2 names no request"),
+                           (t2s.clone().index_fill_(0, torch.tensor([3]), -1),
+                            r"token_to_seq\[3\] = -1")):
+        with pytest.raises(ValueError, match=match):
+            ops.gather_kv(cache, dst, bt, cu, bad_t2s, 80)
+        out = ops.gather_kv(cache, torch.empty(80, 576), bt, cu, bad_t2s, 80, validate=False)
+        bad_rows = out.isnan().all(-1)
+        assert bad_rows.sum() == 1 and torch.equal(out[~bad_rows], dst[~bad_rows])
+    bad_bt = bt.clone()
+    bad_bt[0, 1] = cache.shape[0]
+    with pytest.raises(ValueError, match=r"token 64 reads block_table\[0, 1\]"):
+        ops.gather_kv(cache, dst, bad_bt, cu, t2s, 80)
+    out = ops.gather_kv(cache, torch.empty(80, 576), bad_bt, cu, t2s, 80, validate=False)
+    assert out[64:70].isnan().all() and torch.equal(out[:64], dst[:64])
+    with pytest.raises(ValueError, match="num_tokens=81"):
+        ops.gather_kv(cache, dst, bt, cu, t2s, 81)
+    with pytest.raises(TypeError, match="cu_seq_lens must be int32 or int64"):
+        ops.gather_kv(cache, dst, bt, cu.float(), t2s, 80)
+
+
+def test_quantize_q_contract():
+    with pytest.raises(ValueError, match="no broadcasting"):
+        ops.quantize_q(torch.randn(2, 16, 512), torch.randn(1, 16, 64))
+    with pytest.raises(ValueError, match=r"q_pe must be \[\.\.\., 64\]"):
+        ops.quantize_q(torch.randn(2, 16, 512), torch.randn(2, 16, 32))
+    q8, s, qpe = ops.quantize_q(torch.full((1, 512), float("nan")), torch.randn(1, 64))
+    assert s.isnan().all()
+
+
+def test_validation_can_be_forced_and_skipped(monkeypatch):
+    case = decode_case([100], 2, 1, 0)
+    bad = BAD_INDICES["block id -1"][0](case, 0)
+    with pytest.raises(ValueError):
+        ops.decode(*bad.args())
+    assert ops.decode(*bad.args(), validate=False)[0].isnan().all()
+    monkeypatch.setenv("SNAPMLA_VALIDATE", "1")
+    with pytest.raises(ValueError):
+        ops.decode(*bad.args(), validate=None)
+    assert fmt.PAGE_SIZE == 64

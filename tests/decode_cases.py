@@ -1,0 +1,189 @@
+"""Random decode inputs and the ways a caller can get them wrong, for the contract tests of
+``vllm_snapmla.ops`` on the CPU (``tests/unit/test_ops.py``) and on the GPU
+(``tests/gpu/test_ops_cuda.py``).
+
+A case is a poisoned paged cache (every unused byte random, every unused scale NaN), a block
+table with spare columns, ragged lengths and a random query.  ``BAD_ARGUMENTS`` break the shape,
+type or scale contract (always an error); ``BAD_INDICES`` break a request's length or block ids
+(an error when the data checks run, NaN for that request otherwise); ``NON_FINITE`` put a NaN
+where attention must carry it into the output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from vllm_snapmla import format as fmt
+from vllm_snapmla.testing import build_cache
+
+SCALE = 0.1147
+
+
+@dataclasses.dataclass
+class DecodeCase:
+    q_nope: torch.Tensor       # [B, s_q, H, 512] bf16
+    q_pe: torch.Tensor         # [B, s_q, H, 64] bf16
+    kv_cache: torch.Tensor     # uint8 [num_blocks, 64, 656]
+    block_table: torch.Tensor  # int32 [B, width]
+    seq_lens: torch.Tensor     # int32 [B]
+    softmax_scale: float = SCALE
+
+    def args(self):
+        return (self.q_nope, self.q_pe, self.kv_cache, self.block_table, self.seq_lens,
+                self.softmax_scale)
+
+    def to(self, device) -> DecodeCase:
+        moved = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for name, value in moved.items():
+            if isinstance(value, torch.Tensor):
+                moved[name] = value.to(device)
+        return DecodeCase(**moved)
+
+    def replace(self, **changes) -> DecodeCase:
+        return dataclasses.replace(self, **changes)
+
+
+def decode_case(seq_lens, heads: int, s_q: int, seed: int, spare_columns: int = 1) -> DecodeCase:
+    gen = torch.Generator().manual_seed(seed)
+    cache, table, _ = build_cache(seq_lens, gen=gen)
+    spare = torch.randint(0, cache.shape[0], (table.shape[0], spare_columns), generator=gen,
+                          dtype=torch.int32)
+    table = torch.cat([table, spare], 1)
+    B = len(seq_lens)
+    q = torch.randn(B, s_q, heads, fmt.KV_LORA_RANK, generator=gen).bfloat16()
+    qp = (torch.randn(B, s_q, heads, fmt.ROPE_DIM, generator=gen) * 3).bfloat16()
+    return DecodeCase(q, qp, cache, table, torch.tensor(seq_lens, dtype=torch.int32))
+
+
+# --- arguments that break the contract: (change, exception, what the message must name) ------
+
+def _q_pe_batch_one(c):
+    return c.replace(q_pe=c.q_pe[:1])                       # would broadcast
+
+
+def _q_pe_half_heads(c):
+    return c.replace(q_pe=c.q_pe[:, :, : max(c.q_pe.shape[2] // 2, 1)].contiguous()
+                     if c.q_pe.shape[2] > 1 else torch.cat([c.q_pe, c.q_pe], 2))
+
+
+BAD_ARGUMENTS = {
+    "q_pe broadcasts over the batch": (_q_pe_batch_one, ValueError, "q_pe"),
+    "q_pe has other heads": (_q_pe_half_heads, ValueError, "q_pe"),
+    "q_nope 3-D": (lambda c: c.replace(q_nope=c.q_nope[:, 0]), ValueError, "q_nope"),
+    "q_nope integer": (lambda c: c.replace(q_nope=c.q_nope.to(torch.int32)), TypeError, "q_nope"),
+    "q_pe 63 wide": (lambda c: c.replace(q_pe=c.q_pe[..., :63]), ValueError, "q_pe"),
+    "seq_lens a list": (lambda c: c.replace(seq_lens=c.seq_lens.tolist()), TypeError, "seq_lens"),
+    "seq_lens float": (lambda c: c.replace(seq_lens=c.seq_lens.float()), TypeError, "seq_lens"),
+    "seq_lens too short": (lambda c: c.replace(seq_lens=c.seq_lens[:-1]), ValueError, "seq_lens"),
+    "block_table float": (lambda c: c.replace(block_table=c.block_table.float()), TypeError,
+                          "block_table"),
+    "block_table 1-D": (lambda c: c.replace(block_table=c.block_table[0]), ValueError,
+                        "block_table"),
+    "kv_cache rows 600 wide": (lambda c: c.replace(kv_cache=c.kv_cache[..., :600]), ValueError,
+                               "kv_cache"),
+    "kv_cache bf16": (lambda c: c.replace(kv_cache=c.kv_cache.view(torch.bfloat16)), ValueError,
+                      "kv_cache"),
+    "softmax_scale NaN": (lambda c: c.replace(softmax_scale=float("nan")), ValueError,
+                          "softmax_scale"),
+    "softmax_scale 0": (lambda c: c.replace(softmax_scale=0.0), ValueError, "softmax_scale"),
+    "softmax_scale negative": (lambda c: c.replace(softmax_scale=-0.1), ValueError,
+                               "softmax_scale"),
+    "softmax_scale inf": (lambda c: c.replace(softmax_scale=float("inf")), ValueError,
+                          "softmax_scale"),
+    "softmax_scale a string": (lambda c: c.replace(softmax_scale="0.1"), TypeError,
+                               "softmax_scale"),
+}
+
+
+# --- indices that break one request b: (change(case, b), what the message must name) --------
+
+def _set_len(value_of):
+    def change(c, b):
+        lens = c.seq_lens.clone()
+        lens[b] = value_of(c)
+        return c.replace(seq_lens=lens)
+    return change
+
+
+def _set_block(value_of, page_of):
+    def change(c, b):
+        table = c.block_table.clone()
+        table[b, page_of(c, b)] = value_of(c)
+        return c.replace(block_table=table)
+    return change
+
+
+def _last_live_page(c, b):
+    return (int(c.seq_lens[b]) - 1) // fmt.PAGE_SIZE
+
+
+BAD_INDICES = {
+    # seq_len 192 over a 2-block table re-read the last block; 10,000 moved the LSE.
+    "seq_len past the table": (_set_len(lambda c: c.block_table.shape[1] * fmt.PAGE_SIZE + 1),
+                               r"seq_lens\[{b}\]"),
+    "seq_len far past the table": (_set_len(lambda c: 10_000_000), r"seq_lens\[{b}\]"),
+    "negative seq_len": (_set_len(lambda c: -3), r"seq_lens\[{b}\]"),
+    "block id -1": (_set_block(lambda c: -1, _last_live_page), r"block_table\[{b}, "),
+    "block id past the cache": (_set_block(lambda c: c.kv_cache.shape[0] + 5, _last_live_page),
+                                r"block_table\[{b}, "),
+}
+
+
+# --- NaN where attention must carry it: (change(case, b, generator), rows it makes NaN) -------
+
+def nan_in_query(c, b, gen):
+    """One element of one query row (b, i, h): that row only."""
+    i = int(torch.randint(c.q_nope.shape[1], (1,), generator=gen))
+    h = int(torch.randint(c.q_nope.shape[2], (1,), generator=gen))
+    which = "q_nope" if int(torch.randint(2, (1,), generator=gen)) else "q_pe"
+    t = getattr(c, which).clone()
+    t[b, i, h, int(torch.randint(t.shape[-1], (1,), generator=gen))] = float("nan")
+    rows = torch.zeros(c.q_nope.shape[:3], dtype=torch.bool)
+    rows[b, i, h] = True
+    return c.replace(**{which: t}), rows
+
+
+def _token_every_query_sees(c, b, gen):
+    s_q = c.q_nope.shape[1]
+    return int(torch.randint(int(c.seq_lens[b]) - s_q + 1, (1,), generator=gen))
+
+
+def _cache_byte(c, b, pos, offset, value):
+    cache = c.kv_cache.clone()
+    cache[int(c.block_table[b, pos // fmt.PAGE_SIZE]), pos % fmt.PAGE_SIZE, offset] = value
+    return cache
+
+
+def nan_in_cache_content(c, b, gen):
+    """An e4m3 NaN byte in a token every query of request b sees: all of b's rows."""
+    pos = _token_every_query_sees(c, b, gen)
+    col = int(torch.randint(fmt.KV_LORA_RANK, (1,), generator=gen))
+    rows = torch.zeros(c.q_nope.shape[:3], dtype=torch.bool)
+    rows[b] = True
+    return c.replace(kv_cache=_cache_byte(c, b, pos, fmt.CONTENT_OFFSET + col, 0x7F)), rows
+
+
+def nan_in_cache_scale(c, b, gen):
+    """A NaN scale in a token every query of request b sees: all of b's rows."""
+    pos = _token_every_query_sees(c, b, gen)
+    cache = c.kv_cache.clone()
+    blk = int(c.block_table[b, pos // fmt.PAGE_SIZE])
+    cache[blk, pos % fmt.PAGE_SIZE, fmt.SCALE_OFFSET:fmt.PAD_OFFSET] = torch.tensor(
+        [float("nan")], dtype=torch.float32).view(torch.uint8)
+    rows = torch.zeros(c.q_nope.shape[:3], dtype=torch.bool)
+    rows[b] = True
+    return c.replace(kv_cache=cache), rows
+
+
+NON_FINITE = {
+    "NaN in a query element": nan_in_query,
+    "NaN e4m3 byte in a live cache row": nan_in_cache_content,
+    "NaN scale in a live cache row": nan_in_cache_scale,
+}
+
+
+def nan_rows_of(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, s_q, H]`` masks of rows whose output has a NaN, and whose LSE is NaN."""
+    return out.isnan().any(-1).cpu(), lse.permute(0, 2, 1).isnan().cpu()

@@ -1,0 +1,154 @@
+"""The contract of ``vllm_snapmla.ops`` on CUDA tensors, for both decode kernels (Hopper and
+Triton): the properties ``tests/unit/test_ops.py`` checks on the CPU reference, on the kernels
+vLLM runs.  Without the data checks (vLLM's path) an invalid request comes out NaN and never
+reads another block; NaN inputs give NaN exactly where the reference has it; the rest matches
+the CPU reference of the same algorithm."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from vllm_snapmla import format as fmt
+from vllm_snapmla import ops
+from vllm_snapmla import reference as ref
+from vllm_snapmla.kernels import sm90
+from vllm_snapmla.testing import build_cache
+
+from tests.decode_cases import (BAD_ARGUMENTS, BAD_INDICES, NON_FINITE, decode_case,
+                                nan_rows_of)
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+SETTINGS = settings(max_examples=15, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow,
+                                           HealthCheck.function_scoped_fixture])
+
+# Long enough that the planner cuts requests into several splits (few requests, many SMs).
+lengths = st.lists(st.integers(0, 3000), min_size=1, max_size=3)
+heads = st.sampled_from([1, 8, 16, 64, 128])   # narrow kernel up to 32 rows, 64-row kernel above
+s_qs = st.sampled_from([1, 2])
+seeds = st.integers(0, 2**16)
+
+
+@pytest.fixture(params=["sm90", "triton"])
+def kernel(request, monkeypatch):
+    if request.param == "sm90" and not sm90.available():
+        pytest.skip("needs an sm_90 GPU and the decode_sm90 op")
+    monkeypatch.setenv("SNAPMLA_DECODE_KERNEL", request.param)
+    return request.param
+
+
+def _cpu_reference(case):
+    q8, qs, qpe = ref.quantize_q(case.q_nope, case.q_pe)
+    return ref.decode_quantized(q8, qs, qpe, case.kv_cache, case.block_table, case.seq_lens,
+                                case.softmax_scale)
+
+
+def _assert_matches_reference(out, lse, case, skip_rows=None):
+    """Rows the reference has NaN are NaN here too, and only those; the rest within the
+    kernels' tolerance of the CPU reference (same algorithm, float64)."""
+    r_out, r_lse = _cpu_reference(case)
+    nan_out, nan_lse = nan_rows_of(out, lse)
+    r_nan_out, r_nan_lse = nan_rows_of(r_out, r_lse)
+    assert torch.equal(nan_out, r_nan_out) and torch.equal(nan_lse, r_nan_lse)
+    out, lse = out.cpu().double(), lse.cpu().double()
+    ok = ~r_nan_out                                                  # [B, s_q, H]
+    empty = torch.isneginf(r_lse).permute(0, 2, 1) & ok
+    assert (out[empty] == 0).all()
+    seen = ok & ~empty
+    if seen.any():
+        err = (out[seen] - r_out[seen]).norm() / r_out[seen].norm().clamp_min(1e-300)
+        assert err <= 1e-2, float(err)
+        d = (lse.permute(0, 2, 1)[seen] - r_lse.permute(0, 2, 1)[seen]).abs().max()
+        assert d <= 1e-2, float(d)
+
+
+@SETTINGS
+@given(lens=lengths, H=heads, s_q=s_qs, seed=seeds)
+def test_random_batches_match_the_reference(kernel, lens, H, s_q, seed):
+    case = decode_case(lens, H, s_q, seed, spare_columns=3)
+    out, lse = ops.decode(*case.to("cuda").args())
+    _assert_matches_reference(out, lse, case)
+
+
+@SETTINGS
+@given(lens=lengths, H=heads, s_q=s_qs, seed=seeds, name=st.sampled_from(sorted(BAD_INDICES)),
+       pick=st.integers(0, 2))
+def test_bad_indices_give_nan_for_that_request_only(kernel, lens, H, s_q, seed, name, pick):
+    change, message = BAD_INDICES[name]
+    b = pick % len(lens)
+    if "block id" in name:
+        assume(lens[b] > 0)
+    bad = change(decode_case(lens, H, s_q, seed), b)
+    out, lse = ops.decode(*bad.to("cuda").args())
+    assert out[b].isnan().all() and lse[b].isnan().all()
+    _assert_matches_reference(out, lse, bad)
+    with pytest.raises(ValueError, match=message.format(b=b)):
+        ops.decode(*bad.to("cuda").args(), validate=True)
+
+
+@SETTINGS
+@given(lens=st.lists(st.integers(2, 3000), min_size=1, max_size=3), H=heads, s_q=s_qs,
+       seed=seeds, name=st.sampled_from(sorted(NON_FINITE)), pick=st.integers(0, 2))
+def test_nan_inputs_give_nan_where_the_reference_does(kernel, lens, H, s_q, seed, name, pick):
+    b = pick % len(lens)
+    poisoned, rows = NON_FINITE[name](decode_case(lens, H, s_q, seed), b,
+                                      torch.Generator().manual_seed(seed))
+    out, lse = ops.decode(*poisoned.to("cuda").args())
+    nan_out, nan_lse = nan_rows_of(out, lse)
+    assert torch.equal(nan_out, rows) and torch.equal(nan_lse, rows), name
+    _assert_matches_reference(out, lse, poisoned)
+
+
+@pytest.mark.parametrize("name", sorted(BAD_ARGUMENTS))
+def test_bad_arguments_raise_errors_that_name_them(kernel, name):
+    change, error, argument = BAD_ARGUMENTS[name]
+    case = decode_case([100, 7], 16, 1, 0).to("cuda")
+    with pytest.raises(error, match=re.escape(argument)):
+        ops.decode(*change(case).args())
+
+
+def test_wrong_device_is_named():
+    case = decode_case([100], 16, 1, 0).to("cuda")
+    with pytest.raises(ValueError, match="seq_lens is on cpu"):
+        ops.decode(*case.replace(seq_lens=case.seq_lens.cpu()).args())
+
+
+def test_gather_bad_indices_give_nan_rows():
+    cache, bt, _ = build_cache([70, 10])
+    cu = torch.tensor([0, 70, 80], dtype=torch.int32)
+    t2s = torch.tensor([0] * 70 + [1] * 10, dtype=torch.int32)
+    bad_bt = bt.clone()
+    bad_bt[0, 1] = cache.shape[0] + 3
+    bad_t2s = t2s.clone()
+    bad_t2s[75] = 9
+    expected = ops.gather_kv(cache, torch.empty(80, 576), bad_bt, cu, bad_t2s, 80,
+                             validate=False)
+    got = ops.gather_kv(cache.cuda(), torch.empty(80, 576, device="cuda"), bad_bt.cuda(),
+                        cu.cuda(), bad_t2s.cuda(), 80)
+    nan_rows = expected.isnan().all(-1)
+    assert nan_rows.sum() == 7   # tokens 64-69 (block past the cache) and 75 (no request 9)
+    assert torch.equal(got.isnan().all(-1).cpu(), nan_rows)
+    torch.testing.assert_close(got.cpu()[~nan_rows], expected[~nan_rows])
+    with pytest.raises(ValueError, match=r"token_to_seq\[75\] = 9"):
+        ops.gather_kv(cache.cuda(), torch.empty(80, 576, device="cuda"), bt.cuda(), cu.cuda(),
+                      bad_t2s.cuda(), 80, validate=True)
+
+
+def test_append_skips_slots_past_the_cache():
+    cache = torch.zeros(2, fmt.PAGE_SIZE, fmt.BYTES_PER_TOKEN, dtype=torch.uint8, device="cuda")
+    kv_c = torch.randn(4, 512, device="cuda")
+    k_pe = torch.randn(4, 64, device="cuda")
+    ops.append_kv(kv_c, k_pe, cache, torch.tensor([0, 128, -1, 127], device="cuda"))
+    written = (cache != 0).any(-1)
+    assert written.sum() == 2 and written[0, 0] and written[1, 63]
+    with pytest.raises(ValueError, match=r"slot_mapping\[1\] = 128"):
+        ops.append_kv(kv_c, k_pe, cache, torch.tensor([0, 128], device="cuda"), validate=True)

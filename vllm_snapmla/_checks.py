@@ -1,0 +1,194 @@
+"""The argument contract of ``vllm_snapmla.ops``: shape, dtype and device checks, and the checks
+that read the data (lengths, block ids, slots).
+
+Shape, dtype and device checks are free (no GPU work) and always run.  The data checks read
+index tensors, which on a GPU means a host sync: they run on CPU tensors, and on CUDA tensors
+only when asked (``validate=True``, or ``SNAPMLA_VALIDATE=1`` in the environment).  Without them
+the CUDA kernels still never read outside the cache: a request whose length its table row cannot
+hold, or whose live pages name a block outside the cache, comes out NaN, and ``append_kv`` skips
+slots outside the cache.  Every violation raises ``TypeError`` (a wrong kind of argument) or
+``ValueError`` (a wrong shape or value) naming the argument, what was expected and what came.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+
+import torch
+
+from vllm_snapmla import format as fmt
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def data_checks_on(validate: bool | None, *tensors: torch.Tensor) -> bool:
+    """Whether the data checks run: ``validate`` if given, else on CPU tensors or with
+    ``SNAPMLA_VALIDATE=1``."""
+    if validate is not None:
+        return bool(validate)
+    if os.environ.get("SNAPMLA_VALIDATE", "0") not in ("", "0"):
+        return True
+    return not any(t.is_cuda for t in tensors)
+
+
+def _shape(t: torch.Tensor) -> str:
+    return f"{t.dtype}{list(t.shape)}".replace("torch.", "")
+
+
+def tensor(name: str, t) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def same_device(device: torch.device, **tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.device != device:
+            raise ValueError(f"{name} is on {t.device} but the other inputs are on {device}")
+
+
+def float_rows(name: str, t, width: int, dims: int | None = None) -> torch.Tensor:
+    """A float tensor ``[..., width]`` (``dims`` dimensions when given)."""
+    tensor(name, t)
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be bfloat16, float16 or float32, got {t.dtype}")
+    if (dims is not None and t.dim() != dims) or t.dim() == 0 or t.shape[-1] != width:
+        want = f"[{', '.join(['...'] if dims is None else ['?'] * (dims - 1))}, {width}]"
+        raise ValueError(f"{name} must be {want}, got {_shape(t)}")
+    return t
+
+
+def token_rows(name: str, t, width: int) -> torch.Tensor:
+    """``[T, width]``, or ``[T, 1, width]`` (vLLM's k_pe), viewed as ``[T, width]``."""
+    float_rows(name, t, width)
+    if t.dim() == 3 and t.shape[1] == 1:
+        return t.reshape(t.shape[0], width)
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be [tokens, {width}] (or [tokens, 1, {width}]), "
+                         f"got {_shape(t)}")
+    return t
+
+
+def same_leading(a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor) -> None:
+    """Exactly the same leading shape: no broadcasting."""
+    if a.shape[:-1] != b.shape[:-1]:
+        raise ValueError(f"{b_name} must have the leading shape of {a_name} "
+                         f"{list(a.shape[:-1])} (no broadcasting), got {_shape(b)}")
+
+
+def index_tensor(name: str, t, dims: int | None = None) -> torch.Tensor:
+    tensor(name, t)
+    if t.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
+    if dims is not None and t.dim() != dims:
+        raise ValueError(f"{name} must have {dims} dimension(s), got {_shape(t)}")
+    return t
+
+
+def cache(kv_cache) -> torch.Tensor:
+    tensor("kv_cache", kv_cache)
+    if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 3 or tuple(kv_cache.shape[1:]) != (
+            fmt.PAGE_SIZE, fmt.BYTES_PER_TOKEN):
+        raise ValueError(f"kv_cache must be uint8[num_blocks, {fmt.PAGE_SIZE}, "
+                         f"{fmt.BYTES_PER_TOKEN}], got {_shape(kv_cache)}")
+    return kv_cache
+
+
+def softmax_scale(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"softmax_scale must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"softmax_scale must be positive and finite, got {value}")
+    return value
+
+
+def float_dtype(name: str, dtype) -> torch.dtype:
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating-point torch.dtype, got {dtype}")
+    return dtype
+
+
+# --- data checks (read the values) ---------------------------------------------------------
+
+
+def _first(mask: torch.Tensor) -> int:
+    return int(mask.nonzero()[0, 0])
+
+
+def decode_indices(block_table: torch.Tensor, seq_lens: torch.Tensor, batch: int,
+                   num_blocks: int) -> None:
+    """Lengths in ``[0, table_pages * 64]``; the block ids of every page a request reads in
+    ``[0, num_blocks)``."""
+    lens = seq_lens[:batch].long().cpu()
+    table = block_table[:batch].long().cpu()
+    width = table.shape[1]
+    limit = width * fmt.PAGE_SIZE
+    bad = (lens < 0) | (lens > limit)
+    if bad.any():
+        b = _first(bad)
+        raise ValueError(f"seq_lens[{b}] = {int(lens[b])} is outside [0, {limit}]: block_table "
+                         f"has {width} columns of {fmt.PAGE_SIZE} tokens")
+    pages = (lens + fmt.PAGE_SIZE - 1) // fmt.PAGE_SIZE
+    used = torch.arange(width)[None, :] < pages[:, None]
+    bad = used & ((table < 0) | (table >= num_blocks))
+    if bad.any():
+        b, k = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"block_table[{b}, {k}] = {int(table[b, k])} is not a block of the cache "
+                         f"([0, {num_blocks})), but request {b} reads page {k} "
+                         f"(seq_lens[{b}] = {int(lens[b])})")
+
+
+def slots(slot_mapping: torch.Tensor, num_blocks: int) -> None:
+    """Slots below ``num_blocks * 64`` (negative slots are skipped by design)."""
+    flat = slot_mapping.flatten().long().cpu()
+    limit = num_blocks * fmt.PAGE_SIZE
+    bad = flat >= limit
+    if bad.any():
+        t = _first(bad)
+        raise ValueError(f"slot_mapping[{t}] = {int(flat[t])} is outside the cache's {limit} slots "
+                         f"({num_blocks} blocks x {fmt.PAGE_SIZE}); use a negative slot to skip "
+                         "a token")
+
+
+def finite_rows(name: str, t: torch.Tensor, rows: int) -> None:
+    bad = ~torch.isfinite(t[:rows].reshape(rows, -1)).all(-1)
+    if bad.any():
+        r = _first(bad.cpu())
+        raise ValueError(f"{name} row {r} holds a NaN or Inf; its cache row would read back as "
+                         "NaN (pass validate=False to store it so)")
+
+
+def gather_indices(block_table: torch.Tensor, cu_seq_lens: torch.Tensor,
+                   token_to_seq: torch.Tensor, num_tokens: int,
+                   seq_starts: torch.Tensor | None, num_blocks: int) -> None:
+    """Every token names a request with a table row, a position inside it and a cache block."""
+    table = block_table.long().cpu()
+    cu = cu_seq_lens.long().cpu()
+    seqs = token_to_seq[:num_tokens].long().cpu()
+    num_seqs = min(table.shape[0], cu.numel() - 1)
+    if seq_starts is not None:
+        num_seqs = min(num_seqs, seq_starts.numel())
+    bad = (seqs < 0) | (seqs >= num_seqs)
+    if bad.any():
+        t = _first(bad)
+        raise ValueError(f"token_to_seq[{t}] = {int(seqs[t])} names no request: block_table, "
+                         f"cu_seq_lens and seq_starts describe {num_seqs}")
+    pos = torch.arange(num_tokens) - cu[seqs]
+    if seq_starts is not None:
+        pos = pos + seq_starts.long().cpu()[seqs]
+    limit = table.shape[1] * fmt.PAGE_SIZE
+    bad = (pos < 0) | (pos >= limit)
+    if bad.any():
+        t = _first(bad)
+        raise ValueError(f"token {t} of request {int(seqs[t])} is at position {int(pos[t])}, "
+                         f"outside its block_table row ([0, {limit}))")
+    blocks = table[seqs, pos // fmt.PAGE_SIZE]
+    bad = (blocks < 0) | (blocks >= num_blocks)
+    if bad.any():
+        t = _first(bad)
+        raise ValueError(f"token {t} reads block_table[{int(seqs[t])}, {int(pos[t]) // 64}] = "
+                         f"{int(blocks[t])}, not a block of the cache ([0, {num_blocks}))")
