@@ -4,8 +4,8 @@
         [--table-width 2560] [--ragged] [--backends snapmla,flashmla-bf16,flashmla-fp8]
     python -m benchmarks.bench_decode --replot out/bench_decode/decode.csv --out DIR   # no GPU
 
-Backends, on the same random data and shapes (default: those of
-/work/shared/anchors/h200-baselines.md; ``--shapes BxHxN[xS_Q]`` instead):
+Backends, on the same random data and shapes (default: ``SHAPES``, the shapes FlashMLA's own
+H200/H800 decode figures are published for; ``--shapes BxHxN[xS_Q]`` instead):
 
 * ``flashmla-bf16``: FlashMLA over a bf16 cache (vLLM's default MLA decode);
 * ``flashmla-fp8``: FlashMLA's dense FP8 path (``--kv-cache-dtype fp8``): q and the 576-wide row

@@ -10,9 +10,27 @@ import argparse
 
 import torch
 
-from tests.gpu.test_decode_kernels import SCALE, _case, _rel
+from vllm_snapmla import format as fmt
 from vllm_snapmla import reference as ref
 from vllm_snapmla.kernels import sm90
+from vllm_snapmla.testing import build_cache
+
+SCALE = 0.1147   # DeepSeek-V3's 1/sqrt(192) times its YaRN mscale, roughly
+
+
+def _case(seq_lens, H, s_q, seed, q_std):
+    """A paged cache (unused bytes random, unused scales NaN) and a bf16 query, on the GPU."""
+    gen = torch.Generator().manual_seed(seed)
+    cache, bt, _ = build_cache(seq_lens, gen=gen)
+    B = len(seq_lens)
+    q = (torch.randn(B, s_q, H, fmt.KV_LORA_RANK, generator=gen) * q_std).bfloat16()
+    qp = (torch.randn(B, s_q, H, fmt.ROPE_DIM, generator=gen) * q_std).bfloat16()
+    return (q.cuda(), qp.cuda(), cache.cuda(), bt.cuda(),
+            torch.tensor(seq_lens, dtype=torch.int32).cuda())
+
+
+def _rel(a, b):
+    return ((a.double() - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
 def errors(out, lse, r_out, r_lse):

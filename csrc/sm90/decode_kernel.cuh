@@ -45,7 +45,7 @@ namespace device {
 // columns for rows 0-3 and odd ones for rows 4-7 (or the reverse), so that its 8 rows fall in 8
 // different 16-byte bank groups of the 128-byte swizzle; the 8 rows of each ldmatrix matrix are
 // 8 consecutive tokens, which the swizzle spreads likewise (simulated:
-// tests/cpu/test_vt_layout.py).  Per thread and 256-column half: 8 ldmatrix.x4, 32 permutes,
+// tests/unit/kernels/test_vt_layout.py).  Per thread and 256-column half: 8 ldmatrix.x4, 32 permutes,
 // 8 stmatrix.x4, against 32 loads, 64 permutes and 32 stores of 4-byte words before.
 struct VtMap {
   uint32_t load;     // byte offset of lane's ldmatrix row (matrix l / 8, row l % 8) in the half's

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from vllm_snapmla.testing import build_cache
-from tests.cpu._vllm_cpu import SPEC_NGRAM
+from tests.unit._vllm_cpu import SPEC_NGRAM
 from vllm_snapmla import format as fmt
 from vllm_snapmla import ops
 
@@ -48,7 +48,7 @@ def _in_vllm_resolve_cudagraphs(support=None, **engine_kwargs):
     from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from tests.cpu._vllm_cpu import engine_config, tiny_model
+    from tests.unit._vllm_cpu import engine_config, tiny_model
     from vllm_snapmla.integration.backend import SnapMLABackend, SnapMLAMetadataBuilder
 
     backend = SnapMLABackend
@@ -121,7 +121,7 @@ def _in_vllm_reorder_threshold(**engine_kwargs):
     """``reorder_batch_threshold`` as ``MLACommonMetadataBuilder.__init__`` sets it."""
     from vllm.model_executor.layers.attention.mla_attention import QueryLenSupport
 
-    from tests.cpu._vllm_cpu import engine_config, tiny_model
+    from tests.unit._vllm_cpu import engine_config, tiny_model
     from vllm_snapmla.integration.backend import SnapMLAMetadataBuilder as B
 
     config = engine_config(tiny_model(), kv_cache_dtype=KV, **engine_kwargs)

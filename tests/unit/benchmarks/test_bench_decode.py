@@ -14,7 +14,7 @@ import torch
 
 from benchmarks import bench_decode as bench
 
-_ROOT = Path(__file__).resolve().parents[2]
+_ROOT = Path(__file__).resolve().parents[3]
 
 
 def _rows(rng, shapes, with_flashmla):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _exact_interpreter_casts():
@@ -126,7 +126,7 @@ def test_interpreted_kernel_matches_reference():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     child = subprocess.run(
         [sys.executable, "-c",
-         "from tests.cpu.test_decode_triton_interpret import _interpreted_cases as f; f()"],
+         "from tests.unit.kernels.test_triton_decode import _interpreted_cases as f; f()"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert child.returncode == 0, child.stderr[-4000:]
     for r in json.loads(child.stdout.strip().splitlines()[-1]):

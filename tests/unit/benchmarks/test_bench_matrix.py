@@ -14,7 +14,7 @@ import pytest
 from benchmarks import bench_matrix as bm
 from benchmarks import vllm_engine
 
-_ROOT = Path(__file__).resolve().parents[2]
+_ROOT = Path(__file__).resolve().parents[3]
 SETTINGS = bm.Settings()
 
 

@@ -7,14 +7,14 @@ import sys
 
 import pytest
 
-from tests.cpu._vllm_cpu import shared_process
+from tests.unit._vllm_cpu import shared_process
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def vllm_cpu():
-    """The shared fake-CUDA vLLM process (``tests/cpu/_vllm_cpu.py``)."""
+    """The shared fake-CUDA vLLM process (``tests/unit/_vllm_cpu.py``)."""
     return shared_process()
 
 

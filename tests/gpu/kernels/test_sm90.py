@@ -1,7 +1,7 @@
 """What only the sm_90a CUDA decode kernel (``vllm_snapmla.kernels.sm90``) needs tested.
 
 The checks it shares with the Triton kernel (ragged batches, 131k tokens, causal and non-causal,
-graph replay) run for both in ``test_decode_kernels.py``; here: the smallest cases first (with a
+graph replay) run for both in ``test_decode.py``; here: the smallest cases first (with a
 report of where a wrong result is wrong), block-table and cache-stride contracts, input checks,
 a direct comparison with the Triton kernel, and the warpgroup schedules against each other.  Needs
 an H100/H200 and a ``90a`` build.
@@ -14,7 +14,7 @@ from vllm_snapmla import format as fmt
 from vllm_snapmla import reference as ref
 from vllm_snapmla.kernels import sm90
 
-from tests.gpu.test_decode_kernels import RAGGED, SCALE, _case, _check, _rel
+from tests.gpu.kernels.test_decode import RAGGED, SCALE, _case, _check, _rel
 
 pytestmark = [
     pytest.mark.gpu,

@@ -65,7 +65,7 @@ class VllmCpuProcess:
         self._log = self._tmp / "vllm.log"
         with open(self._log, "w") as log:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.cpu._vllm_cpu", "--serve"] +
+                [sys.executable, "-m", "tests.unit._vllm_cpu", "--serve"] +
                 (["--register"] if register else []),
                 cwd=REPO_ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=log, text=True)
@@ -200,7 +200,7 @@ def _serve(register: bool) -> None:
 
 if __name__ == "__main__":
     # Serve from the importable module, so the helpers the test functions import share its state.
-    from tests.cpu import _vllm_cpu
+    from tests.unit import _vllm_cpu
 
     _vllm_cpu._serve(register="--register" in sys.argv)
 

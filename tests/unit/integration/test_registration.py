@@ -1,7 +1,7 @@
 """register(): vLLM 0.26.0 accepts, sizes, selects and serves ``fp8_snapmla`` (no GPU needed).
 
 Functions named ``_in_vllm_*`` run inside a vLLM process on a fake CUDA platform
-(``tests/cpu/_vllm_cpu.py``); the tests call them through ``VllmCpuProcess.call``.
+(``tests/unit/_vllm_cpu.py``); the tests call them through ``VllmCpuProcess.call``.
 """
 
 import os
@@ -11,7 +11,7 @@ import tomllib
 
 import pytest
 
-from tests.cpu._vllm_cpu import REPO_ROOT, RemoteError, VllmCpuProcess
+from tests.unit._vllm_cpu import REPO_ROOT, RemoteError, VllmCpuProcess
 
 KV = "fp8_snapmla"
 
@@ -195,7 +195,7 @@ def test_vllm_serve_parser_loads_plugin_from_entry_point(tmp_path):
 
 
 def _in_vllm_engine_cache_dtype(kv_cache_dtype):
-    from tests.cpu._vllm_cpu import engine_config, tiny_model
+    from tests.unit._vllm_cpu import engine_config, tiny_model
 
     return engine_config(tiny_model(), kv_cache_dtype=kv_cache_dtype).cache_config.cache_dtype
 
@@ -268,7 +268,7 @@ def _in_vllm_select(kv_cache_dtype, attention_backend=None):
     from vllm.config import set_current_vllm_config
     from vllm.v1.attention import selector
 
-    from tests.cpu._vllm_cpu import device_capability, engine_config, tiny_model
+    from tests.unit._vllm_cpu import device_capability, engine_config, tiny_model
 
     config = engine_config(tiny_model(), kv_cache_dtype=kv_cache_dtype,
                            attention_backend=attention_backend)
@@ -318,7 +318,7 @@ def _in_vllm_impl_write_then_decode():
     from vllm.model_executor.layers.attention.mla_attention import MLACommonDecodeMetadata
 
     from vllm_snapmla.testing import NAN_F32
-    from tests.cpu._vllm_cpu import device_capability, engine_config, tiny_model
+    from tests.unit._vllm_cpu import device_capability, engine_config, tiny_model
     from vllm_snapmla import format as fmt
     from vllm_snapmla import reference as ref
     from vllm_snapmla.integration.backend import SnapMLABackend

@@ -21,7 +21,7 @@ import pytest
 
 from eval import lm_eval_tiny as lmt
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[3]
 SCRIPT = [sys.executable, "-m", "eval.lm_eval_tiny"]      # run from REPO_ROOT
 
 
@@ -277,7 +277,7 @@ def _lm_eval_vllm_model(model: str, out: str, kv_cache_dtype: str) -> dict:
     from lm_eval.models import vllm_causallms
     from vllm.engine.arg_utils import EngineArgs
 
-    from tests.cpu._vllm_cpu import device_capability
+    from tests.unit._vllm_cpu import device_capability
 
     # The smoke model has 2048 positions (the real one 4096): max_model_len 2048, not 2050.
     opts = lmt.parse_args(["--model", model, "--out", out, "--kv", kv_cache_dtype,
@@ -320,7 +320,7 @@ def _lm_eval_vllm_model(model: str, out: str, kv_cache_dtype: str) -> dict:
 @needs_lm_eval
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_snapmla", "fp8"])
 def test_lm_eval_vllm_model_gets_the_parity_engine(smoke_model, docs_dir, kv_cache_dtype):
-    from tests.cpu._vllm_cpu import shared_process
+    from tests.unit._vllm_cpu import shared_process
 
     got = shared_process().call(_lm_eval_vllm_model, model=str(smoke_model), out=str(docs_dir),
                                 kv_cache_dtype=kv_cache_dtype)

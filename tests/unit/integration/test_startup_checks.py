@@ -10,7 +10,7 @@ import tempfile
 
 import pytest
 
-from tests.cpu._vllm_cpu import SPEC_NGRAM, RemoteError
+from tests.unit._vllm_cpu import SPEC_NGRAM, RemoteError
 
 KV = "fp8_snapmla"
 
@@ -33,7 +33,7 @@ def _in_vllm_startup_error(model_overrides=None, llama=False, capability=(9, 0),
     ``llama_drafter``: ``speculative_config["model"]`` becomes a tiny Llama (non-MLA) drafter
     with the tiny DeepSeek-V3's vocabulary.
     """
-    from tests.cpu._vllm_cpu import engine_config, tiny_model
+    from tests.unit._vllm_cpu import engine_config, tiny_model
 
     model = _tiny_llama(vocab_size=4096) if llama else tiny_model(**(model_overrides or {}))
     if llama_drafter:
@@ -203,7 +203,7 @@ def _in_vllm_select_after_config(use_sparse=False, force_backend=None, kv_cache_
     from vllm.v1.attention import selector
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    from tests.cpu._vllm_cpu import device_capability, engine_config, tiny_model
+    from tests.unit._vllm_cpu import device_capability, engine_config, tiny_model
 
     config = engine_config(tiny_model(), kv_cache_dtype=KV)
     if force_backend is not None:
@@ -231,7 +231,7 @@ def test_selection_refuses(vllm_cpu, settings, expected):
 def _in_vllm_build_impl(kv_cache_dtype=KV, kv_lora_rank=512, capability=(9, 0)):
     from vllm.config import set_current_vllm_config
 
-    from tests.cpu._vllm_cpu import device_capability, engine_config, tiny_model
+    from tests.unit._vllm_cpu import device_capability, engine_config, tiny_model
     from vllm_snapmla.integration.backend import SnapMLAImpl
 
     config = engine_config(tiny_model(), kv_cache_dtype=KV)

@@ -90,7 +90,7 @@ def test_weight_names_are_the_ones_vllm_loads(smoke_run):
 
 def _in_vllm_parity_engine_config(model: str, kv_cache_dtype: str) -> dict:
     """vLLM's start-up configuration of an ``eval.parity_tiny`` run on ``model``."""
-    from tests.cpu._vllm_cpu import engine_config
+    from tests.unit._vllm_cpu import engine_config
 
     kwargs = parity_tiny.engine_kwargs(model, kv_cache_dtype, chunk=256, max_model_len=1024)
     config = engine_config(**kwargs, load_format="auto", skip_tokenizer_init=False)
@@ -104,7 +104,7 @@ def _in_vllm_parity_engine_config(model: str, kv_cache_dtype: str) -> dict:
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_snapmla", "fp8"])
 def test_vllm_accepts_the_checkpoint_with_parity_settings(smoke_run, kv_cache_dtype):
-    from tests.cpu._vllm_cpu import shared_process
+    from tests.unit._vllm_cpu import shared_process
 
     out, _ = smoke_run
     config = shared_process().call(_in_vllm_parity_engine_config, model=str(out),

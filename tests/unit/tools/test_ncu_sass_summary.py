@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "tools" / "ncu_sass_summary.py"
+_PATH = Path(__file__).resolve().parents[3] / "tools" / "ncu_sass_summary.py"
 _spec = importlib.util.spec_from_file_location("ncu_sass_summary", _PATH)
 tool = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tool)
