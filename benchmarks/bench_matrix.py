@@ -1,4 +1,4 @@
-"""fp8_snapmla against BF16 and FP8 FlashMLA through vLLM, over the workloads users run (issue 27).
+"""fp8_snapmla against vLLM's BF16 and FP8 caches through vLLM,, over the workloads users run.
 
     python -m benchmarks.bench_matrix --out out/matrix [--dry-run] [--budget-s 480]
         [--kv auto fp8_snapmla fp8] [--heads 16 128] [--contexts 512 2048 8192 32768 131072]
@@ -11,7 +11,8 @@ weights (``benchmarks/vllm_engine.py``); 16 heads is one TP8 rank of DeepSeek-V3
 model.  The published figures are the long-context, capacity-filling FULL-CUDA-graph steady state
 with a block table as wide as the context; this matrix measures what users meet as well:
 
-- kv: ``auto`` (BF16 FlashMLA), ``fp8_snapmla``, ``fp8`` (vLLM's per-tensor FP8 FlashMLA);
+- kv: ``auto`` (vLLM's BF16 default, FLASH_ATTN_MLA on this model), ``fp8_snapmla``, ``fp8``
+  (vLLM's per-tensor FP8 FlashMLA);
 - context 512 ... 131072 tokens; batch 1, 8, 64 and ``fill`` (the batch that fills the engine's
   KV capacity, at most ``--max-batch``; it differs between kv formats, which is the point of a
   smaller format);

@@ -147,7 +147,7 @@ def test_decode_algorithm_tracks_exact_attention(H, s_q, seq_lens):
     torch.testing.assert_close(ex, _sdpa_exact(q, qp, kv, seq_lens, scale, True),
                                rtol=1e-9, atol=1e-9)
     rel = ((out - ex).norm() / ex.norm()).item()
-    # FP8 Q and P cost about 2.5e-2 on N(0,1) data (issue 3); far more means a broken pipeline,
+    # FP8 Q and P cost about 2.5e-2 on N(0,1) data; far more means a broken pipeline,
     # far less means the quantization steps are not being applied.
     assert 2e-3 < rel < 4e-2, rel
     # LSE error is the FP8 error of single logits (a few percent of logits of size ~5).
