@@ -44,6 +44,15 @@ from eval.common import (markdown_cell, mean_se_cell, paired_delta, paired_text,
 
 RESULT_TAG = "PARITY_TINY_RESULT "
 DTYPES = ("auto", "fp8_snapmla", "fp8")
+# Run names beyond the plain KV-cache dtypes: vLLM's fp8 cache with scales computed from the
+# first batch (``calculate_kv_scales``; for MLA vLLM derives k_scale from the content latent
+# alone, so the RoPE key does not enter it).
+EXTRA_SETTINGS = {"fp8-calibrated": {"kv_cache_dtype": "fp8", "calculate_kv_scales": True}}
+
+
+def run_settings(run: str) -> dict:
+    """The engine arguments a run name stands for: a KV-cache dtype or an ``EXTRA_SETTINGS`` key."""
+    return dict(EXTRA_SETTINGS.get(run, {"kv_cache_dtype": run}))
 HF_RUN = "transformers"
 TEXT_PROMPT = "def main():\n"
 
@@ -64,9 +73,12 @@ def _score_entries(prompt_logprobs, tokens: list[int]) -> tuple[list[float], lis
     return logprobs, correct
 
 
-def engine_kwargs(model: str, kv_cache_dtype: str, chunk: int, max_model_len: int) -> dict:
-    """``LLM`` arguments of a run: prefill in chunks of ``chunk`` tokens, no prefix caching."""
-    return dict(model=model, **tiny_engine_settings(kv_cache_dtype, chunk, max_model_len))
+def engine_kwargs(model: str, run: str, chunk: int, max_model_len: int) -> dict:
+    """``LLM`` arguments of a run (a KV-cache dtype or an ``EXTRA_SETTINGS`` name): prefill in
+    chunks of ``chunk`` tokens, no prefix caching."""
+    settings = run_settings(run)
+    kwargs = tiny_engine_settings(settings.pop("kv_cache_dtype"), chunk, max_model_len)
+    return dict(model=model, **kwargs, **settings)
 
 
 def run_vllm(spec: dict) -> dict:
@@ -303,7 +315,8 @@ def main(argv=None) -> None:
                         help="checkpoint directory written by eval.train_tiny_mla")
     parser.add_argument("--out", required=True, type=pathlib.Path)
     parser.add_argument("--dtypes", default=",".join(DTYPES),
-                        help=f"comma-separated KV-cache dtypes (default {','.join(DTYPES)})")
+                        help=f"comma-separated KV-cache dtypes (default {','.join(DTYPES)}), "
+                             f"or {', '.join(EXTRA_SETTINGS)}")
     parser.add_argument("--windows", type=int, default=64)
     parser.add_argument("--window-len", type=int, default=2048)
     parser.add_argument("--chunk", type=int, default=256,

@@ -99,10 +99,11 @@ def _in_vllm_parity_engine_config(model: str, kv_cache_dtype: str) -> dict:
             "chunked_prefill": config.scheduler_config.enable_chunked_prefill,
             "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
             "prefix_caching": config.cache_config.enable_prefix_caching,
-            "cache_dtype": config.cache_config.cache_dtype}
+            "cache_dtype": config.cache_config.cache_dtype,
+            "calculate_kv_scales": config.cache_config.calculate_kv_scales}
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_snapmla", "fp8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_snapmla", "fp8", "fp8-calibrated"])
 def test_vllm_accepts_the_checkpoint_with_parity_settings(smoke_run, kv_cache_dtype):
     from tests.unit._vllm_cpu import shared_process
 
@@ -111,7 +112,8 @@ def test_vllm_accepts_the_checkpoint_with_parity_settings(smoke_run, kv_cache_dt
                                    kv_cache_dtype=kv_cache_dtype)
     assert config == {"use_mla": True, "head_size": 576, "chunked_prefill": True,
                       "max_num_batched_tokens": 256, "prefix_caching": False,
-                      "cache_dtype": kv_cache_dtype}
+                      "cache_dtype": kv_cache_dtype.removesuffix("-calibrated"),
+                      "calculate_kv_scales": kv_cache_dtype == "fp8-calibrated"}
 
 
 def test_parity_greedy_with_cache_matches_full_recompute(smoke_run):
