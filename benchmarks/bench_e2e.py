@@ -46,9 +46,9 @@ import time
 from pathlib import Path
 
 from benchmarks.vllm_engine import (
-    SETTLE_STEPS, batch_to_fill, build_llm, child_main, engine_log_facts,
-    model_config, number, random_prompts, read_csv, run_child, summarize_windows,
-    timed_decode_windows, warm_tokens, warm_up, write_csv)
+    DEEPSEEK_V31_ATTENTION, SETTLE_STEPS, batch_to_fill, build_llm, child_main,
+    engine_log_facts, model_config, number, random_prompts, read_csv, run_child,
+    summarize_windows, timed_decode_windows, warm_tokens, warm_up, write_csv)
 from vllm_snapmla.testing import write_tiny_deepseek_v3
 
 KV_SETTINGS = ("auto", "fp8_snapmla", "fp8")
@@ -197,7 +197,8 @@ def run_engine(spec: dict):
     capacity = cache.num_gpu_blocks * cache.block_size
 
     gen_ids = torch.Generator().manual_seed(0)
-    warm_up(llm, gen_ids)
+    vocab = spec.get("vocab", DEEPSEEK_V31_ATTENTION["vocab_size"])
+    warm_up(llm, gen_ids, vocab)
     # Block 0 is vLLM's null block: a batch sized on all blocks could be preempted.
     usable_blocks = cache.num_gpu_blocks - 1
     for context in spec["contexts"]:
@@ -222,7 +223,7 @@ def run_engine(spec: dict):
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                                     output_kind=RequestOutputKind.DELTA)
             seconds, lock_step, prefill_steps, timer = timed_decode_windows(
-                llm.llm_engine, random_prompts(gen_ids, batch, context), params, gen, windows,
+                llm.llm_engine, random_prompts(gen_ids, batch, context, vocab), params, gen, windows,
                 id_prefix=f"bench-e2e-{context}")
             summary = summarize_windows(batch, seconds)
         except (RuntimeError, ValueError) as exc:   # this context fails; the next ones run

@@ -208,20 +208,21 @@ def build_llm(model: str, kv: str, max_model_len: int, kv_cache_gib: float, max_
                enforce_eager=enforce_eager, **memory)
 
 
-def random_prompts(generator, batch: int, length: int) -> list[dict]:
-    """``batch`` prompts of ``length`` random token ids (no special tokens 0 and 1)."""
+def random_prompts(generator, batch: int, length: int,
+                   vocab: int = DEEPSEEK_V31_ATTENTION["vocab_size"]) -> list[dict]:
+    """``batch`` prompts of ``length`` random token ids below ``vocab`` (no special tokens 0
+    and 1)."""
     import torch
 
-    vocab = DEEPSEEK_V31_ATTENTION["vocab_size"]
     return [{"prompt_token_ids": ids}
             for ids in torch.randint(2, vocab, (batch, length), generator=generator).tolist()]
 
 
-def warm_up(llm, generator) -> None:
+def warm_up(llm, generator, vocab: int = DEEPSEEK_V31_ATTENTION["vocab_size"]) -> None:
     """A few short requests, so that the first measured cell does not pay for first-use costs."""
     from vllm import SamplingParams
 
-    llm.generate(random_prompts(generator, 4, 256),
+    llm.generate(random_prompts(generator, 4, 256, vocab),
                  SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
 
 

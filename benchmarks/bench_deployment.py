@@ -1,0 +1,275 @@
+"""What one rank of an 8xH200 DeepSeek-V3.1 deployment gets from fp8_snapmla: decode throughput
+per rank for DP8/TP1, DP4/TP2 and DP1/TP8 (the paper's Figure 1 configurations).
+
+    python -m benchmarks.bench_deployment --out out/deployment [--configs dp8-tp1-ep8 ...]
+        [--contexts 16384 32768 65536 131072] [--kv auto fp8_snapmla fp8] [--budget-only]
+
+The model is the part of DeepSeek-V3.1 one rank runs, for a few layers: 1 dense layer and 3 MoE
+layers with the rank's shards, FP8 block-quantized weights as the checkpoint declares
+(``quantization_config``: e4m3, 128x128 blocks, dynamic activations), vLLM's dummy weights:
+
+- ``dp8-tp1-ep8``: 128 heads; 32 routed experts with top-8 routing.  With DP8 and EP8 the 8
+  ranks' 8B tokens each pick 8 of 256 experts, so a rank's 32 experts get 8B x 8 x 32/256 = 8B
+  token-expert pairs, B/4 per expert: what B tokens with top-8 over 32 experts give.
+- ``dp4-tp2-ep8``: 64 heads, the TP2 shards of the projections (dense width 9216, vocabulary
+  64640); experts as EP8, but the 4 DP groups' 4B tokens give a rank 4B pairs: top-4 over 32.
+- ``dp1-tp8``: 16 heads, TP8 shards everywhere as vLLM shards without expert parallelism (dense
+  width 2304, all 256 experts at width 256, DeepSeek's grouped top-8 routing, vocabulary
+  16160).
+
+The shared expert keeps its full width 2048 in the EP configurations (vLLM shards it by TP:
+1024 at TP2), and the layer count is 4, not 61: the proxy's time per step is per layer what a
+rank runs, plus one embedding, LM head and sampler per step instead of per 61 layers.
+**Communication is not modelled** (TP all-reduces, EP dispatch/combine, DP synchronization): on
+H200 NVLink these are reported at tens of microseconds per layer and per step, comparable
+between the KV formats, so they shrink every ratio here towards 1.
+
+KV budget: what a real deployment of the full 61-layer model leaves a rank per layer
+(``kv_budget``): the H200's memory times vLLM's default ``gpu_memory_utilization`` (0.9), less
+the rank's real weight bytes (``rank_weight_bytes``: FP8 block-quantized projections and
+experts with their scales, BF16 embedding and LM head, vLLM's BF16 copy of the MLA up-projection
+for the absorbed decode), less ``--reserve-gib`` for activations, CUDA graphs and non-torch
+memory; divided by 61 layers and given to the 4-layer proxy as ``kv_cache_memory_bytes``.
+``--budget-only`` prints that arithmetic and runs nothing.
+
+Per (configuration, KV format) one engine; per context the batch that fills the KV budget,
+decode steps timed after the prefill with the engine core's timestamps (``bench_e2e``'s
+method).  Writes ``deployment.csv``, ``deployment.md`` and ``deployment.png`` (per configuration,
+speedup over ``auto`` against context, the paper's Figure 1 layout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks import bench_e2e
+from benchmarks.provenance import describe, run_info
+from benchmarks.vllm_engine import DEEPSEEK_V31_ATTENTION, KV_BYTES_PER_TOKEN, write_csv
+
+GIB = 2**30
+H200_MEMORY_BYTES = int(139.8 * GIB)   # what torch reports as total memory on an H200
+GPU_MEMORY_UTILIZATION = 0.9           # vLLM's default
+
+# DeepSeek-V3.1 (config.json of deepseek-ai/DeepSeek-V3.1).
+V31 = {"hidden": 7168, "layers": 61, "dense_layers": 3, "heads": 128, "q_lora": 1536,
+       "kv_lora": 512, "rope": 64, "nope": 128, "v_head": 128, "dense_width": 18432,
+       "experts": 256, "top_k": 8, "expert_width": 2048, "shared_experts": 1,
+       "vocab": 129280, "n_group": 8, "topk_group": 4}
+FP8_BLOCK = 128
+PROXY_LAYERS = 4          # 1 dense + 3 MoE
+CONTEXTS = (16384, 32768, 65536, 131072)
+KV_SETTINGS = ("auto", "fp8_snapmla", "fp8")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rank:
+    name: str
+    dp: int
+    tp: int
+    ep: int          # 8: experts split over the 8 GPUs; 1: experts TP-sharded
+
+    @property
+    def heads(self) -> int:
+        return V31["heads"] // self.tp
+
+
+CONFIGS = {r.name: r for r in (Rank("dp8-tp1-ep8", 8, 1, 8), Rank("dp4-tp2-ep8", 4, 2, 8),
+                               Rank("dp1-tp8", 1, 8, 1))}
+
+
+def fp8_bytes(rows: int, cols: int) -> int:
+    """An FP8 block-quantized matrix: one byte per weight and an FP32 scale per 128x128 block."""
+    blocks = -(-rows // FP8_BLOCK) * -(-cols // FP8_BLOCK)
+    return rows * cols + 4 * blocks
+
+
+def rank_weight_bytes(rank: Rank) -> dict[str, int]:
+    """Bytes of the real 61-layer model's weights on one rank, by component."""
+    h, tp = V31["hidden"], rank.tp
+    heads = rank.heads
+    attention = (fp8_bytes(V31["q_lora"], h) + fp8_bytes(V31["kv_lora"] + V31["rope"], h)
+                 + fp8_bytes(heads * (V31["nope"] + V31["rope"]), V31["q_lora"])
+                 + fp8_bytes(heads * (V31["nope"] + V31["v_head"]), V31["kv_lora"])
+                 + fp8_bytes(h, heads * V31["v_head"]))
+    # vLLM's MLA keeps BF16 W_UK and W_UV (the absorbed decode) next to kv_b_proj.
+    absorbed = 2 * heads * (V31["nope"] + V31["v_head"]) * V31["kv_lora"]
+    dense = 3 * fp8_bytes(V31["dense_width"] // tp, h)
+    if rank.ep > 1:
+        routed = V31["experts"] // rank.ep * 3 * fp8_bytes(V31["expert_width"], h)
+    else:
+        routed = V31["experts"] * 3 * fp8_bytes(V31["expert_width"] // tp, h)
+    shared = 3 * fp8_bytes(V31["shared_experts"] * V31["expert_width"] // tp, h)
+    gate = 2 * V31["experts"] * h
+    moe_layers = V31["layers"] - V31["dense_layers"]
+    vocab = 2 * V31["vocab"] * h // tp        # BF16 embedding and LM head, vocabulary-parallel
+    return {"attention": V31["layers"] * (attention + absorbed),
+            "dense_mlp": V31["dense_layers"] * dense,
+            "routed_experts": moe_layers * routed,
+            "shared_experts": moe_layers * shared,
+            "router": moe_layers * gate,
+            "embedding_and_lm_head": 2 * vocab}
+
+
+def kv_budget(rank: Rank, reserve_gib: float, memory_bytes: int = H200_MEMORY_BYTES,
+              utilization: float = GPU_MEMORY_UTILIZATION) -> dict:
+    """The KV cache a rank of the real deployment has, in total and per layer."""
+    weights = sum(rank_weight_bytes(rank).values())
+    usable = int(memory_bytes * utilization)
+    total = usable - weights - int(reserve_gib * GIB)
+    if total <= 0:
+        raise ValueError(f"{rank.name}: weights ({weights / GIB:.1f} GiB) and reserve leave no "
+                         f"KV cache in {usable / GIB:.1f} GiB")
+    per_layer = total // V31["layers"]
+    return {"usable_bytes": usable, "weight_bytes": weights, "reserve_bytes": int(reserve_gib * GIB),
+            "kv_bytes": total, "kv_bytes_per_layer": per_layer,
+            "tokens": {kv: per_layer // b for kv, b in KV_BYTES_PER_TOKEN.items()}}
+
+
+def proxy_model_config(rank: Rank) -> dict:
+    """The config.json overrides of the rank's 4-layer proxy (for ``write_tiny_deepseek_v3``)."""
+    ep = rank.ep > 1
+    config = {
+        **DEEPSEEK_V31_ATTENTION,
+        "num_attention_heads": rank.heads, "num_key_value_heads": rank.heads,
+        "num_hidden_layers": PROXY_LAYERS, "first_k_dense_replace": 1,
+        "intermediate_size": V31["dense_width"] // rank.tp,
+        "vocab_size": V31["vocab"] // rank.tp,
+        "n_routed_experts": V31["experts"] // rank.ep if ep else V31["experts"],
+        "num_experts_per_tok": rank.dp if ep else V31["top_k"],
+        "moe_intermediate_size": V31["expert_width"] if ep else V31["expert_width"] // rank.tp,
+        "n_shared_experts": V31["shared_experts"],
+        "n_group": 1 if ep else V31["n_group"], "topk_group": 1 if ep else V31["topk_group"],
+        "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5, "moe_layer_freq": 1,
+        "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                                "activation_scheme": "dynamic",
+                                "weight_block_size": [FP8_BLOCK, FP8_BLOCK]},
+    }
+    return config
+
+
+def budget_table(reserve_gib: float) -> str:
+    lines = ["| configuration | heads | weights GiB | reserve GiB | KV GiB (61 layers) | "
+             "KV MiB per layer | tokens BF16 | tokens fp8_snapmla | tokens fp8 |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for rank in CONFIGS.values():
+        b = kv_budget(rank, reserve_gib)
+        t = b["tokens"]
+        lines.append(f"| {rank.name} | {rank.heads} | {b['weight_bytes'] / GIB:.1f} | "
+                     f"{reserve_gib:g} | {b['kv_bytes'] / GIB:.1f} | "
+                     f"{b['kv_bytes_per_layer'] / 2**20:.0f} | {t['auto']:,} | "
+                     f"{t['fp8_snapmla']:,} | {t['fp8']:,} |")
+    return "\n".join(lines)
+
+
+def add_speedups(rows: list[dict]) -> list[dict]:
+    base = {(r["config"], r["context"]): r.get("decode_tok_s") for r in rows
+            if r["kv"] == "auto" and r.get("decode_tok_s")}
+    for r in rows:
+        b = base.get((r["config"], r["context"]))
+        r["speedup_vs_auto"] = (r["decode_tok_s"] / b) if b and r.get("decode_tok_s") else ""
+    return rows
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    fig, axes = plt.subplots(1, len(configs), figsize=(4.2 * len(configs), 3.6), squeeze=False)
+    for ax, config in zip(axes[0], configs):
+        for kv in ("fp8_snapmla", "fp8"):
+            pts = sorted((r["context"], r["speedup_vs_auto"]) for r in rows
+                         if r["config"] == config and r["kv"] == kv and r["speedup_vs_auto"])
+            if pts:
+                ax.plot([c // 1024 for c, _ in pts], [s for _, s in pts], "o-", label=kv)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (k tokens)")
+        ax.set_title(config)
+        ax.set_ylabel("decode tok/s per rank vs BF16")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+FIELDS = ["config", "heads", "kv", "context", "batch", "decode_tok_s", "tpot_ms",
+          "speedup_vs_auto", "kv_cache_tokens", "kv_cache_mib", "backend", "error"]
+
+
+def write_outputs(rows: list[dict], out: Path, header: str, budget: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    rows = add_speedups(rows)
+    write_csv(rows, out / "deployment.csv", FIELDS, comments=[header])
+    lines = [header, "", "KV budget per rank:", "", budget, "",
+             "| configuration | heads | kv | context | batch | decode tok/s | TPOT ms | vs auto |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        tok, tpot, speedup = r.get("decode_tok_s"), r.get("tpot_ms"), r["speedup_vs_auto"]
+        cells = [r["config"], r["heads"], r["kv"], r["context"], r.get("batch", ""),
+                 f"{tok:,.0f}" if tok else r.get("error", ""),
+                 f"{tpot:.2f}" if tpot else "", f"{speedup:.2f}x" if speedup else ""]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    (out / "deployment.md").write_text("\n".join(lines) + "\n")
+    if any(r["speedup_vs_auto"] for r in rows):
+        plot(rows, out / "deployment.png")
+
+
+def main(argv=None) -> None:
+    from vllm_snapmla.testing import write_tiny_deepseek_v3
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="out/deployment")
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS))
+    parser.add_argument("--kv", nargs="+", default=list(KV_SETTINGS), choices=KV_SETTINGS)
+    parser.add_argument("--reserve-gib", type=float, default=6.0,
+                        help="activations, CUDA graphs and non-torch memory of a real rank "
+                             "(default 6; the engines log their own figures)")
+    parser.add_argument("--gen-tokens", type=int, default=256, help="decode steps per window")
+    parser.add_argument("--windows", type=int, default=2)
+    parser.add_argument("--max-batch", type=int, default=512)
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per context")
+    parser.add_argument("--budget-only", action="store_true",
+                        help="print the KV-budget arithmetic and stop")
+    args = parser.parse_args(argv)
+    budget = budget_table(args.reserve_gib)
+    print(budget, flush=True)
+    if args.budget_only:
+        return
+    out = Path(args.out)
+    header = describe(run_info("benchmarks.bench_deployment", argv))
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="bench-deployment-") as tmp:
+        for name in args.configs:
+            rank = CONFIGS[name]
+            per_layer = kv_budget(rank, args.reserve_gib)["kv_bytes_per_layer"]
+            model = str(write_tiny_deepseek_v3(Path(tmp) / name, **proxy_model_config(rank)))
+            for kv in args.kv:
+                print(f"[{name} kv={kv}] {rank.heads} heads, KV {per_layer * PROXY_LAYERS / GIB:.2f}"
+                      f" GiB for {PROXY_LAYERS} layers, contexts {args.contexts} ...", flush=True)
+                start = time.monotonic()
+                spec = {"model": model, "heads": rank.heads, "contexts": list(args.contexts),
+                        "kv": kv, "gen_tokens": args.gen_tokens, "windows": args.windows,
+                        "kv_cache_gib": per_layer * PROXY_LAYERS / GIB,
+                        "max_batch": args.max_batch, "vocab": V31["vocab"] // rank.tp}
+                for row in bench_e2e.run_in_subprocess(spec, args.timeout * len(args.contexts)):
+                    row.update(config=name, kv_cache_mib=per_layer * PROXY_LAYERS / 2**20)
+                    rows.append(row)
+                    print(f"    {json.dumps({k: row.get(k) for k in FIELDS if k in row})}",
+                          flush=True)
+                print(f"    ({time.monotonic() - start:.0f} s)", flush=True)
+                write_outputs(rows, out, header, budget)
+    print(f"wrote {out}/deployment.md, deployment.csv, deployment.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""benchmarks.bench_deployment without a GPU: the per-rank weight and KV-budget arithmetic, the
+proxy models' routing and shards, vLLM's acceptance of the FP8 block-quantized proxy, and the
+report writer."""
+
+import csv
+
+import pytest
+
+from benchmarks import bench_deployment as dep
+
+
+def test_whole_model_weights_are_deepseek_v31_sized():
+    whole = dep.rank_weight_bytes(dep.Rank("whole", dp=1, tp=1, ep=1))
+    # 671B parameters, mostly FP8 (one byte), the embedding and LM head in BF16.
+    assert 660e9 < sum(whole.values()) < 700e9
+    assert 650e9 < whole["routed_experts"] < 660e9
+    # Every configuration holds an eighth of the routed experts, whichever way it shards them.
+    for rank in dep.CONFIGS.values():
+        share = dep.rank_weight_bytes(rank)["routed_experts"]
+        assert share == pytest.approx(whole["routed_experts"] / 8, rel=1e-3)
+
+
+def test_kv_budget_grows_with_tensor_parallelism_and_fits_the_gpu():
+    budgets = {name: dep.kv_budget(rank, reserve_gib=6.0) for name, rank in dep.CONFIGS.items()}
+    assert (budgets["dp8-tp1-ep8"]["kv_bytes"] < budgets["dp4-tp2-ep8"]["kv_bytes"]
+            < budgets["dp1-tp8"]["kv_bytes"])
+    for b in budgets.values():
+        assert b["weight_bytes"] + b["reserve_bytes"] + b["kv_bytes"] <= b["usable_bytes"]
+        assert b["kv_bytes_per_layer"] == b["kv_bytes"] // 61
+        # fp8_snapmla holds 1152/656 times the BF16 tokens.
+        assert b["tokens"]["fp8_snapmla"] / b["tokens"]["auto"] == pytest.approx(1152 / 656,
+                                                                                 rel=1e-4)
+    with pytest.raises(ValueError, match="no KV cache"):
+        dep.kv_budget(dep.CONFIGS["dp8-tp1-ep8"], reserve_gib=40.0)
+
+
+@pytest.mark.parametrize("name, heads, experts, top_k, width, vocab", [
+    ("dp8-tp1-ep8", 128, 32, 8, 2048, 129280),   # 8B pairs over a rank's 32 experts
+    ("dp4-tp2-ep8", 64, 32, 4, 2048, 64640),     # 4 DP groups: 4B pairs
+    ("dp1-tp8", 16, 256, 8, 256, 16160),         # TP-sharded experts, DeepSeek's routing
+])
+def test_proxy_models_are_the_ranks_share(name, heads, experts, top_k, width, vocab):
+    config = dep.proxy_model_config(dep.CONFIGS[name])
+    assert config["num_attention_heads"] == heads
+    assert (config["n_routed_experts"], config["num_experts_per_tok"]) == (experts, top_k)
+    assert config["moe_intermediate_size"] == width and config["vocab_size"] == vocab
+    assert config["num_hidden_layers"] == 4 and config["first_k_dense_replace"] == 1
+    assert config["quantization_config"]["weight_block_size"] == [128, 128]
+    assert config["n_group"] <= config["n_routed_experts"]
+
+
+def _proxy_engine(name: str) -> dict:
+    from tests.unit._vllm_cpu import engine_config
+    from vllm_snapmla.testing import write_tiny_deepseek_v3
+    import tempfile, pathlib
+
+    model = write_tiny_deepseek_v3(pathlib.Path(tempfile.mkdtemp()) / name,
+                                   **dep.proxy_model_config(dep.CONFIGS[name]))
+    config = engine_config(str(model), kv_cache_dtype="fp8_snapmla", load_format="dummy",
+                           skip_tokenizer_init=True, max_model_len=4096)
+    return {"quantization": config.model_config.quantization,
+            "heads": config.model_config.get_num_attention_heads(config.parallel_config),
+            "use_mla": config.model_config.use_mla}
+
+
+@pytest.mark.parametrize("name", sorted(dep.CONFIGS))
+def test_vllm_accepts_the_proxy_models(name):
+    from tests.unit._vllm_cpu import shared_process
+
+    got = shared_process().call(_proxy_engine, name=name)
+    assert got == {"quantization": "fp8", "heads": dep.CONFIGS[name].heads, "use_mla": True}
+
+
+def test_report_has_speedups_per_config_and_context(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [{"config": "dp1-tp8", "heads": 16, "kv": kv, "context": c, "batch": 4,
+             "decode_tok_s": tok, "tpot_ms": 1.0}
+            for c in (16384, 32768) for kv, tok in (("auto", 100.0), ("fp8_snapmla", 150.0))]
+    rows.append({"config": "dp1-tp8", "heads": 16, "kv": "fp8", "context": 16384,
+                 "error": "KV cache holds no request of this length"})
+    dep.write_outputs(rows, tmp_path, "header", "budget")
+    with open(tmp_path / "deployment.csv") as f:
+        got = [r for r in csv.DictReader(f for f in f if not f.startswith("#"))]
+    speed = {(r["kv"], r["context"]): r["speedup_vs_auto"] for r in got}
+    assert float(speed[("fp8_snapmla", "32768")]) == pytest.approx(1.5)
+    assert speed[("fp8", "16384")] == ""
+    text = (tmp_path / "deployment.md").read_text()
+    assert "1.50x" in text and "KV cache holds no request" in text
+    assert (tmp_path / "deployment.png").stat().st_size > 0
