@@ -211,3 +211,22 @@ def test_validation_can_be_forced_and_skipped(monkeypatch):
     with pytest.raises(ValueError):
         ops.decode(*bad.args(), validate=None)
     assert fmt.PAGE_SIZE == 64
+
+
+def test_inf_propagates_like_nan():
+    """Inf in a query row, or in a token written to the cache unchecked, gives NaN where
+    attention uses it (softmax of an infinite logit has no finite answer)."""
+    case = decode_case([130, 90], 4, 1, 7)
+    q = case.q_nope.clone()
+    q[1, 0, 2, 11] = float("inf")
+    out, lse = ops.decode(*case.replace(q_nope=q).args())
+    rows = torch.zeros(2, 1, 4, dtype=torch.bool)
+    rows[1, 0, 2] = True
+    assert torch.equal(nan_rows_of(out, lse)[0], rows)
+    kv_c, k_pe = torch.randn(1, 512), torch.randn(1, 64)
+    kv_c[0, 3] = float("-inf")
+    cache = case.kv_cache.clone()
+    slot = int(case.block_table[0, 0]) * 64 + 5          # token 5 of request 0
+    ops.append_kv(kv_c, k_pe, cache, torch.tensor([slot]), validate=False)
+    out, lse = ops.decode(*case.replace(kv_cache=cache).args())
+    assert out[0].isnan().all() and not out[1].isnan().any()
