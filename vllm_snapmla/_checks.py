@@ -26,12 +26,18 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 def data_checks_on(validate: bool | None, *tensors: torch.Tensor) -> bool:
     """Whether the data checks run: ``validate`` if given, else on CPU tensors or with
-    ``SNAPMLA_VALIDATE=1``."""
-    if validate is not None:
-        return bool(validate)
-    if os.environ.get("SNAPMLA_VALIDATE", "0") not in ("", "0"):
-        return True
-    return not any(t.is_cuda for t in tensors)
+    ``SNAPMLA_VALIDATE=1``.  They read the data on the host, which a CUDA graph being captured
+    cannot do: ``SNAPMLA_VALIDATE=1`` skips them during capture (graph replays are not checked;
+    ``enforce_eager`` checks every step), ``validate=True`` refuses."""
+    on_gpu = any(t.is_cuda for t in tensors)
+    if validate is None:
+        if os.environ.get("SNAPMLA_VALIDATE", "0") in ("", "0"):
+            return not on_gpu
+        return not (on_gpu and torch.cuda.is_current_stream_capturing())
+    if validate and on_gpu and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("validate=True reads the indices on the host, which cannot happen "
+                           "inside CUDA-graph capture; validate before capturing")
+    return bool(validate)
 
 
 def _shape(t: torch.Tensor) -> str:

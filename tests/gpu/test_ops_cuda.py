@@ -152,3 +152,22 @@ def test_append_skips_slots_past_the_cache():
     assert written.sum() == 2 and written[0, 0] and written[1, 63]
     with pytest.raises(ValueError, match=r"slot_mapping\[1\] = 128"):
         ops.append_kv(kv_c, k_pe, cache, torch.tensor([0, 128], device="cuda"), validate=True)
+
+
+def test_env_validation_skips_graph_capture_and_explicit_validation_refuses_it(monkeypatch):
+    case = decode_case([300, 20], 16, 1, 1).to("cuda")
+    monkeypatch.setenv("SNAPMLA_VALIDATE", "1")
+    eager_out, _ = ops.decode(*case.args())
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        ops.decode(*case.args())                    # warm-up on the capture stream
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, _ = ops.decode(*case.args())           # checks skipped: no host read in capture
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager_out)
+    with pytest.raises(RuntimeError, match="inside CUDA-graph capture"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            ops.decode(*case.args(), validate=True)
