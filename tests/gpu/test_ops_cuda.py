@@ -168,6 +168,7 @@ def test_env_validation_skips_graph_capture_and_explicit_validation_refuses_it(m
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager_out)
+    # validate=True during a capture: refused before any GPU work (the capture state faked).
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="inside CUDA-graph capture"):
-        with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            ops.decode(*case.args(), validate=True)
+        ops.decode(*case.args(), validate=True)
