@@ -34,7 +34,11 @@ memory; divided by 61 layers and given to the 4-layer proxy as ``kv_cache_memory
 
 Per (configuration, KV format) one engine; per context the batch that fills the KV budget,
 decode steps timed after the prefill with the engine core's timestamps (``bench_e2e``'s
-method).  Writes ``deployment.csv``, ``deployment.md`` and ``deployment.png`` (per configuration,
+method).  ``--mtp`` adds engines with DeepSeek's own drafter (one MTP layer, one speculative
+token) for ``auto`` and ``fp8_snapmla``.  Dummy weights make the drafter's acceptance
+meaningless, so besides the measured tokens per step the report projects output tok/s =
+decode steps/s x B x (1 + ``--mtp-acceptance``), the acceptance DeepSeek reports for its second
+token (85-90%); the step time, which is what the KV format changes, is measured.  Writes ``deployment.csv``, ``deployment.md`` and ``deployment.png`` (per configuration,
 speedup over ``auto`` against context, the paper's Figure 1 layout).
 """
 
@@ -168,10 +172,13 @@ def budget_table(reserve_gib: float) -> str:
 
 
 def add_speedups(rows: list[dict]) -> list[dict]:
-    base = {(r["config"], r["context"]): r.get("decode_tok_s") for r in rows
+    """Speedup of each row's decode steps/s x B over ``auto``'s, same configuration, context
+    and drafter (with MTP both sides project the same acceptance, so it cancels)."""
+    key = lambda r: (r["config"], r["context"], bool(r.get("mtp")))  # noqa: E731
+    base = {key(r): r.get("decode_tok_s") for r in rows
             if r["kv"] == "auto" and r.get("decode_tok_s")}
     for r in rows:
-        b = base.get((r["config"], r["context"]))
+        b = base.get(key(r))
         r["speedup_vs_auto"] = (r["decode_tok_s"] / b) if b and r.get("decode_tok_s") else ""
     return rows
 
@@ -185,11 +192,13 @@ def plot(rows: list[dict], path: Path) -> None:
     configs = list(dict.fromkeys(r["config"] for r in rows))
     fig, axes = plt.subplots(1, len(configs), figsize=(4.2 * len(configs), 3.6), squeeze=False)
     for ax, config in zip(axes[0], configs):
-        for kv in ("fp8_snapmla", "fp8"):
+        for kv, mtp in (("fp8_snapmla", False), ("fp8", False), ("fp8_snapmla", True)):
             pts = sorted((r["context"], r["speedup_vs_auto"]) for r in rows
-                         if r["config"] == config and r["kv"] == kv and r["speedup_vs_auto"])
+                         if r["config"] == config and r["kv"] == kv
+                         and bool(r.get("mtp")) == mtp and r["speedup_vs_auto"])
             if pts:
-                ax.plot([c // 1024 for c, _ in pts], [s for _, s in pts], "o-", label=kv)
+                ax.plot([c // 1024 for c, _ in pts], [s for _, s in pts],
+                        "s--" if mtp else "o-", label=kv + (" + MTP" if mtp else ""))
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context (k tokens)")
@@ -201,8 +210,10 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-FIELDS = ["config", "heads", "kv", "context", "batch", "decode_tok_s", "tpot_ms",
-          "speedup_vs_auto", "kv_cache_tokens", "kv_cache_mib", "backend", "error"]
+FIELDS = ["config", "heads", "kv", "mtp", "context", "batch", "decode_tok_s", "tpot_ms",
+          "tokens_per_step", "projected_output_tok_s", "speedup_vs_auto", "kv_cache_tokens",
+          "kv_cache_mib", "backend", "error"]
+MTP_SPEC = {"method": "mtp", "num_speculative_tokens": 1}
 
 
 def write_outputs(rows: list[dict], out: Path, header: str, budget: str) -> None:
@@ -210,13 +221,17 @@ def write_outputs(rows: list[dict], out: Path, header: str, budget: str) -> None
     rows = add_speedups(rows)
     write_csv(rows, out / "deployment.csv", FIELDS, comments=[header])
     lines = [header, "", "KV budget per rank:", "", budget, "",
-             "| configuration | heads | kv | context | batch | decode tok/s | TPOT ms | vs auto |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| configuration | heads | kv | context | batch | decode steps/s x B | step ms | "
+             "tokens per step | projected output tok/s | vs auto |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tok, tpot, speedup = r.get("decode_tok_s"), r.get("tpot_ms"), r["speedup_vs_auto"]
-        cells = [r["config"], r["heads"], r["kv"], r["context"], r.get("batch", ""),
-                 f"{tok:,.0f}" if tok else r.get("error", ""),
-                 f"{tpot:.2f}" if tpot else "", f"{speedup:.2f}x" if speedup else ""]
+        per_step, projected = r.get("tokens_per_step"), r.get("projected_output_tok_s")
+        cells = [r["config"], r["heads"], r["kv"] + (" + MTP" if r.get("mtp") else ""),
+                 r["context"], r.get("batch", ""),
+                 f"{tok:,.0f}" if tok else r.get("error", ""), f"{tpot:.2f}" if tpot else "",
+                 f"{per_step:.3f}" if per_step else "",
+                 f"{projected:,.0f}" if projected else "", f"{speedup:.2f}x" if speedup else ""]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     (out / "deployment.md").write_text("\n".join(lines) + "\n")
     if any(r["speedup_vs_auto"] for r in rows):
@@ -238,6 +253,10 @@ def main(argv=None) -> None:
     parser.add_argument("--windows", type=int, default=2)
     parser.add_argument("--max-batch", type=int, default=512)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per context")
+    parser.add_argument("--mtp", action="store_true",
+                        help="also auto and fp8_snapmla with one MTP speculative token")
+    parser.add_argument("--mtp-acceptance", type=float, default=0.85,
+                        help="acceptance of the MTP token for the projected output tok/s")
     parser.add_argument("--budget-only", action="store_true",
                         help="print the KV-budget arithmetic and stop")
     args = parser.parse_args(argv)
@@ -252,17 +271,30 @@ def main(argv=None) -> None:
         for name in args.configs:
             rank = CONFIGS[name]
             per_layer = kv_budget(rank, args.reserve_gib)["kv_bytes_per_layer"]
-            model = str(write_tiny_deepseek_v3(Path(tmp) / name, **proxy_model_config(rank)))
-            for kv in args.kv:
-                print(f"[{name} kv={kv}] {rank.heads} heads, KV {per_layer * PROXY_LAYERS / GIB:.2f}"
-                      f" GiB for {PROXY_LAYERS} layers, contexts {args.contexts} ...", flush=True)
+            runs = [(kv, False) for kv in args.kv]
+            if args.mtp:
+                runs += [(kv, True) for kv in ("auto", "fp8_snapmla") if kv in args.kv]
+            for kv, mtp in runs:
+                overrides = {**proxy_model_config(rank),
+                             **({"num_nextn_predict_layers": 1} if mtp else {})}
+                model = str(write_tiny_deepseek_v3(Path(tmp) / f"{name}{'-mtp' if mtp else ''}",
+                                                   **overrides))
+                label = kv + (" + MTP" if mtp else "")
+                print(f"[{name} kv={label}] {rank.heads} heads, KV "
+                      f"{per_layer * PROXY_LAYERS / GIB:.2f} GiB for {PROXY_LAYERS} layers, "
+                      f"contexts {args.contexts} ...", flush=True)
                 start = time.monotonic()
                 spec = {"model": model, "heads": rank.heads, "contexts": list(args.contexts),
                         "kv": kv, "gen_tokens": args.gen_tokens, "windows": args.windows,
                         "kv_cache_gib": per_layer * PROXY_LAYERS / GIB,
-                        "max_batch": args.max_batch, "vocab": V31["vocab"] // rank.tp}
+                        "max_batch": args.max_batch, "vocab": V31["vocab"] // rank.tp,
+                        "speculative_config": MTP_SPEC if mtp else None}
                 for row in bench_e2e.run_in_subprocess(spec, args.timeout * len(args.contexts)):
-                    row.update(config=name, kv_cache_mib=per_layer * PROXY_LAYERS / 2**20)
+                    row.update(config=name, mtp=mtp,
+                               kv_cache_mib=per_layer * PROXY_LAYERS / 2**20)
+                    if row.get("decode_tok_s"):
+                        row["projected_output_tok_s"] = round(
+                            row["decode_tok_s"] * (1 + (args.mtp_acceptance if mtp else 0)), 1)
                     rows.append(row)
                     print(f"    {json.dumps({k: row.get(k) for k in FIELDS if k in row})}",
                           flush=True)

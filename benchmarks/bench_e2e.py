@@ -189,9 +189,13 @@ def run_engine(spec: dict):
 
     gen, windows = spec["gen_tokens"], spec["windows"]
     timed_tokens = SETTLE_STEPS + windows * gen
+    # With speculative decoding a step can add 1 + k tokens to a request.
+    draft = (spec.get("speculative_config") or {}).get("num_speculative_tokens", 0)
+    timed_tokens *= 1 + draft
     llm = build_llm(spec["model"], spec["kv"],
                     max(spec["contexts"]) + MAX_WARM_TOKENS + timed_tokens,
-                    spec["kv_cache_gib"], spec["max_batch"])
+                    spec["kv_cache_gib"], spec["max_batch"],
+                    speculative_config=spec.get("speculative_config"))
     config = llm.llm_engine.vllm_config
     cache = config.cache_config
     capacity = cache.num_gpu_blocks * cache.block_size
@@ -208,7 +212,7 @@ def run_engine(spec: dict):
                               spec["max_batch"])
         warm = warm_tokens(max(batch, 1), context,
                            config.scheduler_config.max_num_batched_tokens)
-        max_tokens = warm + timed_tokens
+        max_tokens = warm * (1 + draft) + timed_tokens
         batch = batch_to_fill(usable_blocks, cache.block_size, context, max_tokens,
                               spec["max_batch"])
         result = {"context": context, "batch": batch, "windows": windows,
@@ -222,10 +226,16 @@ def run_engine(spec: dict):
         try:
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                                     output_kind=RequestOutputKind.DELTA)
+            gained: list[int] = []
             seconds, lock_step, prefill_steps, timer = timed_decode_windows(
                 llm.llm_engine, random_prompts(gen_ids, batch, context, vocab), params, gen, windows,
-                id_prefix=f"bench-e2e-{context}")
+                id_prefix=f"bench-e2e-{context}", window_tokens=gained)
             summary = summarize_windows(batch, seconds)
+            # Tokens per request and step (1 without speculative decoding); output tok/s counts
+            # every token, decode_tok_s one per request and step.
+            per_step = sum(gained) / (batch * gen * windows)
+            summary.update(tokens_per_step=round(per_step, 4),
+                           output_tok_s=round(summary["decode_tok_s"] * per_step, 1))
         except (RuntimeError, ValueError) as exc:   # this context fails; the next ones run
             yield {**result, "error": f"{type(exc).__name__}: {exc}"[:300]}
             continue

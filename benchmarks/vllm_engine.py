@@ -87,7 +87,8 @@ def core_timestamp(output) -> float | None:
 
 
 def timed_decode_windows(engine, prompts: list, params, steps: int, windows: int,
-                         clock=time.perf_counter, id_prefix: str = "bench"
+                         clock=time.perf_counter, id_prefix: str = "bench",
+                         window_tokens: list | None = None
                          ) -> tuple[list[float], bool, int, str]:
     """Seconds per step of ``windows`` consecutive windows of ``steps`` engine steps in which
     every request decodes; whether every request gained exactly one token per timed step; the
@@ -100,7 +101,9 @@ def timed_decode_windows(engine, prompts: list, params, steps: int, windows: int
     ``step()`` in its own process, so the windows are timed with the core's timestamps of its
     steps (``RequestOutput.metrics.last_token_ts``, with stats logging on): a front end that
     falls behind would otherwise time its own output processing.  Without them ``clock`` times
-    the ``step()`` calls.  The requests are aborted after the last window."""
+    the ``step()`` calls.  ``window_tokens``, if given, receives the tokens all requests gained
+    in each window (more than one per step with speculative decoding).  The requests are aborted
+    after the last window."""
     ids = [f"{id_prefix}-{i}" for i in range(len(prompts))]
     for request_id, prompt in zip(ids, prompts):
         engine.add_request(request_id, prompt, params)
@@ -139,6 +142,8 @@ def timed_decode_windows(engine, prompts: list, params, steps: int, windows: int
                 seconds.append((end - start) / steps)
                 timers.add("step() calls")
             lock_step &= all(tokens[i] - before[i] == steps for i in ids)
+            if window_tokens is not None:
+                window_tokens.append(sum(tokens[i] - before[i] for i in ids))
     finally:
         engine.abort_request(ids)   # the front end forgets them at once; nothing to step
     return seconds, lock_step, prefill_steps, " + ".join(sorted(timers))
@@ -192,7 +197,8 @@ def engine_log_facts(log: str) -> dict:
 # --- one engine in a child process -------------------------------------------------------------
 
 def build_llm(model: str, kv: str, max_model_len: int, kv_cache_gib: float, max_batch: int, *,
-              enforce_eager: bool = False, max_num_batched_tokens: int | None = None):
+              enforce_eager: bool = False, max_num_batched_tokens: int | None = None,
+              speculative_config: dict | None = None):
     """The ``LLM`` every benchmark engine is: dummy weights, no tokenizer, prefix caching off,
     stats logging on (for the core's timestamps), a KV cache of ``kv_cache_gib`` GiB whatever
     the dtype (0: 90% of the GPU), default compilation unless ``enforce_eager``."""
@@ -202,6 +208,8 @@ def build_llm(model: str, kv: str, max_model_len: int, kv_cache_gib: float, max_
               else {"gpu_memory_utilization": 0.9})
     if max_num_batched_tokens:
         memory["max_num_batched_tokens"] = max_num_batched_tokens
+    if speculative_config:
+        memory["speculative_config"] = speculative_config
     return LLM(model=model, kv_cache_dtype=kv, load_format="dummy", skip_tokenizer_init=True,
                dtype="bfloat16", max_model_len=max_model_len, enable_prefix_caching=False,
                max_num_seqs=max_batch, seed=0, disable_log_stats=False,

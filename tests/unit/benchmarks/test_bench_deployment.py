@@ -49,26 +49,34 @@ def test_proxy_models_are_the_ranks_share(name, heads, experts, top_k, width, vo
     assert config["n_group"] <= config["n_routed_experts"]
 
 
-def _proxy_engine(name: str) -> dict:
+def _proxy_engine(name: str, mtp: bool) -> dict:
+    import pathlib
+    import tempfile
+
     from tests.unit._vllm_cpu import engine_config
     from vllm_snapmla.testing import write_tiny_deepseek_v3
-    import tempfile, pathlib
 
-    model = write_tiny_deepseek_v3(pathlib.Path(tempfile.mkdtemp()) / name,
-                                   **dep.proxy_model_config(dep.CONFIGS[name]))
+    overrides = {**dep.proxy_model_config(dep.CONFIGS[name]),
+                 **({"num_nextn_predict_layers": 1} if mtp else {})}
+    model = write_tiny_deepseek_v3(pathlib.Path(tempfile.mkdtemp()) / name, **overrides)
+    extra = {"speculative_config": dep.MTP_SPEC} if mtp else {}
     config = engine_config(str(model), kv_cache_dtype="fp8_snapmla", load_format="dummy",
-                           skip_tokenizer_init=True, max_model_len=4096)
+                           skip_tokenizer_init=True, max_model_len=4096, **extra)
+    spec = config.speculative_config
     return {"quantization": config.model_config.quantization,
             "heads": config.model_config.get_num_attention_heads(config.parallel_config),
-            "use_mla": config.model_config.use_mla}
+            "use_mla": config.model_config.use_mla,
+            "draft_tokens": spec.num_speculative_tokens if spec else 0}
 
 
+@pytest.mark.parametrize("mtp", [False, True], ids=["plain", "mtp"])
 @pytest.mark.parametrize("name", sorted(dep.CONFIGS))
-def test_vllm_accepts_the_proxy_models(name):
+def test_vllm_accepts_the_proxy_models(name, mtp):
     from tests.unit._vllm_cpu import shared_process
 
-    got = shared_process().call(_proxy_engine, name=name)
-    assert got == {"quantization": "fp8", "heads": dep.CONFIGS[name].heads, "use_mla": True}
+    got = shared_process().call(_proxy_engine, name=name, mtp=mtp)
+    assert got == {"quantization": "fp8", "heads": dep.CONFIGS[name].heads, "use_mla": True,
+                   "draft_tokens": 1 if mtp else 0}
 
 
 def test_report_has_speedups_per_config_and_context(tmp_path):
@@ -78,12 +86,19 @@ def test_report_has_speedups_per_config_and_context(tmp_path):
             for c in (16384, 32768) for kv, tok in (("auto", 100.0), ("fp8_snapmla", 150.0))]
     rows.append({"config": "dp1-tp8", "heads": 16, "kv": "fp8", "context": 16384,
                  "error": "KV cache holds no request of this length"})
+    # MTP rows compare with auto + MTP, not with plain auto.
+    rows += [{"config": "dp1-tp8", "heads": 16, "kv": kv, "mtp": True, "context": 16384,
+              "batch": 4, "decode_tok_s": tok, "tpot_ms": 1.2, "tokens_per_step": 1.02,
+              "projected_output_tok_s": tok * 1.85}
+             for kv, tok in (("auto", 80.0), ("fp8_snapmla", 100.0))]
     dep.write_outputs(rows, tmp_path, "header", "budget")
     with open(tmp_path / "deployment.csv") as f:
         got = [r for r in csv.DictReader(f for f in f if not f.startswith("#"))]
-    speed = {(r["kv"], r["context"]): r["speedup_vs_auto"] for r in got}
-    assert float(speed[("fp8_snapmla", "32768")]) == pytest.approx(1.5)
-    assert speed[("fp8", "16384")] == ""
+    speed = {(r["kv"], r["context"], r["mtp"]): r["speedup_vs_auto"] for r in got}
+    assert float(speed[("fp8_snapmla", "32768", "")]) == pytest.approx(1.5)
+    assert speed[("fp8", "16384", "")] == ""
+    assert float(speed[("fp8_snapmla", "16384", "True")]) == pytest.approx(1.25)
     text = (tmp_path / "deployment.md").read_text()
     assert "1.50x" in text and "KV cache holds no request" in text
+    assert "fp8_snapmla + MTP" in text and "185" in text
     assert (tmp_path / "deployment.png").stat().st_size > 0

@@ -201,8 +201,9 @@ class _FakeEngine:
     (step, request) pairs in which that request produces nothing (as if preempted)."""
 
     def __init__(self, first_token, max_tokens, decode_s, mixed_s, skip=(), lag_s=0.0,
-                 core_stamps=True, seed=0):
+                 core_stamps=True, seed=0, tokens_per_step=1):
         self.first_token, self.max_tokens = first_token, max_tokens
+        self.tokens_per_step = tokens_per_step
         self.decode_s, self.mixed_s, self.skip = decode_s, mixed_s, set(skip)
         self.lag_s, self.core_stamps, self.rng = lag_s, core_stamps, random.Random(seed)
         self.core_now, self.now, self.steps, self.requests, self.aborted = 1.0, 0.0, 0, {}, []
@@ -226,8 +227,9 @@ class _FakeEngine:
         outputs = []
         for i, r in enumerate(self.requests):
             if r in live and self.steps >= self.first_token[i] and (self.steps, i) not in self.skip:
-                self.requests[r] += 1
-                outputs.append(_Output(r, 1, self.core_now if self.core_stamps else None))
+                n = self.tokens_per_step
+                self.requests[r] += n
+                outputs.append(_Output(r, n, self.core_now if self.core_stamps else None))
         self.steps += 1
         return outputs
 
@@ -261,6 +263,18 @@ def test_decode_windows_time_only_steps_in_which_every_request_decodes():
     seconds, _, _, timer = engine_lib.timed_decode_windows(
         engine, [{}] * batch, "delta-params", steps, windows, clock=engine.clock)
     assert seconds == [pytest.approx(0.0123)] * windows and timer == "step() calls"
+
+
+def test_decode_windows_count_the_tokens_of_speculative_steps():
+    """With one accepted draft token per step, each request gains 2 tokens per step: the
+    windows report them (and are not lock-step)."""
+    engine = _FakeEngine([0, 2], max_tokens=10_000, decode_s=0.01, mixed_s=1.0,
+                         tokens_per_step=2)
+    gained = []
+    seconds, lock_step, _, _ = engine_lib.timed_decode_windows(
+        engine, [{}] * 2, "delta-params", 8, 3, clock=engine.clock, window_tokens=gained)
+    assert gained == [2 * 2 * 8] * 3 and not lock_step
+    assert seconds == [pytest.approx(0.01)] * 3
 
 
 def test_decode_windows_flag_a_request_that_skips_a_timed_step():
