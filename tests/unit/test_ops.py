@@ -228,3 +228,41 @@ def test_inf_propagates_like_nan():
     ops.append_kv(kv_c, k_pe, cache, torch.tensor([slot]), validate=False)
     out, lse = ops.decode(*case.replace(kv_cache=cache).args())
     assert out[0].isnan().all() and not out[1].isnan().any()
+
+
+@SETTINGS
+@given(tokens=st.integers(1, 150), blocks=st.integers(1, 6), seed=seeds,
+       dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]))
+def test_append_then_gather_returns_the_quantized_rows(tokens, blocks, seed, dtype):
+    """The data path as vLLM uses it: tokens appended at random slots (some skipped: negative,
+    or past the cache when unchecked) and gathered back as one request's context equal the
+    reference's round trip, and nothing else in the cache changes."""
+    gen = torch.Generator().manual_seed(seed)
+    kv_c = (torch.randn(tokens, 512, generator=gen) * 3).to(dtype)
+    k_pe = (torch.randn(tokens, 64, generator=gen) * 30).to(dtype)
+    cache = torch.randint(0, 256, (blocks, 64, 656), dtype=torch.uint8, generator=gen)
+    before = cache.clone()
+    capacity = blocks * 64
+    slots = torch.randperm(capacity + tokens, generator=gen)[:tokens] - tokens // 4
+    ops.append_kv(kv_c, k_pe, cache, slots, validate=False)   # negative and past-end: skipped
+    kept = (slots >= 0) & (slots < capacity)
+    written = torch.zeros(capacity, dtype=torch.bool)
+    written[slots[kept]] = True
+    assert torch.equal(cache.view(capacity, 656)[~written], before.view(capacity, 656)[~written])
+    if not kept.any():
+        return
+    if (slots >= capacity).any():
+        with pytest.raises(ValueError, match="slot_mapping"):
+            ops.append_kv(kv_c, k_pe, cache.clone(), slots)
+    # Gather the kept tokens back, as the context of one request whose pages are all blocks.
+    order = slots[kept]
+    n = int(kept.sum())
+    table = torch.arange(blocks, dtype=torch.int32)[None]
+    dst = torch.empty(n, 576)
+    # token t of the request sits at position order[t]: one request per token keeps it simple.
+    cu = torch.arange(n + 1, dtype=torch.int32)
+    starts = order.to(torch.int32)
+    ops.gather_kv(cache, dst, table.expand(n, blocks).contiguous(), cu,
+                  torch.arange(n, dtype=torch.int32), n, starts)
+    c, r = ops.dequantize_kv(ops.quantize_kv(kv_c[kept], k_pe[kept]))
+    assert torch.equal(dst, torch.cat([c, r], -1))
