@@ -19,6 +19,7 @@ import os
 import torch
 
 from vllm_snapmla import format as fmt
+from vllm_snapmla import reference
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -133,7 +134,7 @@ def decode_indices(block_table: torch.Tensor, seq_lens: torch.Tensor, batch: int
     table = block_table[:batch].long().cpu()
     width = table.shape[1]
     limit = width * fmt.PAGE_SIZE
-    bad = (lens < 0) | (lens > limit)
+    bad = ~reference.valid_lengths(lens, width)
     if bad.any():
         b = _first(bad)
         raise ValueError(f"seq_lens[{b}] = {int(lens[b])} is outside [0, {limit}]: block_table "
@@ -172,29 +173,19 @@ def gather_indices(block_table: torch.Tensor, cu_seq_lens: torch.Tensor,
                    token_to_seq: torch.Tensor, num_tokens: int,
                    seq_starts: torch.Tensor | None, num_blocks: int) -> None:
     """Every token names a request with a table row, a position inside it and a cache block."""
-    table = block_table.long().cpu()
-    cu = cu_seq_lens.long().cpu()
-    seqs = token_to_seq[:num_tokens].long().cpu()
-    num_seqs = min(table.shape[0], cu.numel() - 1)
-    if seq_starts is not None:
-        num_seqs = min(num_seqs, seq_starts.numel())
-    bad = (seqs < 0) | (seqs >= num_seqs)
-    if bad.any():
-        t = _first(bad)
-        raise ValueError(f"token_to_seq[{t}] = {int(seqs[t])} names no request: block_table, "
-                         f"cu_seq_lens and seq_starts describe {num_seqs}")
-    pos = torch.arange(num_tokens) - cu[seqs]
-    if seq_starts is not None:
-        pos = pos + seq_starts.long().cpu()[seqs]
-    limit = table.shape[1] * fmt.PAGE_SIZE
-    bad = (pos < 0) | (pos >= limit)
-    if bad.any():
-        t = _first(bad)
-        raise ValueError(f"token {t} of request {int(seqs[t])} is at position {int(pos[t])}, "
-                         f"outside its block_table row ([0, {limit}))")
-    blocks = table[seqs, pos // fmt.PAGE_SIZE]
-    bad = (blocks < 0) | (blocks >= num_blocks)
-    if bad.any():
-        t = _first(bad)
-        raise ValueError(f"token {t} reads block_table[{int(seqs[t])}, {int(pos[t]) // 64}] = "
-                         f"{int(blocks[t])}, not a block of the cache ([0, {num_blocks}))")
+    src = reference.gather_sources(block_table, cu_seq_lens, token_to_seq, num_tokens,
+                                   seq_starts, num_blocks)
+    if not src.seq_ok.all():
+        t = _first(~src.seq_ok)
+        raise ValueError(f"token_to_seq[{t}] = {int(src.seq[t])} names no request: block_table, "
+                         f"cu_seq_lens and seq_starts describe {src.num_seqs}")
+    if not src.pos_ok.all():
+        t = _first(~src.pos_ok)
+        limit = block_table.shape[1] * fmt.PAGE_SIZE
+        raise ValueError(f"token {t} of request {int(src.seq[t])} is at position "
+                         f"{int(src.pos[t])}, outside its block_table row ([0, {limit}))")
+    if not src.block_ok.all():
+        t = _first(~src.block_ok)
+        b, page = int(src.seq[t]), int(src.pos[t]) // fmt.PAGE_SIZE
+        raise ValueError(f"token {t} reads block_table[{b}, {page}] = "
+                         f"{int(block_table[b, page])}, not a block of the cache ([0, {num_blocks}))")

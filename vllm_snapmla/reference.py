@@ -9,6 +9,8 @@ unquantized query: the yardstick for "how much does FP8 cost".
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from vllm_snapmla import format as fmt
@@ -67,31 +69,60 @@ def append_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
     kv_cache[slots // fmt.PAGE_SIZE, slots % fmt.PAGE_SIZE] = rows
 
 
+class GatherSources(NamedTuple):
+    """Where each gathered token comes from, and whether each step of finding it is valid
+    (``*_ok`` are cumulative: a token's position is only valid if its request is, and so on).
+    ``pos`` is as computed for every token with a valid request (0 otherwise); ``block`` is 0
+    where ``block_ok`` is false."""
+    num_seqs: int            # requests the inputs describe
+    seq: torch.Tensor        # token_to_seq as given
+    seq_ok: torch.Tensor
+    pos: torch.Tensor
+    pos_ok: torch.Tensor
+    block: torch.Tensor
+    block_ok: torch.Tensor
+
+
+def gather_sources(block_table: torch.Tensor, cu_seq_lens: torch.Tensor,
+                   token_to_seq: torch.Tensor, num_tokens: int,
+                   seq_starts: torch.Tensor | None, num_blocks: int,
+                   device: torch.device | str = "cpu") -> GatherSources:
+    """Request, position and block of tokens ``t < num_tokens`` of a gather: request
+    ``token_to_seq[t]`` (one with a table row, a ``cu_seq_lens`` pair and a start), position
+    ``seq_starts[b] + t - cu_seq_lens[b]`` inside its table row, block from the table inside the
+    cache of ``num_blocks`` blocks (``csrc/api/cache_ops.cpp`` applies the same rule)."""
+    n = int(num_tokens)
+    table = block_table.to(device).long()
+    cu = cu_seq_lens.to(device).long()
+    num_seqs = min(table.shape[0], cu.numel() - 1)
+    if seq_starts is not None:
+        num_seqs = min(num_seqs, seq_starts.numel())
+    seq = token_to_seq[:n].to(device).long()
+    seq_ok = (seq >= 0) & (seq < num_seqs)
+    b = torch.where(seq_ok, seq, 0)
+    pos = torch.arange(n, device=device) - cu[b] if num_seqs > 0 else torch.zeros_like(b)
+    if seq_starts is not None and num_seqs > 0:
+        pos = pos + seq_starts.to(device).long()[b]
+    pos_ok = seq_ok & (pos >= 0) & (pos < table.shape[1] * fmt.PAGE_SIZE)
+    page = torch.where(pos_ok, pos, 0) // fmt.PAGE_SIZE
+    block = table[b, page] if num_seqs > 0 else torch.zeros_like(b)
+    block_ok = pos_ok & (block >= 0) & (block < num_blocks)
+    return GatherSources(num_seqs, seq, seq_ok, pos, pos_ok, torch.where(block_ok, block, 0),
+                         block_ok)
+
+
 def gather_kv(kv_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,
               cu_seq_lens: torch.Tensor, token_to_seq: torch.Tensor, num_tokens: int,
               seq_starts: torch.Tensor | None = None) -> torch.Tensor:
     """Dequantizing gather; semantics of vLLM's ``gather_and_maybe_dequant_cache``.  A token whose
     request, position or block lies outside the inputs gets a NaN row, as on CUDA."""
     n = int(num_tokens)
-    dev = kv_cache.device
-    table = block_table.to(dev).long()
-    cu = cu_seq_lens.to(dev).long()
-    num_seqs = min(table.shape[0], cu.numel() - 1)
-    if seq_starts is not None:
-        num_seqs = min(num_seqs, seq_starts.numel())
-    b = token_to_seq[:n].to(dev).long()
-    ok = (b >= 0) & (b < num_seqs)
-    b = torch.where(ok, b, 0)
-    pos = torch.arange(n, device=dev) - cu[b] if num_seqs > 0 else torch.zeros_like(b)
-    if seq_starts is not None and num_seqs > 0:
-        pos = pos + seq_starts.to(dev).long()[b]
-    ok &= (pos >= 0) & (pos < table.shape[1] * fmt.PAGE_SIZE)
-    pos = torch.where(ok, pos, 0)
-    blk = table[b, pos // fmt.PAGE_SIZE] if num_seqs > 0 else torch.zeros_like(b)
-    ok &= (blk >= 0) & (blk < kv_cache.shape[0])
-    c, r = dequantize_kv(kv_cache[torch.where(ok, blk, 0), pos % fmt.PAGE_SIZE])
+    src = gather_sources(block_table, cu_seq_lens, token_to_seq, n, seq_starts,
+                         kv_cache.shape[0], kv_cache.device)
+    slot = torch.where(src.block_ok, src.pos, 0) % fmt.PAGE_SIZE
+    c, r = dequantize_kv(kv_cache[src.block, slot])
     row = torch.cat([c, r], -1)
-    dst[:n] = torch.where(ok[:, None], row, float("nan")).to(dst.dtype)
+    dst[:n] = torch.where(src.block_ok[:, None], row, float("nan")).to(dst.dtype)
     return dst
 
 
