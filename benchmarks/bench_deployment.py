@@ -137,7 +137,7 @@ def kv_budget(rank: Rank, reserve_gib: float, memory_bytes: int = H200_MEMORY_BY
 def proxy_model_config(rank: Rank) -> dict:
     """The config.json overrides of the rank's 4-layer proxy (for ``write_tiny_deepseek_v3``)."""
     ep = rank.ep > 1
-    config = {
+    return {
         **DEEPSEEK_V31_ATTENTION,
         "num_attention_heads": rank.heads, "num_key_value_heads": rank.heads,
         "num_hidden_layers": PROXY_LAYERS, "first_k_dense_replace": 1,
@@ -154,7 +154,6 @@ def proxy_model_config(rank: Rank) -> dict:
                                 "activation_scheme": "dynamic",
                                 "weight_block_size": [FP8_BLOCK, FP8_BLOCK]},
     }
-    return config
 
 
 def budget_table(reserve_gib: float) -> str:

@@ -131,6 +131,12 @@ def apply_alphas(model, layer_alphas: list[list[float]]) -> None:
         kv_w = attn.kv_a_proj_with_mqa.weight          # [512 + 64, hidden]
         q_proj = attn.q_b_proj if getattr(attn, "q_b_proj", None) is not None else attn.q_proj
         q_w = q_proj.weight                              # [heads * 192, q_lora or hidden]
+        if any(alpha != 1.0 for alpha in alphas):
+            # A bias would need the same scaling; DeepSeek's projections have none.
+            for bias, rows in ((getattr(attn.kv_a_proj_with_mqa, "bias", None), "kv"),
+                               (getattr(q_proj, "bias", None), "q")):
+                if bias is not None:
+                    raise ValueError(f"{rows} projection has a bias: not handled")
         for g, alpha in enumerate(alphas):
             if alpha == 1.0:
                 continue
@@ -138,10 +144,6 @@ def apply_alphas(model, layer_alphas: list[list[float]]) -> None:
                 kv_w[KV_LORA_RANK + r] *= alpha
                 for h in range(config.num_attention_heads):
                     q_w[h * q_head + config.qk_nope_head_dim + r] /= alpha
-            for bias, rows in ((getattr(attn.kv_a_proj_with_mqa, "bias", None), "kv"),
-                               (getattr(q_proj, "bias", None), "q")):
-                if bias is not None:
-                    raise ValueError(f"{rows} projection has a bias: not handled")
 
 
 def save(model, source: pathlib.Path, out: pathlib.Path) -> None:
