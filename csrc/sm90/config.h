@@ -39,7 +39,8 @@ static_assert(kProducerRegs + 2 * kConsumerRegs <= 3 * kLaunchRegs,
 // help: ptxas allocated the whole kernel for the smallest setmaxnreg of its branches, 224 of
 // 224/256).  Alternatives: 128 columns in WG1 spill 50 LDL/STL (WG2's 192-register O), three
 // QK accumulators in WG1 39; 160 columns in 32-column pieces with three QK accumulators (13)
-// timed within 2% of this on the H200 (benchmarks/RESULTS.md, seventh run).
+// timed within 2% of this on the H200 (`git show cb04609:benchmarks/RESULTS.md`, the split-roles
+// measurements of 2026-12-01).
 constexpr int kQkWarpgroupCols = 192;
 constexpr int kQkPieceCols = 64;          // WG1's PV pieces (m64n32 or m64n64 WGMMAs)
 constexpr int kSplitQkParts = 2;

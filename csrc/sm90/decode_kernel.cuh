@@ -245,7 +245,7 @@ __device__ __forceinline__ void stage_query(uint8_t* q8_tiles, int q8_tile_bytes
 //                      then both apply the page to their own columns, 192 and 320 (see the loop).
 //   kScheduleFree:     both compute every page's S and P8 and apply it to their own 256 columns:
 //                      the plain form, the reference of the bit-identity tests.
-// Two more were measured and removed (benchmarks/RESULTS.md, fifth to seventh runs): the paper's
+// Two more were measured and removed (`git show cb04609:benchmarks/RESULTS.md`): the paper's
 // Algorithm 1 (each page's P from one warpgroup, handed to the other), which split-roles beats
 // by 1.22-1.30x, and alternating QK/PV turns, 1.05-1.13x slower still.
 template <int kSchedule>
