@@ -17,7 +17,6 @@ import sys
 import torch
 
 from vllm_snapmla import format as fmt
-from vllm_snapmla import ops
 from vllm_snapmla._native import native
 
 FLOAT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

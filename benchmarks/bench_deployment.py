@@ -32,6 +32,12 @@ for the absorbed decode), less ``--reserve-gib`` for activations, CUDA graphs an
 memory; divided by 61 layers and given to the 4-layer proxy as ``kv_cache_memory_bytes``.
 ``--budget-only`` prints that arithmetic and runs nothing.
 
+Engine start includes what vLLM does for FP8 block-quantized MoE on Hopper: DeepGEMM compiles
+and warms up its kernels for the shapes the engine can meet (``VLLM_DEEP_GEMM_WARMUP``, default
+``relax``), a few minutes for the first engine of a configuration (its cache serves the next
+ones), so a configuration takes several minutes before its first context.  Progress is printed
+as each engine comes up and each context finishes.
+
 Per (configuration, KV format) one engine; per context the batch that fills the KV budget,
 decode steps timed after the prefill with the engine core's timestamps (``bench_e2e``'s
 method).  ``--mtp`` adds engines with DeepSeek's own drafter (one MTP layer, one speculative
@@ -46,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -281,23 +286,44 @@ def main(argv=None) -> None:
                 label = kv + (" + MTP" if mtp else "")
                 print(f"[{name} kv={label}] {rank.heads} heads, KV "
                       f"{per_layer * PROXY_LAYERS / GIB:.2f} GiB for {PROXY_LAYERS} layers, "
-                      f"contexts {args.contexts} ...", flush=True)
+                      f"contexts {args.contexts}; starting the engine (the first engine of a "
+                      "configuration also compiles DeepGEMM's FP8 kernels: minutes) ...",
+                      flush=True)
                 start = time.monotonic()
                 spec = {"model": model, "heads": rank.heads, "contexts": list(args.contexts),
                         "kv": kv, "gen_tokens": args.gen_tokens, "windows": args.windows,
                         "kv_cache_gib": per_layer * PROXY_LAYERS / GIB,
                         "max_batch": args.max_batch, "vocab": V31["vocab"] // rank.tp,
                         "speculative_config": MTP_SPEC if mtp else None}
-                for row in bench_e2e.run_in_subprocess(spec, args.timeout * len(args.contexts)):
+                reported = set()
+
+                def report(result, start=start, reported=reported):
+                    elapsed = f"({time.monotonic() - start:.0f} s)"
+                    if result.get("kind") == "engine":
+                        print(f"    engine up, KV cache {result['kv_cache_tokens']:,} tokens "
+                              f"{elapsed}", flush=True)
+                        return
+                    reported.add(result["context"])
+                    if result.get("error"):
+                        print(f"    context {result['context']}: failed: {result['error']} "
+                              f"{elapsed}", flush=True)
+                    else:
+                        print(f"    context {result['context']}: B={result['batch']}, prefill "
+                              f"{result['prefill_steps']} steps, step {result['tpot_ms']:.2f} ms"
+                              f", {result['decode_tok_s']:,.0f} decode tok/s per rank "
+                              f"{elapsed}", flush=True)
+
+                for row in bench_e2e.run_in_subprocess(spec, args.timeout * len(args.contexts),
+                                                       on_result=report):
                     row.update(config=name, mtp=mtp,
                                kv_cache_mib=per_layer * PROXY_LAYERS / 2**20)
                     if row.get("decode_tok_s"):
                         row["projected_output_tok_s"] = round(
                             row["decode_tok_s"] * (1 + (args.mtp_acceptance if mtp else 0)), 1)
+                    if row["context"] not in reported:   # the engine died or timed out first
+                        print(f"    context {row['context']}: {row.get('error')}", flush=True)
                     rows.append(row)
-                    print(f"    {json.dumps({k: row.get(k) for k in FIELDS if k in row})}",
-                          flush=True)
-                print(f"    ({time.monotonic() - start:.0f} s)", flush=True)
+                print(f"    engine done ({time.monotonic() - start:.0f} s)", flush=True)
                 write_outputs(rows, out, header, budget)
     print(f"wrote {out}/deployment.md, deployment.csv, deployment.png")
 

@@ -182,7 +182,8 @@ MAX_WARM_TOKENS = 4096
 
 def run_engine(spec: dict):
     """Build one engine and, for each context, fill its KV cache with a batch and time its decode
-    steps (``timed_decode_windows``).  Yields one result per context (with ``context``)."""
+    steps (``timed_decode_windows``).  Yields ``{"kind": "engine", ...}`` once the engine is up
+    and warm, then one result per context (with ``context``)."""
     import torch
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -203,6 +204,7 @@ def run_engine(spec: dict):
     gen_ids = torch.Generator().manual_seed(0)
     vocab = spec.get("vocab", DEEPSEEK_V31_ATTENTION["vocab_size"])
     warm_up(llm, gen_ids, vocab)
+    yield {"kind": "engine", "kv_cache_tokens": capacity}
     # Block 0 is vLLM's null block: a batch sized on all blocks could be preempted.
     usable_blocks = cache.num_gpu_blocks - 1
     for context in spec["contexts"]:
@@ -247,7 +249,8 @@ def parse_engine_log(spec: dict, results: list[dict], log: str, failure: str | N
                      ) -> list[dict]:
     """One row per context of ``spec`` from a child's results and output: the KV capacity and
     backend vLLM logged, and ``failure`` for the contexts that have no result."""
-    by_context = {result["context"]: result for result in results}
+    by_context = {result["context"]: result for result in results
+                  if result.get("kind") != "engine"}
     facts = engine_log_facts(log)
     rows = []
     for context in spec["contexts"]:
@@ -317,7 +320,10 @@ def main(argv=None) -> None:
             start = time.monotonic()
 
             def report(result, start=start):
-                if result.get("error"):
+                if result.get("kind") == "engine":
+                    print(f"    engine up in {time.monotonic() - start:.0f} s, KV cache "
+                          f"{result['kv_cache_tokens']:,} tokens", flush=True)
+                elif result.get("error"):
                     print(f"    context {result['context']}: failed: {result['error']}",
                           flush=True)
                 else:

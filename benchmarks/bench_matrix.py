@@ -589,7 +589,7 @@ def matrix_panels(rows: list[dict]) -> list[tuple]:
 
 def format_matrix(rows: list[dict], runs: list[str]) -> str:
     """matrix.md: a table per (heads, max_model_len, mode), a line per (context, batch)."""
-    lines = _runs_header("fp8_snapmla vs BF16 and FP8 FlashMLA through vLLM: workload matrix",
+    lines = _runs_header("fp8_snapmla vs vLLM's BF16 (`auto`) and FP8 caches: workload matrix",
                          runs)
     lines += ["decode tok/s = B / TPOT; TPOT = median over the timed windows of the engine "
               "core's step time.  Ratios: decode tok/s of the format over BF16's (`auto`) in the "
@@ -635,7 +635,7 @@ def format_matrix(rows: list[dict], runs: list[str]) -> str:
 
 
 def format_serve(rows: list[dict], runs: list[str]) -> str:
-    lines = _runs_header("fp8_snapmla vs BF16 and FP8 FlashMLA through vLLM: continuous "
+    lines = _runs_header("fp8_snapmla vs vLLM's BF16 (`auto`) and FP8 caches: continuous "
                          "batching", runs)
     lines += ["Requests arrive (Poisson) while the engine is stepped; token times are the engine "
               "core's.  TTFT = first token - arrival; TPOT per request = (last - first token) / "

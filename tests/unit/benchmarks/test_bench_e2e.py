@@ -74,7 +74,8 @@ def test_engine_log_gives_a_row_per_context_and_keeps_finished_ones():
     log = ("INFO ... GPU KV cache size: 1,636,800 tokens\n"
            "INFO ... Using SNAPMLA attention backend\n"
            + engine_lib.RESULT_TAG + json.dumps(result) + "\n")
-    rows = bench.parse_engine_log(spec, [result], log, "timed out after 600 s")
+    engine_up = {"kind": "engine", "kv_cache_tokens": 1636800}
+    rows = bench.parse_engine_log(spec, [engine_up, result], log, "timed out after 600 s")
     assert [r["context"] for r in rows] == spec["contexts"]
     assert all(r["kv"] == "fp8_snapmla" and r["heads"] == 128 for r in rows)
     assert all(r["log_kv_cache_tokens"] == 1636800 and r["backend"] == "SNAPMLA" for r in rows)
