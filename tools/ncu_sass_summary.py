@@ -1,7 +1,7 @@
 """Where a kernel's stall samples fall, from Nsight Compute's SASS source page.
 
     ncu -i report.ncu-rep --page source --csv --print-source sass > sass.csv
-    python3 tools/ncu_sass_summary.py sass.csv [--block 48] [--min-share 0.4]
+    python3 -m tools.ncu_sass_summary sass.csv [--block 48] [--min-share 0.4]
 
 For each profiled kernel in the CSV, prints the stall reasons of the whole kernel, then the SASS
 in blocks of --block instructions: each block's share of the kernel's samples, how often its

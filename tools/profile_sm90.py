@@ -1,23 +1,19 @@
 """One sm90 decode launch per schedule on random data, for Nsight Compute.
 
-    ncu --clock-control none --kernel-name regex:decode_kernel python3 tools/profile_sm90.py
-    python3 tools/profile_sm90.py --time [--distinct-blocks 64]
+    ncu --clock-control none --kernel-name regex:decode_kernel python3 -m tools.profile_sm90
+    python3 -m tools.profile_sm90 --time [--distinct-blocks 64]
 
 --time prints each schedule's median time (CUDA events around 50 CUDA-graph replays) instead.
 --distinct-blocks K points every block-table entry at one of K cache blocks, so the pages come
 from L2 rather than HBM: if the time per page drops, the kernel waits on its loads.
 """
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from vllm_snapmla import format as fmt, ops, reference
-from vllm_snapmla.kernels import sm90  # noqa: E402
+from vllm_snapmla.kernels import sm90
 
 
 def main():

@@ -1,15 +1,10 @@
 """tools/ncu_sass_summary.py on a synthetic Nsight Compute SASS page (two kernels)."""
 import csv
-import importlib.util
 import random
-from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[3] / "tools" / "ncu_sass_summary.py"
-_spec = importlib.util.spec_from_file_location("ncu_sass_summary", _PATH)
-tool = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tool)
+from tools import ncu_sass_summary as tool
 
 HEADER = ["Address", "Source", tool.SAMPLES, tool.EXECUTED, "stall_wait", "stall_barrier",
           "stall_wait (Not Issued)"]
