@@ -56,10 +56,14 @@ __host__ __device__ __forceinline__ SplitRange split_range(int seq_len, int tabl
           valid_length(seq_len, table_pages)};
 }
 
-// The planner's inputs.  Cost model (the same for every kernel): a launch of s splits runs
-// ceil(programs x s / slots) waves of CTAs, each as long as its split's pages plus a split's fixed
-// cost (query load, partial write, combine) of `overhead_pages` pages; the planner takes the
-// cheapest s <= max_splits for the batch's longest request (fewer splits on ties).
+// The planner's inputs.  Cost model (the same for every kernel): the candidates are the run
+// lengths L = ceil(longest request's pages / s) for s <= max_splits.  At run length L every
+// request is cut into ceil(its pages / L) runs, each one CTA per row block and costing its pages
+// plus a split's fixed cost (query load, partial write, combine) of `overhead_pages` pages; the
+// launch takes ceil(total cost / (slots x (L + overhead_pages))) waves of L + overhead_pages
+// (exact when every run is L pages long; with ragged lengths the short runs fill the waves of
+// the long ones).  The planner takes the cheapest L (the longest on ties).  Counting every
+// request's runs, not the longest one's times the batch, lets a ragged batch take shorter runs.
 struct SplitPlanParams {
   const int32_t* seq_lens;     // [batch]
   int table_pages;             // the block table's columns (longer lengths are invalid)
@@ -110,21 +114,31 @@ inline int max_splits_for(int64_t programs, int slots, int64_t table_pages) {
 // The planner's body, for one warp of a kernel (lane = threadIdx.x % 32).
 __device__ __forceinline__ void plan_splits_warp(const SplitPlanParams& p, int lane) {
   int max_pages = 0;
+  long long total_pages = 0;
   for (int b = lane; b < p.batch; b += 32) {
     const int pages = request_pages(p.seq_lens[b], p.table_pages);
     max_pages = pages > max_pages ? pages : max_pages;
+    total_pages += pages;
   }
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) {
     const int other = __shfl_xor_sync(0xffffffffu, max_pages, o);
     max_pages = other > max_pages ? other : max_pages;
+    total_pages += __shfl_xor_sync(0xffffffffu, total_pages, o);
   }
   const int limit = max_pages < p.max_splits ? max_pages : p.max_splits;
   long long best_cost = -1;
   int best = 1;
   for (int s = lane + 1; s <= limit; s += 32) {
-    const long long waves = (static_cast<long long>(p.programs) * s + p.slots - 1) / p.slots;
-    const long long cost = waves * ((max_pages + s - 1) / s + p.overhead_pages);
+    const int run = (max_pages + s - 1) / s;
+    long long runs = 0;
+    for (int b = 0; b < p.batch; ++b) {
+      runs += (request_pages(p.seq_lens[b], p.table_pages) + run - 1) / run;
+    }
+    // Total cost over all CTAs, in pages: row blocks (programs / batch) x (pages + runs x fixed).
+    const long long work = p.programs * (total_pages + runs * p.overhead_pages);
+    const long long wave = static_cast<long long>(p.batch) * p.slots * (run + p.overhead_pages);
+    const long long cost = (work + wave - 1) / wave * (run + p.overhead_pages);
     if (best_cost < 0 || cost < best_cost) {
       best_cost = cost;
       best = s;

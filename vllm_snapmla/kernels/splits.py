@@ -52,13 +52,20 @@ SPLIT_OVERHEAD_PAGES = 2
 
 def pages_per_split_for(seq_lens: list[int], programs: int, slots: int, max_splits: int,
                         table_pages: int) -> int:
-    """The planner's choice (``split_kv.h plan_splits_warp``): the cheapest split count ``s <=
-    max_splits`` for the longest valid request, cost = ceil(programs s / slots) waves x (its
-    pages / s + SPLIT_OVERHEAD_PAGES), fewer splits on ties; returns pages per split."""
-    max_pages = max((request_pages(n, table_pages) for n in seq_lens), default=0)
+    """The planner's choice (``split_kv.h plan_splits_warp``), returned as pages per split: of
+    the run lengths L = ceil(longest valid request's pages / s), s <= max_splits, the cheapest
+    ceil(work / (slots x (L + SPLIT_OVERHEAD_PAGES))) waves x (L + SPLIT_OVERHEAD_PAGES), where
+    work = row blocks (programs / batch) x (all requests' pages + their ceil(pages / L) runs x
+    SPLIT_OVERHEAD_PAGES); fewer splits on ties.  Invalid lengths count for nothing."""
+    pages = [request_pages(n, table_pages) for n in seq_lens]
+    max_pages, total_pages = max(pages, default=0), sum(pages)
     best, best_cost = 1, None
     for s in range(1, min(max_pages, max_splits) + 1):
-        cost = -(-programs * s // slots) * (-(-max_pages // s) + SPLIT_OVERHEAD_PAGES)
+        run = -(-max_pages // s)
+        runs = sum(-(-p // run) for p in pages)
+        work = programs * (total_pages + runs * SPLIT_OVERHEAD_PAGES)
+        wave = len(pages) * slots * (run + SPLIT_OVERHEAD_PAGES)
+        cost = -(-work // wave) * (run + SPLIT_OVERHEAD_PAGES)
         if best_cost is None or cost < best_cost:
             best, best_cost = s, cost
     return -(-max_pages // best) if max_pages > 0 else 1

@@ -141,6 +141,8 @@ def test_interpreted_kernel_matches_reference():
 
 
 def test_split_planner_model():
+    import torch
+
     from vllm_snapmla.kernels import splits
 
     # Enough programs already (one 64-row block per SM): one split, the whole request.
@@ -153,13 +155,31 @@ def test_split_planner_model():
     per_split = splits.pages_per_split_for([131072], programs=1, slots=132, max_splits=264,
                                            table_pages=2048)
     assert 2048 / 264 <= per_split <= 64
-    # The longest request decides; empty batches take one page per split.
-    assert splits.pages_per_split_for([1, 64 * 64, 0], 3, 132, 100, 64) == \
-        splits.pages_per_split_for([64 * 64], 3, 132, 100, 64)
+    # Every request's runs count, not the longest one's times the batch: at 128 heads (two row
+    # blocks) 16 requests of 32k tokens fill the 132 SMs with runs of 128 pages, but one 32k
+    # request among 4k ones takes shorter runs, and they still fit in one wave.
+    uniform = splits.pages_per_split_for([32768] * 16, 32, 132, 9, 2560)
+    ragged = splits.pages_per_split_for([32768] + [4096] * 15, 32, 132, 9, 2560)
+    assert uniform == 128
+    assert ragged < uniform and -(-512 // ragged) <= 9
+    assert 2 * (-(-512 // ragged) + 15 * -(-64 // ragged)) <= 132
+    # Empty batches take one page per split.
     assert splits.pages_per_split_for([0, 0], 2, 132, 8, 64) == 1
-    # Invalid lengths (negative, longer than the table) are ignored: they read nothing.
+    # Invalid lengths (negative, longer than the table) count as empty requests: they read
+    # nothing.
     assert splits.pages_per_split_for([-5, 10**9, 64 * 64], 3, 132, 100, 64) == \
-        splits.pages_per_split_for([64 * 64], 3, 132, 100, 64)
+        splits.pages_per_split_for([0, 0, 64 * 64], 3, 132, 100, 64)
+    # Whatever the lengths, the run length is one of the candidates, so the longest request
+    # needs at most max_splits runs.
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        batch = int(torch.randint(1, 40, (1,), generator=gen))
+        lens = torch.randint(0, 20000, (batch,), generator=gen).tolist()
+        max_splits = int(torch.randint(1, 40, (1,), generator=gen))
+        per_split = splits.pages_per_split_for(lens, 2 * batch, 132, max_splits, 512)
+        longest = max(-(-n // 64) for n in lens)
+        assert per_split >= 1 and -(-longest // per_split) <= max(max_splits, 1)
+        assert longest == 0 or per_split in {-(-longest // s) for s in range(1, max_splits + 1)}
 
 
 def test_split_ranges_cover_each_request_once():
