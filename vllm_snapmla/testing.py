@@ -3,7 +3,11 @@
 - ``write_tiny_deepseek_v3``: a tiny DeepSeek-V3 checkpoint (config, optionally random weights
   of trained-model scale) that vLLM starts in seconds;
 - ``generate_in_subprocess`` / ``run_json_child``: ``LLM.generate`` in a fresh process that
-  loads this plugin from this source tree (``subprocess_env``);
+  loads this plugin from this source tree (``subprocess_env``), optionally with worker RPCs
+  (``LLM.collective_rpc``) between the rounds;
+- ``compare_greedy``: greedy outputs of two engines equal up to near-ties (how the end-to-end
+  tests compare KV formats, compilation modes and parallel layouts);
+- ``tp_shard_problems``: the dimensions of a tiny config that do not split over TP/EP ranks;
 - ``build_cache``: a random paged ``fp8_snapmla`` cache with shuffled block tables and garbage
   (NaN scales) in every byte no request owns.
 
@@ -168,10 +172,17 @@ def run_generation(spec: dict) -> dict:
     """Build one ``LLM`` and run ``spec["rounds"]`` (lists of prompts) through it, in order.
 
     ``spec``: ``model``, ``kv_cache_dtype``, ``rounds`` (list of lists of token-id prompts),
-    ``max_tokens``, optional ``logprobs`` and ``llm_kwargs``.  Returns per round and prompt
-    the generated ``token_ids``, the top ``logprobs`` per step (``{token: logprob}``) and
-    ``num_cached_tokens``, plus the KV-cache capacity.
+    ``max_tokens``, optional ``logprobs``, ``llm_kwargs`` and ``rpcs``.  ``rpcs[k]`` (a list of
+    names; ``rpcs`` may hold one entry more than ``rounds``, for after the last) runs before
+    round ``k`` through ``LLM.collective_rpc``: a worker method name (``"execute_dummy_batch"``)
+    or ``"module:function"``, imported here and sent as a callable taking the worker (needs
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``).  Returns per round and prompt the generated
+    ``token_ids``, the top ``logprobs`` per step (``{token: logprob}``) and
+    ``num_cached_tokens``; the KV-cache capacity; the parallel sizes, the resolved CUDA-graph
+    mode; and ``rpc_results[k]``, what each RPC returned (a list with one entry per worker).
     """
+    import importlib
+
     from vllm import LLM, SamplingParams
 
     kwargs = dict(load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
@@ -180,20 +191,35 @@ def run_generation(spec: dict) -> dict:
     llm = LLM(model=spec["model"], kv_cache_dtype=spec["kv_cache_dtype"], **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True,
                             logprobs=spec.get("logprobs"))
-    rounds = []
-    for prompts in spec["rounds"]:
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+
+    def rpc(name: str):
+        if ":" in name:
+            module, function = name.split(":")
+            return llm.collective_rpc(getattr(importlib.import_module(module), function))
+        return llm.collective_rpc(name)
+
+    rpcs = spec.get("rpcs", [])
+    rounds, rpc_results = [], []
+    for k in range(max(len(spec["rounds"]), len(rpcs))):
+        rpc_results.append([rpc(name) for name in (rpcs[k] if k < len(rpcs) else [])])
+        if k >= len(spec["rounds"]):
+            continue
+        outputs = llm.generate([{"prompt_token_ids": p} for p in spec["rounds"][k]], params,
                                use_tqdm=False)
         rounds.append([{
+            "prompt": list(p),
             "token_ids": list(o.outputs[0].token_ids),
             "logprobs": [{str(t): lp.logprob for t, lp in step.items()}
                          for step in (o.outputs[0].logprobs or [])],
             "num_cached_tokens": o.num_cached_tokens or 0,
-        } for o in outputs])
-    cache = llm.llm_engine.vllm_config.cache_config
-    return {"rounds": rounds, "num_gpu_blocks": cache.num_gpu_blocks,
-            "block_size": cache.block_size,
-            "kv_cache_tokens": cache.num_gpu_blocks * cache.block_size}
+        } for p, o in zip(spec["rounds"][k], outputs)])
+    config = llm.llm_engine.vllm_config
+    cache = config.cache_config
+    return {"rounds": rounds, "rpc_results": rpc_results,
+            "num_gpu_blocks": cache.num_gpu_blocks, "block_size": cache.block_size,
+            "kv_cache_tokens": cache.num_gpu_blocks * cache.block_size,
+            "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
+            "cudagraph_mode": config.compilation_config.cudagraph_mode.name}
 
 
 def run_json_child(args: list[str], spec: dict, env: dict | None, timeout: float
@@ -227,6 +253,97 @@ def _child() -> None:
     spec = json.loads(sys.stdin.read())
     result = run_generation(spec)
     print(RESULT_TAG + json.dumps(result), flush=True)
+
+
+# --- comparing greedy outputs ---------------------------------------------------------------
+
+# Random-weight models put many tokens within hundredths of a nat of each other, so the greedy
+# outputs of two correct engines (KV formats, compilation modes, parallel layouts, batch shapes)
+# part ways at such near-ties and never meet again.  Where they part, the other engine's token
+# must be a near-tie in the base engine's log-probabilities.  (A CPU simulation of FP8 latents
+# flipped tokens at BF16 gaps up to 0.6 nats; a cache read from the wrong positions gave gaps
+# around 1.5.)
+NEAR_TIE_NATS = 1.0
+
+
+def compare_greedy(base: list[list[dict]], test: list[list[dict]], what: str = "test",
+                   near_tie_nats: float = NEAR_TIE_NATS) -> dict:
+    """Greedy agreement of ``test`` with ``base``: rounds of per-prompt outputs, each a dict with
+    ``token_ids`` and ``logprobs`` (per step ``{str(token): logprob}``, the top-k of that engine,
+    which always holds the chosen token) and optionally ``prompt``.
+
+    Per prompt, the steps up to the first divergence are compared: while the tokens agree, the
+    chosen token's |d logprob| is collected; at the divergence ``test``'s token must be in
+    ``base``'s top-k and at most ``near_tie_nats`` below ``base``'s choice, otherwise it is a
+    problem.  Pairs whose ``prompt`` differs (an echo of outputs that parted earlier) are
+    skipped.  Returns ``match`` (the fraction of generated tokens equal position by position),
+    ``compared`` (steps compared, the divergence included), ``shared steps`` and the mean and
+    max ``|d logprob|`` over them, ``skipped`` and ``problems`` (strings naming round, prompt
+    and step).
+    """
+    equal = total = compared = skipped = 0
+    shared_diffs, problems = [], []
+    if len(base) != len(test):
+        problems.append(f"{len(base)} rounds in the base run, {len(test)} in {what}")
+    for r, (base_round, test_round) in enumerate(zip(base, test)):
+        if len(base_round) != len(test_round):
+            problems.append(f"round {r}: {len(base_round)} outputs in the base run, "
+                            f"{len(test_round)} in {what}")
+        for k, (b, t) in enumerate(zip(base_round, test_round)):
+            if "prompt" in b and "prompt" in t and b["prompt"] != t["prompt"]:
+                skipped += 1
+                continue
+            total += len(b["token_ids"])
+            equal += sum(x == y for x, y in zip(b["token_ids"], t["token_ids"]))
+            if len(b["token_ids"]) != len(t["token_ids"]):
+                problems.append(f"round {r} prompt {k}: {len(b['token_ids'])} tokens in the "
+                                f"base run, {len(t['token_ids'])} in {what}")
+            for step, (x, y) in enumerate(zip(b["token_ids"], t["token_ids"])):
+                compared += 1
+                base_lp, test_lp = b["logprobs"][step], t["logprobs"][step]
+                if x == y:
+                    shared_diffs.append(abs(base_lp[str(x)] - test_lp[str(x)]))
+                    continue
+                where = f"round {r} prompt {k} step {step}: {what} chose {y}"
+                if str(y) not in base_lp:
+                    problems.append(f"{where}, not in the base run's top {len(base_lp)} "
+                                    f"{base_lp}")
+                elif base_lp[str(x)] - base_lp[str(y)] > near_tie_nats:
+                    problems.append(f"{where}, {base_lp[str(x)] - base_lp[str(y)]:.3f} nats "
+                                    f"below the base run's {x}")
+                break
+    diffs = torch.tensor(shared_diffs or [0.0], dtype=torch.float64)
+    return {"match": equal / max(total, 1), "compared": compared,
+            "shared steps": len(shared_diffs), "mean |d logprob|": float(diffs.mean()),
+            "max |d logprob|": float(diffs.max()), "skipped": skipped, "problems": problems}
+
+
+def describe_comparison(stats: dict, what: str) -> str:
+    """One line for a test's output: the numbers of ``compare_greedy``."""
+    return (f"{what}: {stats['match']:.1%} of generated tokens equal, {stats['shared steps']} "
+            f"steps on the same context, mean |d logprob| {stats['mean |d logprob|']:.4f}, max "
+            f"{stats['max |d logprob|']:.4f}, {len(stats['problems'])} problems")
+
+
+def tp_shard_problems(config: dict, tp: int, ep: int = 1) -> list[str]:
+    """What in a DeepSeek-V3 config (``TINY_DEEPSEEK_V3`` plus overrides) does not split over
+    ``tp`` tensor-parallel ranks and ``ep`` expert-parallel ranks: vLLM shards the attention
+    heads, the dense and shared-expert MLPs and each routed expert's MLP over TP (the latent
+    projections are replicated), the vocabulary over TP, and places whole routed experts on
+    the EP ranks."""
+    c = {**TINY_DEEPSEEK_V3, **config}
+    sharded = {"num_attention_heads": c["num_attention_heads"],
+               "intermediate_size": c["intermediate_size"],
+               "moe_intermediate_size": c["moe_intermediate_size"],
+               "shared experts' intermediate size":
+                   c["moe_intermediate_size"] * c.get("n_shared_experts", 0),
+               "vocab_size": c["vocab_size"]}
+    problems = [f"{name} = {value} does not split over {tp} TP ranks"
+                for name, value in sharded.items() if value % tp]
+    if ep > 1 and c["n_routed_experts"] % ep:
+        problems.append(f"n_routed_experts = {c['n_routed_experts']} does not split over "
+                        f"{ep} EP ranks")
+    return problems
 
 
 # --- random paged caches -------------------------------------------------------------------

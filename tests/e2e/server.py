@@ -37,11 +37,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def http(url: str, body: dict | None = None, timeout: float = 120):
-    """GET (``body`` None) or POST JSON; returns (status, decoded JSON body)."""
+def http(url: str, body: dict | None = None, timeout: float = 120,
+         headers: dict | None = None):
+    """GET (``body`` None) or POST JSON, with extra ``headers``; returns (status, decoded JSON
+    body)."""
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data,
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json",
+                                              **(headers or {})})
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return response.status, json.loads(response.read() or b"null")
 

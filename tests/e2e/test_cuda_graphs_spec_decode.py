@@ -14,9 +14,9 @@ all fp8_snapmla and greedy:
 Each runs the same prompts: a batch of 11, then an echo round (``p + out(p) + p``, which makes
 the n-gram proposer find matches), then the first echo prompt alone (batches of one request,
 where every drafted step is a uniform s_q = 1 + drafts decode).  Outputs are compared with the
-near-tie rule of ``test_llm_generate``: equal tokens until the first divergence, which must be a
-near-tie in the reference's log-probabilities.  Compilation and graphs change summation orders
-in other layers, so exact equality is not expected.
+near-tie rule (``vllm_snapmla.testing.compare_greedy``): equal tokens until the first
+divergence, which must be a near-tie in the reference's log-probabilities.  Compilation and
+graphs change summation orders in other layers, so exact equality is not expected.
 
 On an H200 the four engines before the 3-draft one took 3-4 minutes; ``-k 3-drafts`` alone
 (``compiled`` and that engine) took 162 s.  The tiny model has 16 heads, so on an H200 plain
@@ -31,14 +31,13 @@ import pytest
 import torch
 
 from tests.e2e.generate import generate
-from vllm_snapmla.testing import write_tiny_deepseek_v3
+from vllm_snapmla.testing import compare_greedy, write_tiny_deepseek_v3
 
 pytestmark = pytest.mark.e2e
 
 KV = "fp8_snapmla"
 MAX_TOKENS = 24
 TOP_LOGPROBS = 20
-NEAR_TIE_NATS = 1.0
 NUM_SPECS = (3, 2, 1)   # draft tokens: s_q = 4 (64 query rows with 16 heads), 3 (48) and 2 (32)
 # vLLM's CPU n-gram proposer needs numba; without it, its GPU twin (same proposals).
 NGRAM = {"method": "ngram" if importlib.util.find_spec("numba") else "ngram_gpu",
@@ -87,28 +86,6 @@ def ngram(model_dir, request):
                                          speculative_config=config), env=DEBUG)
 
 
-def _compare(base: dict, test: dict, what: str) -> tuple[int, list[str]]:
-    """Tokens compared and problems: per round and prompt, where both runs had the same prompt."""
-    compared, problems = 0, []
-    for r, (base_round, test_round) in enumerate(zip(base["rounds"], test["rounds"])):
-        for k, (b, t) in enumerate(zip(base_round, test_round)):
-            if b["prompt"] != t["prompt"]:   # an echo of outputs that parted at a near-tie
-                continue
-            for step, (x, y) in enumerate(zip(b["token_ids"], t["token_ids"])):
-                compared += 1
-                if x == y:
-                    continue
-                lp = b["logprobs"][step]
-                if str(y) not in lp:
-                    problems.append(f"round {r} prompt {k} step {step}: {what} chose {y}, not in "
-                                    f"the reference's top {TOP_LOGPROBS} {lp}")
-                elif lp[str(x)] - lp[str(y)] > NEAR_TIE_NATS:
-                    problems.append(f"round {r} prompt {k} step {step}: {what} chose {y}, "
-                                    f"{lp[str(x)] - lp[str(y)]:.3f} nats below the reference's {x}")
-                break
-    return compared, problems
-
-
 def _print_outputs(base, test, names):
     for r, (br, tr) in enumerate(zip(base["rounds"], test["rounds"])):
         for b, t in zip(br, tr):
@@ -137,7 +114,8 @@ def test_decode_replays_full_cuda_graphs(compiled):
 
 
 def test_full_graph_outputs_match_eager(eager, compiled):
-    compared, problems = _compare(eager, compiled, "compiled")
+    stats = compare_greedy(eager["rounds"], compiled["rounds"], "compiled")
+    compared, problems = stats["compared"], stats["problems"]
     _print_outputs(eager, compiled, ("eager", "compiled"))
     print(f"compared {compared} tokens")
     assert compared >= 5 * MAX_TOKENS   # a sanity floor: most prompts agree for long
@@ -159,7 +137,8 @@ def test_ngram_speculation_matches_plain_decoding(compiled, ngram):
     # Uniform verification batches (every request with num_spec drafts) ran as s_q = 1 + num_spec
     # decodes in FULL graphs; the solo round makes every drafted step such a batch.
     assert multi, f"no s_q = {1 + num_spec} decode batch ran in a FULL CUDA graph"
-    compared, problems = _compare(compiled, ngram, "ngram")
+    stats = compare_greedy(compiled["rounds"], ngram["rounds"], "ngram")
+    compared, problems = stats["compared"], stats["problems"]
     _print_outputs(compiled, ngram, ("plain", "ngram"))
     print(f"compared {compared} tokens")
     assert compared >= 5 * MAX_TOKENS   # a sanity floor: most prompts agree for long

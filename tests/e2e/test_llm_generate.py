@@ -8,17 +8,19 @@ prompt again (a prefix-cache hit).  The model has random weights of trained-mode
 
 Random models put many tokens within hundredths of a nat of each other, so greedy outputs
 of two correct KV formats part ways at such near-ties and never meet again.  The comparison
-therefore checks, per prompt: the chosen token's log-probability while both runs have seen
-the same tokens, and that the first divergence is a near-tie under BF16.  (A CPU simulation
-of FP8 latents gave a mean |d logprob| of 0.025 and flips at BF16 gaps up to 0.6 nats; a
-cache read from the wrong positions gave 1.3 and gaps around 1.5.)
+(``vllm_snapmla.testing.compare_greedy``) therefore checks, per prompt: the chosen token's
+log-probability while both runs have seen the same tokens, and that the first divergence is a
+near-tie under BF16.  (A CPU simulation of FP8 latents gave a mean |d logprob| of 0.025 and
+flips at BF16 gaps up to 0.6 nats; a cache read from the wrong positions gave 1.3 and gaps
+around 1.5.)
 """
 
 import pytest
 import torch
 
 from tests.e2e.server import KV_CACHE_BYTES
-from vllm_snapmla.testing import generate_in_subprocess, write_tiny_deepseek_v3
+from vllm_snapmla.testing import (compare_greedy, describe_comparison, generate_in_subprocess,
+                                  write_tiny_deepseek_v3)
 
 pytestmark = pytest.mark.e2e
 
@@ -30,7 +32,6 @@ ENGINE = {"load_format": "auto", "enable_prefix_caching": True, "max_num_batched
           "kv_cache_memory_bytes": KV_CACHE_BYTES}
 RUNNERS = {"v1": "0", "mrv2": "1"}     # VLLM_USE_V2_MODEL_RUNNER
 
-NEAR_TIE_NATS = 1.0          # BF16 log-prob gap allowed where the outputs part
 MEAN_LOGPROB_DIFF = 0.15     # mean |d logprob| of the chosen token over the shared steps
 MAX_LOGPROB_DIFF = 1.0
 MIN_MATCH_FRACTION = 0.3     # generated tokens equal, position by position
@@ -88,41 +89,12 @@ def test_prefix_cache_hit_and_chunked_prefill(runs):
         assert len(repeat["token_ids"]) == MAX_TOKENS
 
 
-def _compare(base: list[dict], test: list[dict]) -> dict:
-    """Greedy agreement of ``test`` with ``base`` (lists of per-prompt outputs)."""
-    equal = total = 0
-    shared_diffs, problems = [], []
-    for k, (b, t) in enumerate(zip(base, test)):
-        total += len(b["token_ids"])
-        equal += sum(x == y for x, y in zip(b["token_ids"], t["token_ids"]))
-        for step, (x, y) in enumerate(zip(b["token_ids"], t["token_ids"])):
-            base_lp, test_lp = b["logprobs"][step], t["logprobs"][step]
-            if x == y:
-                shared_diffs.append(abs(base_lp[str(x)] - test_lp[str(x)]))
-                continue
-            if str(y) not in base_lp:
-                problems.append(f"prompt {k} step {step}: {KV} chose {y}, "
-                                f"not in BF16's top {TOP_LOGPROBS} "
-                                f"{base_lp}")
-            elif base_lp[str(x)] - base_lp[str(y)] > NEAR_TIE_NATS:
-                problems.append(f"prompt {k} step {step}: {KV} chose {y}, "
-                                f"{base_lp[str(x)] - base_lp[str(y)]:.3f} nats below BF16's {x}")
-            break
-    diffs = torch.tensor(shared_diffs or [0.0])
-    return {"match": equal / total, "shared steps": len(shared_diffs),
-            "mean |d logprob|": float(diffs.mean()), "max |d logprob|": float(diffs.max()),
-            "problems": problems}
-
-
 def test_greedy_outputs_agree_with_bf16(runs):
     runner, results = runs
-    base = [o for r in results["auto"]["rounds"] for o in r]
-    snap = [o for r in results[KV]["rounds"] for o in r]
-    stats = _compare(base, snap)
-    print(f"[{runner}] {KV} vs BF16: {stats['match']:.1%} of generated tokens equal, "
-          f"{stats['shared steps']} steps on the same context, mean |d logprob| "
-          f"{stats['mean |d logprob|']:.4f}, max {stats['max |d logprob|']:.4f}")
-    for b, s in zip(base, snap):
+    base, snap = results["auto"]["rounds"], results[KV]["rounds"]
+    stats = compare_greedy(base, snap, KV)
+    print(f"[{runner}] " + describe_comparison(stats, f"{KV} vs BF16"))
+    for b, s in zip((o for r in base for o in r), (o for r in snap for o in r)):
         print(f"  bf16 {b['token_ids']}\n  snap {s['token_ids']}")
     assert not stats["problems"], "\n".join(stats["problems"])
     assert stats["mean |d logprob|"] <= MEAN_LOGPROB_DIFF

@@ -4,7 +4,9 @@ Functions named ``_in_vllm_*`` run inside a vLLM process on a fake CUDA platform
 (``tests/unit/_vllm_cpu.py``); the tests call them through ``VllmCpuProcess.call``.
 """
 
+import multiprocessing
 import os
+import pathlib
 import subprocess
 import sys
 import tomllib
@@ -192,6 +194,72 @@ def test_vllm_serve_parser_loads_plugin_from_entry_point(tmp_path):
         process.close()
     assert accepted == {"accepted": True, "registered": True}
     assert bogus == {"accepted": False, "registered": True}
+
+
+def _spawned_load_general_plugins(queue) -> None:
+    """In a process started as vLLM starts its workers (multiprocessing spawn): load the
+    ``vllm.general_plugins`` entry points the way every vLLM process does, and report whether
+    ``fp8_snapmla`` is an accepted cache dtype before and after."""
+    try:
+        from importlib.metadata import entry_points
+
+        import vllm.plugins
+        from vllm.config import CacheConfig
+
+        def accepted():
+            try:
+                return CacheConfig(cache_dtype=KV).cache_dtype == KV
+            except ValueError:
+                return False
+
+        report = {"imported before": "vllm_snapmla" in sys.modules,
+                  "accepted before": accepted(),
+                  "entry points": sorted(f"{ep.name} = {ep.value}" for ep in
+                                         entry_points(group=vllm.plugins.DEFAULT_PLUGINS_GROUP))}
+        vllm.plugins.load_general_plugins()
+        import vllm_snapmla
+
+        report.update({"registered": vllm_snapmla._registered, "accepted after": accepted(),
+                       "package": vllm_snapmla.__file__})
+    except BaseException as e:  # noqa: BLE001 - everything goes back to the test
+        import traceback
+
+        report = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
+    queue.put(report)
+
+
+def test_installed_entry_point_registers_in_a_spawned_process(monkeypatch):
+    # What `pip install -e .` declared, not a stand-in dist-info (the test above): the
+    # distribution's entry point, loaded by vLLM's own loader in a spawned process, the way
+    # each vLLM worker starts.
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        dist = distribution("vllm-snapmla")
+    except PackageNotFoundError:
+        pytest.skip("vllm-snapmla is not pip-installed (pip install -e .), so no "
+                    "vllm.general_plugins entry point exists to load")
+    declared = [(ep.group, ep.name, ep.value) for ep in dist.entry_points]
+    assert ("vllm.general_plugins", "snapmla", "vllm_snapmla:register") in declared, declared
+
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)    # vLLM then loads every plugin
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    child = context.Process(target=_spawned_load_general_plugins, args=(queue,))
+    child.start()
+    try:
+        report = queue.get(timeout=300)
+    finally:
+        child.join(timeout=60)
+        if child.is_alive():
+            child.kill()
+    assert "error" not in report, report["error"]
+    assert "snapmla = vllm_snapmla:register" in report["entry points"]
+    assert report["imported before"] is False and report["accepted before"] is False
+    assert report["registered"] is True and report["accepted after"] is True
+    # The entry point imported the tree under test, not another copy.
+    assert pathlib.Path(report["package"]).resolve().is_relative_to(REPO_ROOT.resolve())
+    assert child.exitcode == 0
 
 
 def _in_vllm_engine_cache_dtype(kv_cache_dtype):
