@@ -164,6 +164,227 @@ __device__ __forceinline__ void wgmma_pv_e4m3(float (&d)[kRows / 2], const uint3
   }
 }
 
+// O^T tile += its page's PV `acc` (promoted into FP32 O^T), after the rescale by gamma.
+template <int kAcc, int kSlots>
+__device__ __forceinline__ void promote_pv(float (&o_tile)[kAcc], float (&acc)[kAcc],
+                                           const float (&gamma)[kSlots]) {
+  fence_operands(acc);
+#pragma unroll
+  for (int v = 0; v < kAcc; ++v) {
+    o_tile[v] = o_tile[v] * gamma[2 * (v >> 2) + (v & 1)] + acc[v];
+  }
+}
+
+// reduce_rows's combination of two values.
+__device__ __forceinline__ float reduce_op(bool sum, float a, float b) {
+  return sum ? a + b : fmaxf(a, b);
+}
+
+// A narrow consumer thread's constants for the whole split: its place in the CTA (warp w,
+// lane = 4 g + q) and its shared-memory operands; its member functions are steps of a page and
+// of the epilogue.  It holds scalars only (the arrays are passed by reference) and everything
+// is inlined, so it lives in registers.
+template <int kRows>
+struct NarrowConsumer {
+  using C = NarrowConfig<kRows>;
+  static constexpr int kSlots = C::kSlots;
+
+  const DecodeParams& p;
+  uint8_t* const smem;   // the dynamic shared memory, 1024-byte aligned
+  const int consumer;    // pages c, c + 2, ...
+  const int wg_tid, warp, lane, g, q;
+  const uint32_t wg_barrier;   // named barrier 1: both consumers
+  float* const red;            // the cross-warp reductions: [2][2][kRows][4 warps]
+  const uint64_t q8_desc, qpe_desc;
+  const int pt_offset;         // this consumer's P8^T tile
+  const uint64_t pt_desc;
+
+  __device__ __forceinline__ NarrowConsumer(const DecodeParams& p, uint8_t* smem,
+                                            uint32_t smem_base)
+      : p(p),
+        smem(smem),
+        // Broadcast from lane 0, so that the compiler knows it is warp-uniform: the page, stage
+        // and descriptor arithmetic derived from it then runs in uniform registers.
+        consumer(__shfl_sync(0xffffffff, threadIdx.x / 128, 0)),
+        wg_tid(threadIdx.x % 128),
+        warp(wg_tid / 32),
+        lane(threadIdx.x % 32),
+        g(lane / 4),
+        q(lane % 4),
+        wg_barrier(2 + consumer),
+        red(reinterpret_cast<float*>(smem + C::kRed + consumer * C::kRedBytes)),
+        q8_desc(sw128_desc(smem_base + C::kQ8)),
+        qpe_desc(sw128_desc(smem_base + C::kQpe)),
+        pt_offset(C::kPt + consumer * C::kQTileBytes),
+        pt_desc(sw128_desc(smem_base + pt_offset)) {}
+
+  // The maxima (`sum` false) or sums over the warpgroup's 64 tokens of kSlots values per slot
+  // (x[j * kSlots + k]: quantity j of slot k, j < 2).  First over the 8 lanes sharing q, as a
+  // reduce-scatter: at each of the three butterfly steps a lane keeps half of its values and
+  // trades the other half with its partner, so it ends with kN / 8 of them (kN / 4 + 2 kN / 8 +
+  // ... shuffles instead of 3 kN).  Then over the 4 warps through `red` (one named barrier),
+  // where every thread reads the results of its own slots.  `buf` alternates by page: the
+  // page's later barriers already order its reads before the next page's writes, so the second
+  // buffer is a margin, not a necessity.
+  template <int kN>
+  __device__ __forceinline__ void reduce_rows(float (&x)[kN], int buf, bool sum) const {
+    static_assert(kN == kSlots || kN == 2 * kSlots, "one or two quantities per slot");
+    constexpr int kKeep = kN >= 8 ? kN / 8 : 1;   // values a lane holds after the butterfly
+    float y[kN];
+#pragma unroll
+    for (int j = 0; j < kN; ++j) y[j] = x[j];
+    int first = 0;   // x index of y[0]
+    constexpr int kWidth1 = kN > kKeep ? kN / 2 : kN;
+    constexpr int kWidth2 = kWidth1 > kKeep ? kWidth1 / 2 : kWidth1;
+    butterfly_step<kN, kKeep>(y, first, 16, sum);   // g's bit 2
+    butterfly_step<kWidth1, kKeep>(y, first, 8, sum);
+    butterfly_step<kWidth2, kKeep>(y, first, 4, sum);
+    float* r = red + buf * 2 * kRows * 4;
+#pragma unroll
+    for (int j = 0; j < kKeep; ++j) r[red_offset(first + j) + warp] = y[j];
+    named_barrier_sync(wg_barrier, 128);
+#pragma unroll
+    for (int j = 0; j < kN; ++j) {
+      const float4 w = *reinterpret_cast<const float4*>(r + red_offset(j));
+      x[j] = sum ? (w.x + w.y) + (w.z + w.w) : fmaxf(fmaxf(w.x, w.y), fmaxf(w.z, w.w));
+    }
+  }
+
+  // One butterfly step of reduce_rows with partner lane ^ d, `y` holding kWidth values before
+  // it; `first` is the x index of y[0].
+  template <int kWidth, int kKeep, int kN>
+  __device__ __forceinline__ void butterfly_step(float (&y)[kN], int& first, int d,
+                                                 bool sum) const {
+    const bool upper = lane & d;
+    if constexpr (kWidth > kKeep) {
+      constexpr int kHalf = kWidth / 2;
+#pragma unroll
+      for (int j = 0; j < kHalf; ++j) {
+        const float give = select(upper, y[j], y[kHalf + j]);
+        const float keep = select(upper, y[kHalf + j], y[j]);
+        y[j] = reduce_op(sum, keep, __shfl_xor_sync(0xffffffff, give, d));
+      }
+      first += upper ? kHalf : 0;
+    } else {
+#pragma unroll
+      for (int j = 0; j < kWidth; ++j) {
+        y[j] = reduce_op(sum, y[j], __shfl_xor_sync(0xffffffff, y[j], d));
+      }
+    }
+  }
+
+  // Consumer 1's O^T fragments and its rows' m, l, amax, for consumer 0's merge (the page ring
+  // is free by then).
+  __device__ __forceinline__ void store_for_merge(const float (&o)[kNarrowPTiles][C::kAcc],
+                                                  const float (&m)[kSlots],
+                                                  const float (&l_sum)[kSlots],
+                                                  const float (&amax_prev)[kSlots]) const {
+    float* const merge = reinterpret_cast<float*>(smem);   // [8 kAcc][128 threads], then rows
+    float* const merge_rows = merge + C::kMergeOBytes / 4;    // [kRows][4]: m, l, amax
+#pragma unroll
+    for (int mt = 0; mt < kNarrowPTiles; ++mt)
+#pragma unroll
+      for (int v = 0; v < C::kAcc; ++v) merge[(mt * C::kAcc + v) * 128 + wg_tid] = o[mt][v];
+    if (warp == 0 && g == 0) {
+#pragma unroll
+      for (int k = 0; k < kSlots; ++k) {
+        *reinterpret_cast<float4*>(merge_rows + row_of(k) * 4) =
+            make_float4(m[k], l_sum[k], amax_prev[k], 0.f);
+      }
+    }
+  }
+
+  // The 16-row form's O^T = gamma O^T + V^T . P8^T (P8^T buffer own % 2), the page's A
+  // fragments `a` in registers (load_v_fragments).
+  __device__ __forceinline__ void pv_from_registers(float (&o)[kNarrowPTiles][C::kAcc],
+                                                    uint32_t (&a)[kNarrowPTiles][2][4],
+                                                    const float (&gamma)[kSlots], int own) const {
+    // 16 rows: two groups of four M tiles; the first is promoted while the second runs.
+    float pv[kNarrowPTiles][C::kAcc];
+#pragma unroll
+    for (int mt = 0; mt < kNarrowPTiles; ++mt) {
+      fence_operands(a[mt][0]);
+      fence_operands(a[mt][1]);
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      wgmma_fence();
+#pragma unroll
+      for (int mt = half * kNarrowPTiles / 2; mt < (half + 1) * kNarrowPTiles / 2; ++mt)
+#pragma unroll
+        for (int kk = 0; kk < 2; ++kk) {
+          wgmma_pv_e4m3<kRows>(pv[mt], a[mt][kk],
+                               desc_at(pt_desc, 64 * (own & 1) + kk * kWgmmaK8), kk);
+        }
+      wgmma_commit();
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      if (half == 0) {
+        wgmma_wait<1>();
+      } else {
+        wgmma_wait<0>();
+      }
+#pragma unroll
+      for (int mt = half * kNarrowPTiles / 2; mt < (half + 1) * kNarrowPTiles / 2; ++mt) {
+        promote_pv(o[mt], pv[mt], gamma);
+      }
+    }
+#pragma unroll
+    for (int mt = 0; mt < kNarrowPTiles; ++mt) {
+      fence_operands(a[mt][0]);   // the next page's loads stay below the completed PV
+      fence_operands(a[mt][1]);
+    }
+  }
+
+  // Content chunk c of the page's QK (at `stage_desc`) into the fresh accumulator `acc`, as a
+  // WGMMA group of its own.
+  __device__ __forceinline__ void issue_qk_chunk(float (&acc)[C::kAcc], uint64_t stage_desc,
+                                                 int c) const {
+    fence_operands(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < C::kQkPromoteCols / kWgmmaK8; ++k) {
+      const int col = c * C::kQkPromoteCols + k * kWgmmaK8;
+      const uint32_t tile = col / kSwizzleRowBytes, byte = col % kSwizzleRowBytes;
+      wgmma_qk_e4m3<kRows>(acc,
+                           desc_at(stage_desc, kStageContent + tile * kContentTileBytes + byte),
+                           desc_at(q8_desc, tile * C::kQTileBytes + byte), k);
+    }
+    wgmma_commit();
+  }
+
+  // The 32-row form's PV of M tile mt into `pv`: its A fragments `frag` loaded from the stage's
+  // `content` tiles, B = P8^T buffer own % 2; a WGMMA group of its own.
+  __device__ __forceinline__ void issue_pv_tile(uint32_t (&frag)[2][4], float (&pv)[C::kAcc],
+                                                uint32_t content, int mt, int own) const {
+    load_v_tile(content, mt, warp, lane, frag);
+    fence_operands(frag[0]);
+    fence_operands(frag[1]);
+    fence_operands(pv);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      wgmma_pv_e4m3<kRows>(pv, frag[kk], desc_at(pt_desc, 64 * (own & 1) + kk * kWgmmaK8), kk);
+    }
+    wgmma_commit();
+  }
+
+  // Quantity j / kSlots of slot j % kSlots in a reduction buffer ([2][kRows][4 warps]).
+  __device__ __forceinline__ int red_offset(int j) const {
+    return ((j / kSlots) * kRows + row_of(j % kSlots)) * 4;
+  }
+
+  // The block row (query row of the request) of the thread's slot k.
+  __device__ __forceinline__ int row_of(int k) const { return 8 * (k >> 1) + 2 * q + (k & 1); }
+
+  // Query i of s_q sees positions < seq_len - s_q + i + 1 when causal; padded rows see nothing.
+  __device__ __forceinline__ int visible_of(int k, int seq_len) const {
+    const int r = row_of(k);
+    return r < p.num_rows ? seq_len - p.causal * (p.s_q - 1 - r / p.num_heads) : 0;
+  }
+};
+
 }  // namespace device
 #endif  // SNAPMLA_SM90_DEVICE
 
@@ -220,15 +441,7 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
 
   // ------------------------------------------------------------------ consumers
   setmaxnreg_inc<kConsumerRegs>();
-  // Broadcast from lane 0, so that the compiler knows it is warp-uniform: the page, stage and
-  // descriptor arithmetic derived from it then runs in uniform registers.
-  const int consumer = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);   // pages c, c + 2, ...
-  const int wg_tid = threadIdx.x % 128;
-  const int warp = wg_tid / 32;
-  const int lane = threadIdx.x % 32;
-  const int g = lane / 4;
-  const int q = lane % 4;
-  const uint32_t wg_barrier = 2 + consumer;   // named barrier 1: both consumers
+  const NarrowConsumer<kRows> cs(p, smem, smem_base);
 
   // The query rows into the swizzled B tiles (zeros past num_rows), once.
   stage_query<kRows>(smem + C::kQ8, C::kQTileBytes, smem + C::kQpe, p, b, row0, threadIdx.x,
@@ -238,28 +451,23 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
   // Per-row state of the thread's query rows (slots).  Query i of s_q sees positions
   // < seq_len - s_q + i + 1 when causal; padded rows see nothing.  Only the last pages need the
   // mask (pages past min_visible), which reads the per-row limits from row_visible.
-  const auto row_of = [&](int k) { return 8 * (k >> 1) + 2 * q + (k & 1); };   // in the block
-  const auto visible_of = [&](int k) {
-    const int r = row0 + row_of(k);
-    return r < p.num_rows ? seq_len - p.causal * (p.s_q - 1 - r / p.num_heads) : 0;
-  };
   float m[kSlots], peak[kSlots], amax_prev[kSlots];
-  float* const row_scale = reinterpret_cast<float*>(smem + C::kRowScale) + q * kSlots;
-  int* const row_visible = reinterpret_cast<int*>(smem + C::kRowVisible) + q * kSlots;
-  float* const l = reinterpret_cast<float*>(smem + C::kRowSums + consumer * C::kRowSumsBytes) +
-                   wg_tid;   // l[k * 128]: this thread's share of row k's sum of exp
+  float* const row_scale = reinterpret_cast<float*>(smem + C::kRowScale) + cs.q * kSlots;
+  int* const row_visible = reinterpret_cast<int*>(smem + C::kRowVisible) + cs.q * kSlots;
+  float* const l = reinterpret_cast<float*>(smem + C::kRowSums + cs.consumer * C::kRowSumsBytes) +
+                   cs.wg_tid;   // l[k * 128]: this thread's share of row k's sum of exp
   int min_visible = seq_len;
 #pragma unroll
   for (int k = 0; k < kSlots; ++k) {
-    const int r = row0 + row_of(k);
+    const int r = row0 + cs.row_of(k);
     const bool row_ok = r < p.num_rows;
     const int qi = row_ok ? r / p.num_heads : 0, qh = row_ok ? r % p.num_heads : 0;
-    min_visible = min(min_visible, visible_of(k));
+    min_visible = min(min_visible, cs.visible_of(k, seq_len));
     if (threadIdx.x < 4) {   // warp 0 of consumer 0, g = 0: the row's q * kQk scale
       row_scale[k] = row_ok ? p.q_scale[b * p.q_scale_stride[0] + qi * p.q_scale_stride[1] +
                                         qh * p.q_scale_stride[2]] * p.qk_scale_log2
                             : 0.f;
-      row_visible[k] = visible_of(k);
+      row_visible[k] = cs.visible_of(k, seq_len);
     }
     m[k] = -INFINITY;              // running max logit (log2 units)
     peak[k] = 0.f;                 // largest P' so far, at the current m
@@ -269,7 +477,7 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
   named_barrier_sync(1, 256);   // the query tiles and row_scale are written
 
   // This thread's two tokens of every page (S^T rows) and their K positions in P8^T.
-  const int token0 = 16 * warp + g;
+  const int token0 = 16 * cs.warp + cs.g;
   const int position[2] = {narrow_position(token0), narrow_position(token0 + 8)};
 
   float o[kNarrowPTiles][kAcc];   // O^T in the current sigma_P domain
@@ -278,67 +486,8 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
 #pragma unroll
     for (int v = 0; v < kAcc; ++v) o[mt][v] = 0.f;
 
-  const uint64_t q8_desc = sw128_desc(smem_base + C::kQ8);
-  const uint64_t qpe_desc = sw128_desc(smem_base + C::kQpe);
-  const int pt_offset = C::kPt + consumer * C::kQTileBytes;
-  const uint64_t pt_desc = sw128_desc(smem_base + pt_offset);
-  float* const red =   // [2][2][kRows][4 warps]
-      reinterpret_cast<float*>(smem + C::kRed + consumer * C::kRedBytes);
-
-  // The maxima (`sum` false) or sums over the warpgroup's 64 tokens of kSlots values per slot
-  // (x[j * kSlots + k]: quantity j of slot k, j < 2).  First over the 8 lanes sharing q, as a
-  // reduce-scatter: at each of the three butterfly steps a lane keeps half of its values and
-  // trades the other half with its partner, so it ends with kN / 8 of them (kN / 4 + 2 kN / 8 +
-  // ... shuffles instead of 3 kN).  Then over the 4 warps through `red` (one named barrier),
-  // where every thread reads the results of its own slots.  `buf` alternates by page: the
-  // page's later barriers already order its reads before the next page's writes, so the second
-  // buffer is a margin, not a necessity.
-  const auto reduce_rows = [&](auto& x, int buf, bool sum) {
-    constexpr int kN = sizeof(x) / sizeof(x[0]);
-    static_assert(kN == kSlots || kN == 2 * kSlots, "one or two quantities per slot");
-    constexpr int kKeep = kN >= 8 ? kN / 8 : 1;   // values a lane holds after the butterfly
-    const auto op = [&](float a, float b) { return sum ? a + b : fmaxf(a, b); };
-    float y[kN];
-#pragma unroll
-    for (int j = 0; j < kN; ++j) y[j] = x[j];
-    int first = 0;   // x index of y[0]
-    // One butterfly step with partner lane ^ d, holding kWidth values before it.
-    const auto step = [&](auto width, int d) {
-      constexpr int kWidth = decltype(width)::value;
-      const bool upper = lane & d;
-      if constexpr (kWidth > kKeep) {
-        constexpr int kHalf = kWidth / 2;
-#pragma unroll
-        for (int j = 0; j < kHalf; ++j) {
-          const float give = select(upper, y[j], y[kHalf + j]);
-          const float keep = select(upper, y[kHalf + j], y[j]);
-          y[j] = op(keep, __shfl_xor_sync(0xffffffff, give, d));
-        }
-        first += upper ? kHalf : 0;
-      } else {
-#pragma unroll
-        for (int j = 0; j < kWidth; ++j) y[j] = op(y[j], __shfl_xor_sync(0xffffffff, y[j], d));
-      }
-    };
-    constexpr int kWidth1 = kN > kKeep ? kN / 2 : kN;
-    constexpr int kWidth2 = kWidth1 > kKeep ? kWidth1 / 2 : kWidth1;
-    step(std::integral_constant<int, kN>{}, 16);   // g's bit 2
-    step(std::integral_constant<int, kWidth1>{}, 8);
-    step(std::integral_constant<int, kWidth2>{}, 4);
-    float* r = red + buf * 2 * kRows * 4;
-    const auto at = [&](int j) { return ((j / kSlots) * kRows + row_of(j % kSlots)) * 4; };
-#pragma unroll
-    for (int j = 0; j < kKeep; ++j) r[at(first + j) + warp] = y[j];
-    named_barrier_sync(wg_barrier, 128);
-#pragma unroll
-    for (int j = 0; j < kN; ++j) {
-      const float4 w = *reinterpret_cast<const float4*>(r + at(j));
-      x[j] = sum ? (w.x + w.y) + (w.z + w.w) : fmaxf(fmaxf(w.x, w.y), fmaxf(w.z, w.w));
-    }
-  };
-
   int own = 0;   // pages this consumer has done: parity of its `red` and P8^T buffers
-  for (int i = consumer; i < num_iters; i += kNarrowConsumers, ++own) {
+  for (int i = cs.consumer; i < num_iters; i += kNarrowConsumers, ++own) {
     const int stage = i % kNarrowStages;
     const int page = first_page + i;
     const int live = min(seq_len - page * kPageSize, kPageSize);
@@ -350,39 +499,25 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
     // into a fresh accumulator added into s (the FP32 promotion, NarrowConfig::kQkPromoteCols).
     float s[kAcc];
     float part[kParts][kAcc];
-    const auto issue_chunk = [&](int c) {
-      float(&acc)[kAcc] = part[c % kParts];
-      fence_operands(acc);
-      wgmma_fence();
-#pragma unroll
-      for (int k = 0; k < C::kQkPromoteCols / kWgmmaK8; ++k) {
-        const int col = c * C::kQkPromoteCols + k * kWgmmaK8;
-        const uint32_t tile = col / kSwizzleRowBytes, byte = col % kSwizzleRowBytes;
-        wgmma_qk_e4m3<kRows>(acc,
-                             desc_at(stage_desc, kStageContent + tile * kContentTileBytes + byte),
-                             desc_at(q8_desc, tile * C::kQTileBytes + byte), k);
-      }
-      wgmma_commit();
-    };
     fence_operands(s);
     wgmma_fence();
 #pragma unroll
     for (int k = 0; k < kRopeDim / kWgmmaK16; ++k) {
-      wgmma_qk_bf16<kRows>(s, desc_at(stage_desc, kStageRope + k * 32), desc_at(qpe_desc, k * 32),
-                           k);
+      wgmma_qk_bf16<kRows>(s, desc_at(stage_desc, kStageRope + k * 32),
+                           desc_at(cs.qpe_desc, k * 32), k);
     }
     wgmma_commit();
 #pragma unroll
-    for (int c = 0; c < kParts; ++c) issue_chunk(c);
+    for (int c = 0; c < kParts; ++c) cs.issue_qk_chunk(part[c % kParts], stage_desc, c);
 
     // While the QK runs: the token scales and (16 rows) this page's V^T fragments.
     uint32_t a[C::kVtInPv ? 1 : kNarrowPTiles][2][4];
     if constexpr (!C::kVtInPv) {
-      const uint8_t* content = stage_ptr + kStageContent + warp * kContentTileBytes;
+      const uint8_t* content = stage_ptr + kStageContent + cs.warp * kContentTileBytes;
       if (live == kPageSize) {
-        load_v_fragments<false>(content, g, q, live, a);
+        load_v_fragments<false>(content, cs.g, cs.q, live, a);
       } else {
-        load_v_fragments<true>(content, g, q, live, a);
+        load_v_fragments<true>(content, cs.g, cs.q, live, a);
       }
     }
     float k_scale[2];
@@ -410,7 +545,9 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
       fence_operands(acc);
 #pragma unroll
       for (int v = 0; v < kAcc; ++v) s[v] += acc[v];
-      if (c + kParts < C::kQkChunks) issue_chunk(c + kParts);
+      if (c + kParts < C::kQkChunks) {
+        cs.issue_qk_chunk(part[(c + kParts) % kParts], stage_desc, c + kParts);
+      }
     }
     if constexpr (!C::kVtInPv) {
       // 16 rows: QK done, V and the scales are in registers.
@@ -423,7 +560,7 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
       // writes of the stage after them.
       uint8_t* const content = smem + stage * kStageBytes + kStageContent;
       constexpr int kChunks = kContentTiles * kSwizzleRowBytes / 16;   // 16-byte chunks per token
-      for (int c = wg_tid; c < (kPageSize - live) * kChunks; c += 128) {
+      for (int c = cs.wg_tid; c < (kPageSize - live) * kChunks; c += 128) {
         const int t = live + c / kChunks, tile = c % kChunks / 8, chunk = c % 8;
         *reinterpret_cast<uint4*>(content + tile * kContentTileBytes + t * kSwizzleRowBytes +
                                   16 * chunk) = make_uint4(0u, 0u, 0u, 0u);
@@ -469,7 +606,7 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
         x[kSlots + k] = fmaxf(s[v0] + log_k_scale[0], s[v0 + 2] + log_k_scale[1]);
       }
     }
-    reduce_rows(x, own & 1, false);
+    cs.reduce_rows(x, own & 1, false);
     float m_ref[kSlots], alpha[kSlots], e_sum[kSlots], amax[kSlots];
 #pragma unroll
     for (int k = 0; k < kSlots; ++k) {
@@ -508,89 +645,34 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
           : "=h"(pair)
           : "f"((s[v + 1] * inv_amax[k + 1]) * kFp8Max), "f"((s[v] * inv_amax[k]) * kFp8Max));
       const uint32_t byte = 64 * (own & 1) + position[(v >> 1) & 1];
-      smem[pt_offset + sw128_offset(row_of(k), byte)] = static_cast<uint8_t>(pair & 0xFF);
-      smem[pt_offset + sw128_offset(row_of(k + 1), byte)] = static_cast<uint8_t>(pair >> 8);
+      smem[cs.pt_offset + sw128_offset(cs.row_of(k), byte)] = static_cast<uint8_t>(pair & 0xFF);
+      smem[cs.pt_offset + sw128_offset(cs.row_of(k + 1), byte)] = static_cast<uint8_t>(pair >> 8);
     }
     fence_proxy_async();   // P8^T becomes visible to the WGMMA (async) proxy
-    named_barrier_sync(wg_barrier, 128);
+    named_barrier_sync(cs.wg_barrier, 128);
 
     // O^T = gamma O^T + V^T . P8^T: each page's PV into fresh accumulators, promoted into O^T
-    // while the next M tiles are in the tensor core.
-    const auto promote = [&](int mt, float (&acc)[kAcc]) {
-      fence_operands(acc);
-#pragma unroll
-      for (int v = 0; v < kAcc; ++v) {
-        o[mt][v] = o[mt][v] * gamma[2 * (v >> 2) + (v & 1)] + acc[v];
-      }
-    };
+    // while the next M tiles are in the tensor core.  (The 32-row PV stays here, as the page
+    // loop and the merge do: in a function of its own it compiles to another schedule.)
     if constexpr (!C::kVtInPv) {
-      // 16 rows: two groups of four M tiles; the first is promoted while the second runs.
-      float pv[kNarrowPTiles][kAcc];
-#pragma unroll
-      for (int mt = 0; mt < kNarrowPTiles; ++mt) {
-        fence_operands(a[mt][0]);
-        fence_operands(a[mt][1]);
-      }
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        wgmma_fence();
-#pragma unroll
-        for (int mt = half * kNarrowPTiles / 2; mt < (half + 1) * kNarrowPTiles / 2; ++mt)
-#pragma unroll
-          for (int kk = 0; kk < 2; ++kk) {
-            wgmma_pv_e4m3<kRows>(pv[mt], a[mt][kk],
-                                 desc_at(pt_desc, 64 * (own & 1) + kk * kWgmmaK8), kk);
-          }
-        wgmma_commit();
-      }
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        if (half == 0) {
-          wgmma_wait<1>();
-        } else {
-          wgmma_wait<0>();
-        }
-#pragma unroll
-        for (int mt = half * kNarrowPTiles / 2; mt < (half + 1) * kNarrowPTiles / 2; ++mt) {
-          promote(mt, pv[mt]);
-        }
-      }
-#pragma unroll
-      for (int mt = 0; mt < kNarrowPTiles; ++mt) {
-        fence_operands(a[mt][0]);   // the next page's loads stay below the completed PV
-        fence_operands(a[mt][1]);
-      }
+      cs.pv_from_registers(o, a, gamma, own);
     } else {
       // 32 rows: one M tile at a time, its A fragments loaded while the previous tile runs
       // (two tiles' fragments and accumulators in flight); the stage is released afterwards.
       const uint32_t content = smem_base + stage * kStageBytes + kStageContent;
       uint32_t at[2][2][4];
       float pv[2][kAcc];
-      const auto issue_tile = [&](int mt) {
-        uint32_t(&frag)[2][4] = at[mt & 1];
-        load_v_tile(content, mt, warp, lane, frag);
-        fence_operands(frag[0]);
-        fence_operands(frag[1]);
-        fence_operands(pv[mt & 1]);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < 2; ++kk) {
-          wgmma_pv_e4m3<kRows>(pv[mt & 1], frag[kk],
-                               desc_at(pt_desc, 64 * (own & 1) + kk * kWgmmaK8), kk);
-        }
-        wgmma_commit();
-      };
-      issue_tile(0);
+      cs.issue_pv_tile(at[0], pv[0], content, 0, own);
 #pragma unroll
       for (int mt = 1; mt < kNarrowPTiles; ++mt) {
-        issue_tile(mt);
+        cs.issue_pv_tile(at[mt & 1], pv[mt & 1], content, mt, own);
         wgmma_wait<1>();
-        promote(mt - 1, pv[(mt - 1) & 1]);
+        promote_pv(o[mt - 1], pv[(mt - 1) & 1], gamma);
         fence_operands(at[(mt - 1) & 1][0]);   // the next tile's loads stay below its PV
         fence_operands(at[(mt - 1) & 1][1]);
       }
       wgmma_wait<0>();
-      promote(kNarrowPTiles - 1, pv[(kNarrowPTiles - 1) & 1]);
+      promote_pv(o[kNarrowPTiles - 1], pv[(kNarrowPTiles - 1) & 1], gamma);
       fence_operands(at[(kNarrowPTiles - 1) & 1][0]);
       fence_operands(at[(kNarrowPTiles - 1) & 1][1]);
       mbar_arrive(empty_bar + 8 * stage);
@@ -606,30 +688,18 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
   float l_sum[kSlots];
 #pragma unroll
   for (int k = 0; k < kSlots; ++k) l_sum[k] = l[k * 128];
-  reduce_rows(l_sum, own & 1, true);
+  cs.reduce_rows(l_sum, own & 1, true);
+  named_barrier_sync(1, 256);
   float* const merge = reinterpret_cast<float*>(smem);   // [8 kAcc][128 threads], then rows
   float* const merge_rows = merge + C::kMergeOBytes / 4;    // [kRows][4]: m, l, amax
+  if (cs.consumer == 1) cs.store_for_merge(o, m, l_sum, amax_prev);
   named_barrier_sync(1, 256);
-  if (consumer == 1) {
-#pragma unroll
-    for (int mt = 0; mt < kNarrowPTiles; ++mt)
-#pragma unroll
-      for (int v = 0; v < kAcc; ++v) merge[(mt * kAcc + v) * 128 + wg_tid] = o[mt][v];
-    if (warp == 0 && g == 0) {
-#pragma unroll
-      for (int k = 0; k < kSlots; ++k) {
-        *reinterpret_cast<float4*>(merge_rows + row_of(k) * 4) =
-            make_float4(m[k], l_sum[k], amax_prev[k], 0.f);
-      }
-    }
-  }
-  named_barrier_sync(1, 256);
-  if (consumer == 1) return;
+  if (cs.consumer == 1) return;
 #pragma unroll
   for (int k = 0; k < kSlots; ++k) {
-    const int r = row0 + row_of(k);   // the request's row
+    const int r = row0 + cs.row_of(k);   // the request's row
     if (r >= p.num_rows) continue;
-    const float4 other = *reinterpret_cast<const float4*>(merge_rows + row_of(k) * 4);
+    const float4 other = *reinterpret_cast<const float4*>(merge_rows + cs.row_of(k) * 4);
     const float m_max = fmaxf(m[k], other.x);
     const float w0 = m_max == -INFINITY ? 0.f : exp2f(m[k] - m_max);
     const float w1 = m_max == -INFINITY ? 0.f : exp2f(other.x - m_max);
@@ -638,7 +708,7 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
     const float f0 = seen_any ? amax_prev[k] / kFp8Max * w0 / total : 0.f;
     const float f1 = seen_any ? other.z / kFp8Max * w1 / total : 0.f;
     const float lse = seen_any ? (m_max + log2f(total)) * kLn2 : -INFINITY;
-    const bool writes_lse = warp == 0 && g == 0;
+    const bool writes_lse = cs.warp == 0 && cs.g == 0;
     const int v0 = 4 * (k >> 1) + (k & 1);   // the slot's values: v0 (M row parity 0), v0 + 2
     float res[kNarrowPTiles][2];
 #pragma unroll
@@ -646,11 +716,11 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int v = v0 + 2 * h;
-        res[mt][h] = o[mt][v] * f0 + merge[(mt * kAcc + v) * 128 + wg_tid] * f1;
+        res[mt][h] = o[mt][v] * f0 + merge[(mt * kAcc + v) * 128 + cs.wg_tid] * f1;
       }
     // The thread's columns: 16 rows, 16 (8 warp + g) + 2 mt + h (16 contiguous); 32 rows,
     // 64 mt + 16 warp + 2 g + h (pairs).
-    const int col0 = C::kVtInPv ? 16 * warp + 2 * g : 16 * (8 * warp + g);
+    const int col0 = C::kVtInPv ? 16 * cs.warp + 2 * cs.g : 16 * (8 * cs.warp + cs.g);
     if (direct) {
       __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.out) +
                            (static_cast<int64_t>(b) * p.num_rows + r) * kKvLoraRank + col0;
