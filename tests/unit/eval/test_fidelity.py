@@ -36,15 +36,16 @@ def test_synthetic_study_orders_configs_as_the_paper_and_writes_files(tmp_path):
         return sum(rel[(i, config)] for i in range(layers)) / layers
 
     # Quantizing RoPE in FP8 (config A, vLLM fp8) blows up on deep layers; SnapMLA does not.
-    # Over 40 seeds the ratios ranged 1.9-8.5 (A), 1.6-7.7 (vllm_fp8) and 2.2-8.0 (A vs KV
-    # only), medians 4-5; the bounds leave room for any seed.
+    # Over about 200 seeds the ratios ranged 1.7-8.6 (A), 1.5-10.9 (vllm_fp8) and 2.3-10.1
+    # (A vs KV only), medians 4-5; each bound is at least 20% beyond the extreme seen.
     assert deep("A") > 1.3 * deep("snapmla"), seed
-    assert deep("vllm_fp8") > 1.3 * deep("snapmla"), seed
+    assert deep("vllm_fp8") > 1.2 * deep("snapmla"), seed
     assert deep("A") > 1.5 * deep("snapmla_kv"), seed
     # SnapMLA (FP8 Q and P included) stays within a small factor of the content-only schemes,
-    # which keep RoPE exactly as the model produced it (SnapMLA re-rounds k_pe / s to BF16).
-    assert mean("snapmla") < 4.0 * min(mean("C"), mean("D")), seed
-    assert mean("snapmla_kv") < 3.0 * min(mean("B"), mean("C"), mean("D")), seed
+    # which keep RoPE exactly as the model produced it (SnapMLA re-rounds k_pe / s to BF16):
+    # over the same seeds 1.2-3.4 (medians 1.9) and, KV only, 1.1-3.2 (median 1.5).
+    assert mean("snapmla") < 4.5 * min(mean("C"), mean("D")), seed
+    assert mean("snapmla_kv") < 4.0 * min(mean("B"), mean("C"), mean("D")), seed
     ranges = list(csv.DictReader(open(tmp_path / "value_range.csv")))
     assert float(ranges[-1]["rope_absmax"]) > 100 * float(ranges[-1]["content_p99"])
 
