@@ -75,6 +75,18 @@ def write_tiny_deepseek_v3(path, *, random_weights: bool = False, seed: int = 0,
     return path
 
 
+def short_and_long_prompts(seed: int, *, num_short: int = 11, long_len: int = 300,
+                           vocab: int = 4096) -> tuple[list[list[int]], list[int]]:
+    """``num_short`` random prompts of 3-59 token ids and one of ``long_len`` (below ``vocab``,
+    no special ids 0 and 1), seeded: the end-to-end tests' mix of short requests and one long
+    enough for chunked prefill to read its earlier chunks back from the cache."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 60, (num_short,), generator=gen).tolist()
+    short = [torch.randint(2, vocab, (n,), generator=gen).tolist() for n in lengths]
+    long = torch.randint(2, vocab, (long_len,), generator=gen).tolist()
+    return short, long
+
+
 def _random_deepseek_v3_weights(c: dict, seed: int) -> dict[str, torch.Tensor]:
     """DeepSeek-V3 checkpoint tensors (HF names, per-expert MoE layout) for config ``c``."""
     gen = torch.Generator().manual_seed(seed)

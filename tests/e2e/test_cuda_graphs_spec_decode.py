@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from tests.e2e.generate import generate
-from vllm_snapmla.testing import compare_greedy, write_tiny_deepseek_v3
+from vllm_snapmla.testing import compare_greedy
 
 pytestmark = pytest.mark.e2e
 
@@ -55,12 +55,6 @@ def _prompts() -> list[list[int]]:
     for k in range(0, 11, 3):
         prompts[k] = (prompts[k][:7] * 5)[:max(len(prompts[k]), 21)]
     return prompts
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return str(write_tiny_deepseek_v3(tmp_path_factory.mktemp("tiny-deepseek-v3"),
-                                      random_weights=True))
 
 
 def _spec(model_dir, **llm_kwargs):

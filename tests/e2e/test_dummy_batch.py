@@ -43,11 +43,10 @@ dummy outputs and expects non-finite values in them (``gpu_model_runner.py:6174`
 import importlib.util
 
 import pytest
-import torch
 
 from tests.e2e.server import KV_CACHE_BYTES
 from vllm_snapmla.testing import (compare_greedy, describe_comparison, generate_in_subprocess,
-                                  write_tiny_deepseek_v3)
+                                  short_and_long_prompts)
 
 pytestmark = pytest.mark.e2e
 
@@ -82,17 +81,8 @@ RPCS = [[PROBE, "execute_dummy_batch", "execute_dummy_batch"]] * 3
 MAX_LOGPROB_DIFF = 0.05
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return str(write_tiny_deepseek_v3(tmp_path_factory.mktemp("tiny-deepseek-v3"),
-                                      random_weights=True))
-
-
 def _rounds():
-    gen = torch.Generator().manual_seed(2)
-    lengths = torch.randint(3, 60, (11,), generator=gen).tolist()
-    short = [torch.randint(2, 4096, (n,), generator=gen).tolist() for n in lengths]
-    long = torch.randint(2, 4096, (LONG_PROMPT,), generator=gen).tolist()
+    short, long = short_and_long_prompts(2, long_len=LONG_PROMPT)
     return [short + [long], [long] + short[:3]]
 
 

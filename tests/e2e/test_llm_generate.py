@@ -16,11 +16,10 @@ around 1.5.)
 """
 
 import pytest
-import torch
 
 from tests.e2e.server import KV_CACHE_BYTES
 from vllm_snapmla.testing import (compare_greedy, describe_comparison, generate_in_subprocess,
-                                  write_tiny_deepseek_v3)
+                                  short_and_long_prompts)
 
 pytestmark = pytest.mark.e2e
 
@@ -40,23 +39,9 @@ MIN_MATCH_FRACTION = 0.3     # generated tokens equal, position by position
 TOP_LOGPROBS = 20
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return str(write_tiny_deepseek_v3(tmp_path_factory.mktemp("tiny-deepseek-v3"),
-                                      random_weights=True))
-
-
-def _prompts():
-    gen = torch.Generator().manual_seed(0)
-    lengths = torch.randint(3, 60, (11,), generator=gen).tolist()
-    short = [torch.randint(2, 4096, (n,), generator=gen).tolist() for n in lengths]
-    long = torch.randint(2, 4096, (LONG_PROMPT,), generator=gen).tolist()
-    return short, long
-
-
 @pytest.fixture(scope="module", params=list(RUNNERS))
 def runs(request, model_dir):
-    short, long = _prompts()
+    short, long = short_and_long_prompts(0, long_len=LONG_PROMPT)
     spec = {"model": model_dir, "rounds": [short + [long], [long]], "max_tokens": MAX_TOKENS,
             "logprobs": TOP_LOGPROBS, "llm_kwargs": ENGINE}
     env = {"VLLM_USE_V2_MODEL_RUNNER": RUNNERS[request.param]}

@@ -41,7 +41,8 @@ import torch
 
 from tests.e2e.server import KV_CACHE_BYTES, http, http_text, vllm_server
 from vllm_snapmla.testing import (compare_greedy, describe_comparison, generate_in_subprocess,
-                                  tp_shard_problems, write_tiny_deepseek_v3)
+                                  short_and_long_prompts, tp_shard_problems,
+                                  write_tiny_deepseek_v3)
 
 pytestmark = pytest.mark.e2e
 
@@ -98,11 +99,7 @@ def models(tmp_path_factory):
 
 
 def _prompts():
-    gen = torch.Generator().manual_seed(0)
-    lengths = torch.randint(3, 60, (NUM_SHORT,), generator=gen).tolist()
-    short = [torch.randint(2, VOCAB, (n,), generator=gen).tolist() for n in lengths]
-    long = torch.randint(2, VOCAB, (LONG_PROMPT,), generator=gen).tolist()
-    return short, long
+    return short_and_long_prompts(0, num_short=NUM_SHORT, long_len=LONG_PROMPT, vocab=VOCAB)
 
 
 def _rounds():

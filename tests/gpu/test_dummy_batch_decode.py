@@ -39,7 +39,6 @@ import torch
 
 from vllm_snapmla import format as fmt
 from vllm_snapmla import reference as ref
-from vllm_snapmla.kernels import sm90
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -50,14 +49,6 @@ NUM_BLOCKS = 40
 # Requests that ran before the dummy: their pages are written, their rows may still be in the
 # persistent block table.
 EARLIER = [130, 70, 200, 5, 64, 300]
-
-
-@pytest.fixture(params=["sm90", "triton"])
-def kernel(request, monkeypatch):
-    if request.param == "sm90" and not sm90.available():
-        pytest.skip("needs an sm_90 GPU and the decode_sm90 op")
-    monkeypatch.setenv("SNAPMLA_DECODE_KERNEL", request.param)
-    return request.param
 
 
 def _decode_uniform():

@@ -14,7 +14,6 @@ import torch
 from vllm_snapmla import format as fmt
 from vllm_snapmla import ops
 from vllm_snapmla import reference as ref
-from vllm_snapmla.kernels import sm90
 from vllm_snapmla.testing import build_cache
 
 from tests.decode_cases import (BAD_ARGUMENTS, BAD_INDICES, NON_FINITE, decode_case,
@@ -36,14 +35,6 @@ lengths = st.lists(st.integers(0, 3000), min_size=1, max_size=3)
 heads = st.sampled_from([1, 8, 16, 64, 128])   # narrow kernel up to 32 rows, 64-row kernel above
 s_qs = st.sampled_from([1, 2])
 seeds = st.integers(0, 2**16)
-
-
-@pytest.fixture(params=["sm90", "triton"])
-def kernel(request, monkeypatch):
-    if request.param == "sm90" and not sm90.available():
-        pytest.skip("needs an sm_90 GPU and the decode_sm90 op")
-    monkeypatch.setenv("SNAPMLA_DECODE_KERNEL", request.param)
-    return request.param
 
 
 def _cpu_reference(case):
