@@ -298,20 +298,9 @@ def main(argv=None) -> None:
                 reported = set()
 
                 def report(result, start=start, reported=reported):
-                    elapsed = f"({time.monotonic() - start:.0f} s)"
-                    if result.get("kind") == "engine":
-                        print(f"    engine up, KV cache {result['kv_cache_tokens']:,} tokens "
-                              f"{elapsed}", flush=True)
-                        return
-                    reported.add(result["context"])
-                    if result.get("error"):
-                        print(f"    context {result['context']}: failed: {result['error']} "
-                              f"{elapsed}", flush=True)
-                    else:
-                        print(f"    context {result['context']}: B={result['batch']}, prefill "
-                              f"{result['prefill_steps']} steps, step {result['tpot_ms']:.2f} ms"
-                              f", {result['decode_tok_s']:,.0f} decode tok/s per rank "
-                              f"{elapsed}", flush=True)
+                    if result.get("kind") != "engine":
+                        reported.add(result["context"])
+                    bench_e2e.print_progress(result, start)
 
                 for row in bench_e2e.run_in_subprocess(spec, args.timeout * len(args.contexts),
                                                        on_result=report):

@@ -40,6 +40,7 @@ tok/s and speedup vs BF16 against context, per head count).
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import tempfile
 import time
@@ -261,6 +262,23 @@ def parse_engine_log(spec: dict, results: list[dict], log: str, failure: str | N
     return rows
 
 
+def print_progress(result: dict, start: float) -> None:
+    """One line per message of an engine child as it arrives: the engine up, or a context's
+    result or failure; ``start`` is the engine's ``time.monotonic()`` start."""
+    elapsed = f"({time.monotonic() - start:.0f} s)"
+    if result.get("kind") == "engine":
+        print(f"    engine up, KV cache {result['kv_cache_tokens']:,} tokens {elapsed}", flush=True)
+    elif result.get("error"):
+        print(f"    context {result['context']}: failed: {result['error']} {elapsed}", flush=True)
+    else:
+        flags = "".join([" NOT LOCK-STEP" if not result["lock_step"] else "",
+                         " NOISY" if result["timing_ok"] is False else ""])
+        print(f"    context {result['context']}: B={result['batch']}, prefill "
+              f"{result['prefill_steps']} steps, {result['decode_tok_s']:,.0f} decode tok/s, "
+              f"TPOT {result['tpot_ms']:.2f} ms, windows {result['spread_pct']:.1f}% "
+              f"apart{flags} {elapsed}", flush=True)
+
+
 def child_command() -> list[str]:
     return [sys.executable, "-m", "benchmarks.bench_e2e", "--child"]
 
@@ -318,28 +336,11 @@ def main(argv=None) -> None:
         for i, (h, kv) in enumerate(engines, 1):
             print(f"[{i}/{len(engines)}] H={h} kv={kv}, contexts {list(contexts)} ...", flush=True)
             start = time.monotonic()
-
-            def report(result, start=start):
-                if result.get("kind") == "engine":
-                    print(f"    engine up in {time.monotonic() - start:.0f} s, KV cache "
-                          f"{result['kv_cache_tokens']:,} tokens", flush=True)
-                elif result.get("error"):
-                    print(f"    context {result['context']}: failed: {result['error']}",
-                          flush=True)
-                else:
-                    flags = "".join(
-                        [" NOT LOCK-STEP" if not result["lock_step"] else "",
-                         " NOISY" if result["timing_ok"] is False else ""])
-                    print(f"    context {result['context']}: B={result['batch']}, "
-                          f"prefill {result['prefill_steps']} steps, "
-                          f"{result['decode_tok_s']:,.0f} decode tok/s, TPOT "
-                          f"{result['tpot_ms']:.2f} ms, windows {result['spread_pct']:.1f}% "
-                          f"apart{flags} ({time.monotonic() - start:.0f} s)", flush=True)
-
             spec = {"model": models[h], "heads": h, "contexts": list(contexts), "kv": kv,
                     "gen_tokens": gen, "kv_cache_gib": kv_gib, "max_batch": args.max_batch,
                     "windows": args.windows}
-            rows += run_in_subprocess(spec, args.timeout * len(contexts), on_result=report)
+            rows += run_in_subprocess(spec, args.timeout * len(contexts),
+                                      on_result=functools.partial(print_progress, start=start))
             write_outputs(rows, out)   # after every engine: a cut-short sweep keeps its rows
     print("\n" + format_table(write_outputs(rows, out)))
     if not (out / "results.png").exists():
