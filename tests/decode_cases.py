@@ -184,6 +184,20 @@ NON_FINITE = {
 }
 
 
+# --- zero-filled rows: vLLM's null block ------------------------------------------------------
+
+def zero_filled_page(c: DecodeCase, b: int, gen) -> tuple[DecodeCase, int]:
+    """Point one live page of request b at a new all-zero block, as vLLM's never-written null
+    block (``torch.zeros``, scale 0.0) is for dummy and padded requests.  Returns the case and
+    the page index.  Such rows read as zero tokens: logit 0, value 0."""
+    pages = (int(c.seq_lens[b]) + fmt.PAGE_SIZE - 1) // fmt.PAGE_SIZE
+    page = int(torch.randint(pages, (1,), generator=gen))
+    zero = torch.zeros(1, *c.kv_cache.shape[1:], dtype=c.kv_cache.dtype)
+    table = c.block_table.clone()
+    table[b, page] = c.kv_cache.shape[0]
+    return c.replace(kv_cache=torch.cat([c.kv_cache, zero]), block_table=table), page
+
+
 def nan_rows_of(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B, s_q, H]`` masks of rows whose output has a NaN, and whose LSE is NaN."""
     return out.isnan().any(-1).cpu(), lse.permute(0, 2, 1).isnan().cpu()

@@ -145,8 +145,10 @@ def _page(kv_cache, block_table, seq, k):
 
     Unused cache bytes are arbitrary (NaN, Inf); zeroing them before any arithmetic keeps them from
     leaking through ``0 * NaN``.  Masking the logits is done separately, per query row.  A live
-    page whose block id is outside the cache is not read: its live tokens get a NaN scale (the
-    CUDA kernels read zeros there and turn the zero scale into NaN).
+    page whose block id is outside the cache is not read: its live tokens get a NaN scale, as in
+    the CUDA kernels.  A zero scale is a zero-filled row (vLLM's never-written null block, which
+    dummy and padded requests point at): a zero token, logit 0 and value 0, as a BF16 cache
+    holds there.  A negative or NaN scale is not a cache row: NaN.
     """
     B = seq.shape[0]
     pos = k * fmt.PAGE_SIZE + torch.arange(fmt.PAGE_SIZE, device=seq.device)
@@ -155,7 +157,7 @@ def _page(kv_cache, block_table, seq, k):
     blk = torch.where(page_live, block_table[:B, min(k, block_table.shape[1] - 1)].long(), 0)
     blk_ok = (blk >= 0) & (blk < kv_cache.shape[0])
     c8, s, r16 = split_rows(kv_cache[torch.where(blk_ok, blk, 0)])     # [B,64,...]
-    s = torch.where(blk_ok[:, None] & (s > 0), s.double(), torch.nan)  # scales are positive
+    s = torch.where(blk_ok[:, None] & (s >= 0), s.double(), torch.nan)
     c = torch.where(live[..., None], c8.double(), 0.0)
     s = torch.where(live, s, 0.0)
     r = torch.where(live[..., None], r16.double(), 0.0)

@@ -23,10 +23,12 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
 }
 
 // A [num_blocks][64 tokens][width] view of one field of the cache rows (`offset` bytes into each
-// 656-byte row), copied as boxes of [1][64][box_width] elements.
+// 656-byte row), copied as boxes of [1][64][box_width] elements.  A box at a block id outside
+// the cache is filled with `oob_fill` (zeros, or NaN for a float field).
 bool page_map(CUtensorMap* map, const uint8_t* kv_cache, int64_t num_blocks, int64_t block_stride,
               int offset, CUtensorMapDataType type, int width, int box_width,
-              CUtensorMapSwizzle swizzle) {
+              CUtensorMapSwizzle swizzle,
+              CUtensorMapFloatOOBfill oob_fill = CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) {
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(width), kPageSize,
                               static_cast<cuuint64_t>(num_blocks)};
   const cuuint64_t strides[2] = {kBytesPerToken, static_cast<cuuint64_t>(block_stride)};
@@ -35,7 +37,7 @@ bool page_map(CUtensorMap* map, const uint8_t* kv_cache, int64_t num_blocks, int
   return encode_tiled()(map, type, 3, const_cast<uint8_t*>(kv_cache) + offset, dims, strides, box,
                         elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
                         CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+                        oob_fill) == CUDA_SUCCESS;
 }
 
 // What a launch needs of its kernel, checked and set once per device and kernel: the kernel
@@ -88,9 +90,11 @@ const char* launch_decode_sm90(const DecodeParams& params, const uint8_t* kv_cac
       !page_map(&rope_map, kv_cache, num_blocks, block_stride, kRopeOffset,
                 CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, kRopeDim, kRopeDim,
                 CU_TENSOR_MAP_SWIZZLE_128B) ||
+      // Scales of a block id outside the cache read as NaN (checked_scale keeps it), so the
+      // request's output shows the bad id; the content and RoPE boxes there read zeros.
       !page_map(&scale_map, kv_cache, num_blocks, block_stride, kScaleOffset,
                 CU_TENSOR_MAP_DATA_TYPE_FLOAT32, kScaleBoxFloats, kScaleBoxFloats,
-                CU_TENSOR_MAP_SWIZZLE_NONE)) {
+                CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA)) {
     return "decode_sm90: cuTensorMapEncodeTiled rejected the kv_cache layout";
   }
   if (params.schedule == kScheduleNarrow) {

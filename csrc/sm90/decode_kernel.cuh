@@ -154,10 +154,12 @@ __device__ __forceinline__ float initial_row_sum(bool valid) {
 }
 
 // A live token's scale as the softmax uses it.  Every scale the cache format writes is positive
-// (at least format.h's kScaleFloor); a zero is what TMA fills in for a block id outside the cache (the page
-// was never read), a negative or NaN one is not a cache row: NaN, so that the output shows it.
+// (at least format.h's kScaleFloor).  A zero is a zero-filled row, such as vLLM's never-written
+// null block 0 that dummy and padded requests point at: it reads as a zero token (logit 0,
+// value 0), as in a BF16 cache.  NaN (what TMA fills in for a block id outside the cache) or a
+// negative scale is not a cache row: NaN, so that the output shows it.
 __device__ __forceinline__ float checked_scale(float s) {
-  return s > 0.f ? s : __int_as_float(0x7fc00000);
+  return s >= 0.f ? s : __int_as_float(0x7fc00000);
 }
 
 // The producer thread: the split's pages (`pages`, block numbers) in order into a ring of kRing

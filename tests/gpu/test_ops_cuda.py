@@ -17,7 +17,7 @@ from vllm_snapmla import reference as ref
 from vllm_snapmla.testing import build_cache
 
 from tests.decode_cases import (BAD_ARGUMENTS, BAD_INDICES, NON_FINITE, decode_case,
-                                nan_rows_of)
+                                nan_rows_of, zero_filled_page)
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
@@ -97,6 +97,19 @@ def test_nan_inputs_give_nan_where_the_reference_does(kernel, lens, H, s_q, seed
     nan_out, nan_lse = nan_rows_of(out, lse)
     assert torch.equal(nan_out, rows) and torch.equal(nan_lse, rows), name
     _assert_matches_reference(out, lse, poisoned)
+
+
+@SETTINGS
+@given(lens=st.lists(st.integers(1, 3000), min_size=1, max_size=3), H=heads, s_q=s_qs,
+       seed=seeds, pick=st.integers(0, 2))
+def test_zero_filled_rows_read_as_zero_tokens(kernel, lens, H, s_q, seed, pick):
+    """A live page on an all-zero block (vLLM's null block, scale 0): finite, as the reference."""
+    b = pick % len(lens)
+    case, _ = zero_filled_page(decode_case(lens, H, s_q, seed), b,
+                               torch.Generator().manual_seed(seed))
+    out, lse = ops.decode(*case.to("cuda").args())
+    assert torch.isfinite(out).all() and not lse.isnan().any()
+    _assert_matches_reference(out, lse, case)
 
 
 @pytest.mark.parametrize("name", sorted(BAD_ARGUMENTS))

@@ -16,7 +16,7 @@ from vllm_snapmla import reference as ref
 from vllm_snapmla.testing import build_cache
 
 from tests.decode_cases import (BAD_ARGUMENTS, BAD_INDICES, NON_FINITE, decode_case,
-                                nan_rows_of)
+                                nan_rows_of, zero_filled_page)
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
@@ -83,6 +83,32 @@ def test_nan_inputs_give_nan_where_attention_uses_them(lens, H, s_q, seed, name,
     # Exact float64 attention agrees on which rows are NaN.
     ex_out, ex_lse = ref.decode(*poisoned.args(), exact=True)
     assert torch.equal(nan_rows_of(ex_out, ex_lse)[0], rows)
+
+
+@SETTINGS
+@given(lens=st.lists(st.integers(1, 200), min_size=1, max_size=3), H=heads, s_q=s_qs,
+       seed=seeds, pick=st.integers(0, 2))
+def test_zero_filled_rows_read_as_zero_tokens(lens, H, s_q, seed, pick):
+    """A live page on an all-zero block (vLLM's never-written null block: scale 0.0, which the
+    format never writes) reads as tokens with zero key and value, as a BF16 cache holds there:
+    the same attention as zero vectors written through the format (scale at its floor)."""
+    b = pick % len(lens)
+    case, _ = zero_filled_page(decode_case(lens, H, s_q, seed), b,
+                               torch.Generator().manual_seed(seed))
+    written = case.kv_cache.clone()
+    block = written.shape[0] - 1
+    ref.append_kv(torch.zeros(64, 512, dtype=torch.bfloat16),
+                  torch.zeros(64, 64, dtype=torch.bfloat16), written,
+                  block * 64 + torch.arange(64))
+    assert (written[block] != 0).any()            # the floor scale: bytes differ, tokens do not
+    for exact in (False, True):
+        out, lse = ref.decode(*case.args(), exact=exact)
+        want_out, want_lse = ref.decode(*case.replace(kv_cache=written).args(), exact=exact)
+        assert torch.isfinite(out).all() and not lse.isnan().any()
+        torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)
+    out16, _ = ops.decode(*case.args())
+    assert torch.isfinite(out16).all()
 
 
 @SETTINGS

@@ -160,14 +160,15 @@ def _split_kernel(
         blk_next = tl.load(bt_row + page + 1, mask=page + 1 < end_page, other=0).to(tl.int64)
         pos = page * PAGE + tok
         # A block id outside the cache is never read: its page loads as zeros and its live
-        # tokens get a NaN scale, so the request's output shows it.
+        # tokens get a NaN scale, so the request's output shows it.  A zero scale is a
+        # zero-filled row (vLLM's null block): a zero token, as in a BF16 cache.
         blk_ok = (blk >= 0) & (blk < num_blocks)
         in_use = pos < seq_len            # slots past seq_len hold arbitrary bytes (NaN, Inf)
         live = in_use & blk_ok
         k_scale = tl.load(scale_ptr + blk * stride_scale_blk + tok * (ROW_BYTES // 4)
                           + SCALE_OFFSET // 4, mask=live, other=0.0)
-        # Every scale the format writes is positive: anything else in a live slot is NaN.
-        k_scale = tl.where(in_use & ~(k_scale > 0.0), float("nan"), k_scale)
+        # Every scale the format writes is positive; a negative or NaN one is NaN.
+        k_scale = tl.where(in_use & (~blk_ok | ~(k_scale >= 0.0)), float("nan"), k_scale)
         k_rope = tl.load(rope_ptr + blk * stride_rope_blk + tok[:, None] * (ROW_BYTES // 2)
                          + ROPE_OFFSET // 2 + dr[None, :], mask=live[:, None], other=0.0)
         k_rows = content_ptr + blk * stride_content_blk + tok * ROW_BYTES

@@ -78,6 +78,9 @@ def _interpreted_cases():
                                              (16, 2, [64, 65], 2, False),
                                              (8, 1, [1, 70, 900, 0], None, True)]:
         cache, bt, _ = build_cache(seq_lens, gen=gen)
+        # Request 1's first page on an all-zero block (vLLM's null block, scale 0): zero tokens.
+        cache = torch.cat([cache, torch.zeros_like(cache[:1])])
+        bt[1, 0] = cache.shape[0] - 1
         B = len(seq_lens)
         q = torch.randn(B, s_q, H, 512, generator=gen).bfloat16()
         qp = (torch.randn(B, s_q, H, 64, generator=gen) * 3).bfloat16()
