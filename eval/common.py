@@ -2,6 +2,8 @@
 
 - ``script_command`` / ``script_env``: start another of these scripts in a child process;
 - ``parse_kv_pairs``: the ``key=value,...`` options (``--model-args``, ``--gen-kwargs``);
+- ``run_settings``: the engine arguments of a setting name (a KV-cache dtype or
+  ``fp8-calibrated``);
 - ``tiny_engine_settings``: the vLLM engine settings of both tiny-model parity harnesses
   (``eval.parity_tiny`` calls vLLM directly, ``eval.lm_eval_tiny`` through lm-eval), so that
   their numbers describe the same engine;
@@ -69,6 +71,18 @@ def _convert(value: str):
 
 
 # --- the tiny model's engine ----------------------------------------------------------------
+
+# Setting names beyond the plain KV-cache dtypes: vLLM's fp8 cache with scales computed from the
+# first batch (``calculate_kv_scales``; for MLA vLLM derives k_scale from the content latent
+# alone, so the RoPE key does not enter it).
+EXTRA_SETTINGS = {"fp8-calibrated": {"kv_cache_dtype": "fp8", "calculate_kv_scales": True}}
+
+
+def run_settings(run: str) -> dict:
+    """The engine arguments a setting name stands for: a KV-cache dtype or an
+    ``EXTRA_SETTINGS`` key."""
+    return dict(EXTRA_SETTINGS.get(run, {"kv_cache_dtype": run}))
+
 
 def tiny_engine_settings(kv_cache_dtype: str, chunk: int, max_model_len: int) -> dict:
     """vLLM engine arguments of a tiny-model parity run (everything but the model).

@@ -45,7 +45,8 @@ import time
 import numpy as np
 
 from eval.common import (markdown_cell, mean_se_cell, paired_delta, paired_text,
-                         parse_kv_pairs, script_command, script_env, tiny_engine_settings)
+                         parse_kv_pairs, run_settings, script_command, script_env,
+                         tiny_engine_settings)
 
 TASK_TEMPLATES = pathlib.Path(__file__).resolve().parent / "tasks" / "tiny_mla"
 PPL_TASK, NEXT_TASK = "tiny_mla_heldout_ppl", "tiny_mla_next_token"
@@ -247,8 +248,11 @@ def model_args(opts, setting: str, eos_id: int) -> tuple[str, dict]:
                 "prefix_token_id": eos_id, "batch_size": opts.hf_batch_size}
         return "hf", args
     # The engine of eval.parity_tiny, so that both harnesses measure the same thing.
+    engine = run_settings(setting)
     args = {"pretrained": str(opts.model),
-            **tiny_engine_settings(setting, opts.chunk, opts.max_model_len),
+            **tiny_engine_settings(engine.pop("kv_cache_dtype"), opts.chunk,
+                                   opts.max_model_len),
+            **engine,
             "batch_size": "auto",
             # heldout_tokens.npy puts EOS before every file: the rolling windows' first
             # token is predicted after EOS, as in training (lm-eval's default would be BOS).
@@ -500,7 +504,8 @@ def parse_args(argv):
                    help="checkpoint directory written by eval.train_tiny_mla")
     p.add_argument("--out", required=True, type=pathlib.Path)
     p.add_argument("--kv", default=",".join(DEFAULT_KV),
-                   help=f"comma-separated kv_cache_dtype settings (default {','.join(DEFAULT_KV)}"
+                   help=f"comma-separated kv_cache_dtype settings or fp8-calibrated (vLLM's fp8 "
+                        f"with calculate_kv_scales; default {','.join(DEFAULT_KV)}"
                         "; 'none' for no vLLM run)")
     p.add_argument("--hf", action="store_true",
                    help=f"also run lm-eval's `hf` model (transformers, row '{HF_RUN}')")

@@ -39,20 +39,12 @@ import time
 
 import numpy as np
 
-from eval.common import (markdown_cell, mean_se_cell, paired_delta, paired_text,
-                         script_command, script_env, tiny_engine_settings)
+from eval.common import (EXTRA_SETTINGS, markdown_cell, mean_se_cell, paired_delta,
+                         paired_text, run_settings, script_command, script_env,
+                         tiny_engine_settings)
 
 RESULT_TAG = "PARITY_TINY_RESULT "
 DTYPES = ("auto", "fp8_snapmla", "fp8")
-# Run names beyond the plain KV-cache dtypes: vLLM's fp8 cache with scales computed from the
-# first batch (``calculate_kv_scales``; for MLA vLLM derives k_scale from the content latent
-# alone, so the RoPE key does not enter it).
-EXTRA_SETTINGS = {"fp8-calibrated": {"kv_cache_dtype": "fp8", "calculate_kv_scales": True}}
-
-
-def run_settings(run: str) -> dict:
-    """The engine arguments a run name stands for: a KV-cache dtype or an ``EXTRA_SETTINGS`` key."""
-    return dict(EXTRA_SETTINGS.get(run, {"kv_cache_dtype": run}))
 HF_RUN = "transformers"
 TEXT_PROMPT = "def main():\n"
 
