@@ -2,9 +2,8 @@
 
 - ``script_command`` / ``script_env``: start another of these scripts in a child process;
 - ``parse_kv_pairs``: the ``key=value,...`` options (``--model-args``, ``--gen-kwargs``);
-- ``run_settings``: the engine arguments of a setting name (a KV-cache dtype or
-  ``fp8-calibrated``);
-- ``tiny_engine_settings``: the vLLM engine settings of both tiny-model parity harnesses
+- ``tiny_engine_settings``: the vLLM engine settings of both tiny-model parity harnesses for a
+  setting name (a KV-cache dtype or ``fp8-calibrated``)
   (``eval.parity_tiny`` calls vLLM directly, ``eval.lm_eval_tiny`` through lm-eval), so that
   their numbers describe the same engine;
 - ``paired_delta`` / ``paired_text``: per-token differences of two runs with a paired standard
@@ -78,23 +77,19 @@ def _convert(value: str):
 EXTRA_SETTINGS = {"fp8-calibrated": {"kv_cache_dtype": "fp8", "calculate_kv_scales": True}}
 
 
-def run_settings(run: str) -> dict:
-    """The engine arguments a setting name stands for: a KV-cache dtype or an
-    ``EXTRA_SETTINGS`` key."""
-    return dict(EXTRA_SETTINGS.get(run, {"kv_cache_dtype": run}))
-
-
-def tiny_engine_settings(kv_cache_dtype: str, chunk: int, max_model_len: int) -> dict:
-    """vLLM engine arguments of a tiny-model parity run (everything but the model).
+def tiny_engine_settings(setting: str, chunk: int, max_model_len: int) -> dict:
+    """vLLM engine arguments of a tiny-model parity run (everything but the model) for a setting
+    name: a KV-cache dtype or an ``EXTRA_SETTINGS`` key.
 
     Prefill runs in chunks of at most ``chunk`` tokens (``max_num_batched_tokens``) and prefix
     caching is off, so every token past the first chunk attends to earlier context through
     the KV cache under test rather than through fresh BF16 latents.
     """
-    return dict(kv_cache_dtype=kv_cache_dtype, dtype="bfloat16", enforce_eager=True, seed=0,
+    return dict(dtype="bfloat16", enforce_eager=True, seed=0,
                 max_model_len=max_model_len, enable_chunked_prefill=True,
                 max_num_batched_tokens=chunk, max_num_seqs=min(64, chunk),
-                enable_prefix_caching=False, gpu_memory_utilization=0.5)
+                enable_prefix_caching=False, gpu_memory_utilization=0.5,
+                **EXTRA_SETTINGS.get(setting, {"kv_cache_dtype": setting}))
 
 
 # --- paired statistics ----------------------------------------------------------------------

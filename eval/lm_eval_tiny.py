@@ -45,8 +45,7 @@ import time
 import numpy as np
 
 from eval.common import (markdown_cell, mean_se_cell, paired_delta, paired_text,
-                         parse_kv_pairs, run_settings, script_command, script_env,
-                         tiny_engine_settings)
+                         parse_kv_pairs, script_command, script_env, tiny_engine_settings)
 
 TASK_TEMPLATES = pathlib.Path(__file__).resolve().parent / "tasks" / "tiny_mla"
 PPL_TASK, NEXT_TASK = "tiny_mla_heldout_ppl", "tiny_mla_next_token"
@@ -248,11 +247,8 @@ def model_args(opts, setting: str, eos_id: int) -> tuple[str, dict]:
                 "prefix_token_id": eos_id, "batch_size": opts.hf_batch_size}
         return "hf", args
     # The engine of eval.parity_tiny, so that both harnesses measure the same thing.
-    engine = run_settings(setting)
     args = {"pretrained": str(opts.model),
-            **tiny_engine_settings(engine.pop("kv_cache_dtype"), opts.chunk,
-                                   opts.max_model_len),
-            **engine,
+            **tiny_engine_settings(setting, opts.chunk, opts.max_model_len),
             "batch_size": "auto",
             # heldout_tokens.npy puts EOS before every file: the rolling windows' first
             # token is predicted after EOS, as in training (lm-eval's default would be BOS).

@@ -40,8 +40,7 @@ import time
 import numpy as np
 
 from eval.common import (EXTRA_SETTINGS, markdown_cell, mean_se_cell, paired_delta,
-                         paired_text, run_settings, script_command, script_env,
-                         tiny_engine_settings)
+                         paired_text, script_command, script_env, tiny_engine_settings)
 
 RESULT_TAG = "PARITY_TINY_RESULT "
 DTYPES = ("auto", "fp8_snapmla", "fp8")
@@ -68,9 +67,7 @@ def _score_entries(prompt_logprobs, tokens: list[int]) -> tuple[list[float], lis
 def engine_kwargs(model: str, run: str, chunk: int, max_model_len: int) -> dict:
     """``LLM`` arguments of a run (a KV-cache dtype or an ``EXTRA_SETTINGS`` name): prefill in
     chunks of ``chunk`` tokens, no prefix caching."""
-    settings = run_settings(run)
-    kwargs = tiny_engine_settings(settings.pop("kv_cache_dtype"), chunk, max_model_len)
-    return dict(model=model, **kwargs, **settings)
+    return dict(model=model, **tiny_engine_settings(run, chunk, max_model_len))
 
 
 def run_vllm(spec: dict) -> dict:

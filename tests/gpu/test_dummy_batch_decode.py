@@ -117,8 +117,9 @@ def _check_against_reference(out, lse, want_out, want_lse, seq_lens, s_q):
         if n == 0:                           # padding: not read, zeros
             assert (out[rows] == 0).all() and torch.isneginf(lse[rows]).all(), b
         else:
+            # The floor keeps a null-block request's all-zero reference from dividing by 0.
             err = (out[rows] - want_out[rows]).norm() / want_out[rows].norm().clamp_min(1e-30)
-            assert err <= 1e-2 or (out[rows] == want_out[rows]).all(), (b, float(err))
+            assert err <= 1e-2, (b, float(err))
             assert (lse[rows] - want_lse[rows]).abs().max() <= 1e-2, b
 
 
@@ -136,9 +137,8 @@ def test_dummy_batch_matches_the_reference(kernel, layout, H, s_q):
     assert out.shape == (len(seq_lens) * s_q, H, fmt.KV_LORA_RANK) and lse.shape == out.shape[:2]
     want_out, want_lse = _reference(q_nope, q_pe, cache, table, seq_lens, s_q)
     _check_against_reference(out, lse, want_out, want_lse, seq_lens, s_q)
-    # Finite everywhere; a request over block 0 (zero bytes: scale 0) attends to zero tokens:
-    # output 0, LSE ln(number of tokens its row sees), as with a BF16 cache.
-    assert torch.isfinite(out).all() and not lse.isnan().any()
+    # A request over block 0 (zero bytes: scale 0) attends to zero tokens: output 0, LSE
+    # ln(number of tokens its row sees), as with a BF16 cache.
     out3 = out.cpu().view(len(seq_lens), s_q, H, fmt.KV_LORA_RANK)
     lse3 = lse.cpu().double().view(len(seq_lens), s_q, H)
     null_reads = 0
@@ -206,4 +206,4 @@ def test_full_graph_replays_a_dummy_between_real_batches(kernel, s_q):
     want_out, want_lse = _reference(dummy_q[0], dummy_q[1], cache.view(torch.uint8).cpu(),
                                     dummy_table, dummy_lens, s_q)
     _check_against_reference(dummy_out, dummy_lse, want_out, want_lse, dummy_lens, s_q)
-    assert torch.isfinite(dummy_out).all() and (dummy_out == 0).all()   # zero tokens, padding
+    assert (dummy_out == 0).all()   # zero tokens (null block) and padding rows

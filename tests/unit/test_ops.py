@@ -11,6 +11,7 @@ import re
 import pytest
 import torch
 
+from vllm_snapmla import format as fmt
 from vllm_snapmla import ops
 from vllm_snapmla import reference as ref
 from vllm_snapmla.testing import build_cache
@@ -97,9 +98,9 @@ def test_zero_filled_rows_read_as_zero_tokens(lens, H, s_q, seed, pick):
                                torch.Generator().manual_seed(seed))
     written = case.kv_cache.clone()
     block = written.shape[0] - 1
-    ref.append_kv(torch.zeros(64, 512, dtype=torch.bfloat16),
-                  torch.zeros(64, 64, dtype=torch.bfloat16), written,
-                  block * 64 + torch.arange(64))
+    ref.append_kv(torch.zeros(fmt.PAGE_SIZE, fmt.KV_LORA_RANK, dtype=torch.bfloat16),
+                  torch.zeros(fmt.PAGE_SIZE, fmt.ROPE_DIM, dtype=torch.bfloat16), written,
+                  block * fmt.PAGE_SIZE + torch.arange(fmt.PAGE_SIZE))
     assert (written[block] != 0).any()            # the floor scale: bytes differ, tokens do not
     for exact in (False, True):
         out, lse = ref.decode(*case.args(), exact=exact)
