@@ -77,18 +77,20 @@ def _convert(value: str):
 EXTRA_SETTINGS = {"fp8-calibrated": {"kv_cache_dtype": "fp8", "calculate_kv_scales": True}}
 
 
-def tiny_engine_settings(setting: str, chunk: int, max_model_len: int) -> dict:
+def tiny_engine_settings(setting: str, chunk: int, max_model_len: int,
+                         gpu_memory_utilization: float = 0.5) -> dict:
     """vLLM engine arguments of a tiny-model parity run (everything but the model) for a setting
     name: a KV-cache dtype or an ``EXTRA_SETTINGS`` key.
 
     Prefill runs in chunks of at most ``chunk`` tokens (``max_num_batched_tokens``) and prefix
     caching is off, so every token past the first chunk attends to earlier context through
-    the KV cache under test rather than through fresh BF16 latents.
+    the KV cache under test rather than through fresh BF16 latents.  The tiny model needs
+    little memory: a smaller ``gpu_memory_utilization`` lets several runs share one GPU.
     """
     return dict(dtype="bfloat16", enforce_eager=True, seed=0,
                 max_model_len=max_model_len, enable_chunked_prefill=True,
                 max_num_batched_tokens=chunk, max_num_seqs=min(64, chunk),
-                enable_prefix_caching=False, gpu_memory_utilization=0.5,
+                enable_prefix_caching=False, gpu_memory_utilization=gpu_memory_utilization,
                 **EXTRA_SETTINGS.get(setting, {"kv_cache_dtype": setting}))
 
 

@@ -64,10 +64,12 @@ def _score_entries(prompt_logprobs, tokens: list[int]) -> tuple[list[float], lis
     return logprobs, correct
 
 
-def engine_kwargs(model: str, run: str, chunk: int, max_model_len: int) -> dict:
+def engine_kwargs(model: str, run: str, chunk: int, max_model_len: int,
+                  gpu_memory_utilization: float = 0.5) -> dict:
     """``LLM`` arguments of a run (a KV-cache dtype or an ``EXTRA_SETTINGS`` name): prefill in
     chunks of ``chunk`` tokens, no prefix caching."""
-    return dict(model=model, **tiny_engine_settings(run, chunk, max_model_len))
+    return dict(model=model, **tiny_engine_settings(run, chunk, max_model_len,
+                                                    gpu_memory_utilization))
 
 
 def run_vllm(spec: dict) -> dict:
@@ -75,7 +77,7 @@ def run_vllm(spec: dict) -> dict:
 
     started = time.monotonic()
     llm = LLM(**engine_kwargs(spec["model"], spec["kv_cache_dtype"], spec["chunk"],
-                              spec["max_model_len"]))
+                              spec["max_model_len"], spec["gpu_memory_utilization"]))
     load_s = time.monotonic() - started
     windows = spec["windows"]
     scoring = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1,
@@ -315,6 +317,8 @@ def main(argv=None) -> None:
     parser.add_argument("--gen-len", type=int, default=256)
     parser.add_argument("--no-transformers", action="store_true",
                         help="skip the transformers reference run")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5,
+                        help="vLLM's memory share per run (default 0.5; lower to share the GPU)")
     parser.add_argument("--force", action="store_true", help="rerun runs already saved in --out")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
     args = parser.parse_args(argv)
@@ -348,7 +352,8 @@ def main(argv=None) -> None:
         started = time.monotonic()
         spec = {"run": run, "model": str(args.model), "kv_cache_dtype": run,
                 "windows": windows, "prompts": prompts, "gen_len": args.gen_len,
-                "chunk": args.chunk, "max_model_len": max_model_len}
+                "chunk": args.chunk, "max_model_len": max_model_len,
+                "gpu_memory_utilization": args.gpu_memory_utilization}
         try:
             raws[run] = run_in_subprocess(spec, args.timeout)
         except RuntimeError as error:

@@ -81,12 +81,16 @@ def main(argv=None) -> None:
         parser.error("--dtypes must include auto (the baseline of every point)")
     args.out.mkdir(parents=True, exist_ok=True)
 
-    rows = []
+    rows, trained_ranges = [], {}
     for target in [None, *args.targets]:
         name, model, report = point_model(args, target)
         layers = report.get("layers", [])
         rope = max((l["after"]["rope_absmax"] for l in layers), default=None)
         content = max((l["after"]["content_absmax"] for l in layers), default=None)
+        if layers:   # each report also measured the unmodified checkpoint ("before")
+            trained_ranges = {"rope_absmax": max(l["before"]["rope_absmax"] for l in layers),
+                              "content_absmax": max(l["before"]["content_absmax"]
+                                                    for l in layers)}
         for row in run_parity(args, name, model):
             rows.append({"point": name, "target_rope_absmax": target or "",
                          "rope_absmax": rope if rope is not None else "",
@@ -95,6 +99,9 @@ def main(argv=None) -> None:
                              "run", "ppl_cache_context", "ppl_delta_pct", "dnll_vs_bf16",
                              "dnll_vs_bf16_se", "greedy_identical",
                              "greedy_mean_common_prefix")}})
+    for row in rows:
+        if row["point"] == ORIGINAL and trained_ranges:
+            row.update(trained_ranges)
     with open(args.out / "sweep.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
@@ -112,26 +119,46 @@ def main(argv=None) -> None:
 
 
 def plot(rows: list[dict], path: pathlib.Path) -> None:
+    """Δppl vs BF16 (± 2 paired SE) against each point's measured RoPE-key abs-max."""
+    import math
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    def x_of(r):
+        return _number(r["rope_absmax"]) or _number(r["target_rope_absmax"]) or 1.0
+
+    def pct(nats):
+        return 100.0 * math.expm1(nats)
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
     for run in dict.fromkeys(r["run"] for r in rows):
         if run == "auto":
             continue
-        pts = [(_number(r["target_rope_absmax"]) or 1.0, _number(r["ppl_delta_pct"]))
-               for r in rows if r["run"] == run and _number(r["ppl_delta_pct"]) is not None]
-        if pts:
-            ax.plot(*zip(*sorted(pts)), "o-", label=run)
-    ax.axhline(0.5, color="grey", ls=":", lw=0.8)
+        pts = sorted((x_of(r), _number(r["ppl_delta_pct"]), _number(r.get("dnll_vs_bf16")),
+                      _number(r.get("dnll_vs_bf16_se"))) for r in rows
+                     if r["run"] == run and _number(r["ppl_delta_pct"]) is not None)
+        if not pts:
+            continue
+        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+        line, = ax.plot(xs, ys, "o-", label=run)
+        for x, _, mean, se in pts:
+            if mean is not None and se is not None and not math.isnan(se):
+                ax.plot([x, x], [pct(mean - 2 * se), pct(mean + 2 * se)], "-",
+                        color=line.get_color(), lw=3, alpha=0.35)
     ax.set_xscale("log")
     ax.set_yscale("symlog", linthresh=0.1)
-    ax.set_xlabel("RoPE-key abs-max target (1 = as trained)")
+    ax.axhline(0.5, color="grey", ls=":", lw=0.8)
+    ax.text(ax.get_xlim()[1], 0.5, "0.5% target ", ha="right", va="bottom", fontsize=8,
+            color="grey")
+    ax.axvline(448, color="grey", ls="--", lw=0.8)
+    ax.text(448, ax.get_ylim()[0], " e4m3 max (448)", va="bottom", fontsize=8, color="grey")
+    ax.set_xlabel("RoPE-key abs-max of the cache (largest layer)")
     ax.set_ylabel("Δ perplexity vs BF16 cache (%)")
-    ax.set_title("KV-cache formats against the RoPE-key range")
-    ax.legend()
+    ax.set_title("KV-cache formats against the RoPE-key range (bars: ±2 paired SE)")
+    ax.legend(loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

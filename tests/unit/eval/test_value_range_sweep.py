@@ -32,6 +32,9 @@ def test_sweep_tables_every_point_and_setting(smoke_checkpoint, tmp_path, monkey
     assert [(r["point"], r["run"]) for r in rows] == [
         ("original", "auto"), ("original", "fp8"), ("rope100", "auto"), ("rope100", "fp8")]
     assert float(rows[2]["rope_absmax"]) > 50
+    # The unmodified point gets the ranges the reparametrization measured before rescaling.
+    assert 0 < float(rows[0]["rope_absmax"]) < 50
+    assert float(rows[0]["content_absmax"]) == float(rows[2]["content_absmax"])
     assert "+12.500%" in (tmp_path / "sweep.md").read_text()
     assert (tmp_path / "sweep.png").stat().st_size > 0
 
