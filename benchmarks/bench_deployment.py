@@ -44,8 +44,11 @@ method).  ``--mtp`` adds engines with DeepSeek's own drafter (one MTP layer, one
 token) for ``auto`` and ``fp8_snapmla``.  Dummy weights make the drafter's acceptance
 meaningless, so besides the measured tokens per step the report projects output tok/s =
 decode steps/s x B x (1 + ``--mtp-acceptance``), the acceptance DeepSeek reports for its second
-token (85-90%); the step time, which is what the KV format changes, is measured.  Writes ``deployment.csv``, ``deployment.md`` and ``deployment.png`` (per configuration,
-speedup over ``auto`` against context, the paper's Figure 1 layout).
+token (85-90%); the step time, which is what the KV format changes, is measured.
+
+Writes ``deployment.csv``, ``deployment.md`` and ``deployment.png`` (per configuration, speedup
+over ``auto`` against context, the paper's Figure 1 layout), merged with earlier runs in the same
+``--out`` (a rerun row replaces the old one), so that each configuration can run in its own call.
 """
 
 from __future__ import annotations
@@ -58,7 +61,8 @@ from pathlib import Path
 
 from benchmarks import bench_e2e
 from benchmarks.provenance import describe, run_info
-from benchmarks.vllm_engine import DEEPSEEK_V31_ATTENTION, KV_BYTES_PER_TOKEN, write_csv
+from benchmarks.vllm_engine import (DEEPSEEK_V31_ATTENTION, KV_BYTES_PER_TOKEN, number,
+                                    read_csv, write_csv)
 
 GIB = 2**30
 H200_MEMORY_BYTES = int(139.8 * GIB)   # what torch reports as total memory on an H200
@@ -220,11 +224,47 @@ FIELDS = ["config", "heads", "kv", "mtp", "context", "batch", "decode_tok_s", "t
 MTP_SPEC = {"method": "mtp", "num_speculative_tokens": 1}
 
 
+_INTEGER_FIELDS = ("heads", "context", "batch", "kv_cache_tokens")
+_FLOAT_FIELDS = ("decode_tok_s", "tpot_ms", "tokens_per_step", "projected_output_tok_s",
+                 "kv_cache_mib")
+
+
+def _row_from_csv(row: dict) -> dict:
+    """A ``deployment.csv`` row with its numbers and ``mtp`` flag as a fresh run has them."""
+    r = dict(row)
+    for name in _INTEGER_FIELDS + _FLOAT_FIELDS:
+        value = number(r.get(name))
+        r[name] = "" if value is None else int(value) if name in _INTEGER_FIELDS else value
+    r["mtp"] = r.get("mtp") == "True" or ""
+    return r
+
+
+def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
+    """``old`` with the rows of the same (configuration, kv, MTP, context) replaced by ``new``,
+    in report order (configurations as ``CONFIGS``, plain before MTP, kv, context)."""
+    key = lambda r: (r["config"], r["kv"], bool(r.get("mtp")), int(r["context"]))  # noqa: E731
+    merged = {key(r): r for r in old}
+    merged.update({key(r): r for r in new})
+    configs, kvs = list(CONFIGS), list(KV_SETTINGS)
+
+    def order(k):
+        config, kv, mtp, context = k
+        return (configs.index(config) if config in configs else len(configs), mtp,
+                kvs.index(kv) if kv in kvs else len(kvs), kv, context)
+
+    return [merged[k] for k in sorted(merged, key=order)]
+
+
 def write_outputs(rows: list[dict], out: Path, header: str, budget: str) -> None:
+    """Merge ``rows`` into ``out``'s earlier results (so each configuration can run in its own
+    call) and rewrite deployment.csv, .md and .png; ``header`` joins the runs listed on top."""
     out.mkdir(parents=True, exist_ok=True)
-    rows = add_speedups(rows)
-    write_csv(rows, out / "deployment.csv", FIELDS, comments=[header])
-    lines = [header, "", "KV budget per rank:", "", budget, "",
+    runs, old = read_csv(out / "deployment.csv")
+    if header not in runs:
+        runs.append(header)
+    rows = add_speedups(merge_rows([_row_from_csv(r) for r in old], rows))
+    write_csv(rows, out / "deployment.csv", FIELDS, comments=runs)
+    lines = ["\n\n".join(runs), "", "KV budget per rank:", "", budget, "",
              "| configuration | heads | kv | context | batch | decode steps/s x B | step ms | "
              "tokens per step | projected output tok/s | vs auto |",
              "|---|---|---|---|---|---|---|---|---|---|"]
