@@ -48,7 +48,8 @@ token (85-90%); the step time, which is what the KV format changes, is measured.
 
 Writes ``deployment.csv``, ``deployment.md`` and ``deployment.png`` (per configuration, speedup
 over ``auto`` against context, the paper's Figure 1 layout), merged with earlier runs in the same
-``--out`` (a rerun row replaces the old one), so that each configuration can run in its own call.
+``--out`` (a rerun row replaces the old one), so that each configuration can run in its own call;
+each row names its run, and a speedup is only taken against ``auto`` of the same run.
 """
 
 from __future__ import annotations
@@ -138,8 +139,9 @@ def kv_budget(rank: Rank, reserve_gib: float, memory_bytes: int = H200_MEMORY_BY
         raise ValueError(f"{rank.name}: weights ({weights / GIB:.1f} GiB) and reserve leave no "
                          f"KV cache in {usable / GIB:.1f} GiB")
     per_layer = total // V31["layers"]
-    return {"usable_bytes": usable, "weight_bytes": weights, "reserve_bytes": int(reserve_gib * GIB),
-            "kv_bytes": total, "kv_bytes_per_layer": per_layer,
+    return {"usable_bytes": usable, "weight_bytes": weights,
+            "reserve_bytes": int(reserve_gib * GIB), "kv_bytes": total,
+            "kv_bytes_per_layer": per_layer,
             "tokens": {kv: per_layer // b for kv, b in KV_BYTES_PER_TOKEN.items()}}
 
 
@@ -180,9 +182,10 @@ def budget_table(reserve_gib: float) -> str:
 
 
 def add_speedups(rows: list[dict]) -> list[dict]:
-    """Speedup of each row's decode steps/s x B over ``auto``'s, same configuration, context
-    and drafter (with MTP both sides project the same acceptance, so it cancels)."""
-    key = lambda r: (r["config"], r["context"], bool(r.get("mtp")))  # noqa: E731
+    """Speedup of each row's decode steps/s x B over ``auto``'s, same configuration, context,
+    drafter (with MTP both sides project the same acceptance, so it cancels) and run (a row
+    measured in another call, maybe on another commit or GPU, gets none)."""
+    key = lambda r: (r["config"], r["context"], bool(r.get("mtp")), r.get("run"))  # noqa: E731
     base = {key(r): r.get("decode_tok_s") for r in rows
             if r["kv"] == "auto" and r.get("decode_tok_s")}
     for r in rows:
@@ -218,13 +221,13 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-FIELDS = ["config", "heads", "kv", "mtp", "context", "batch", "decode_tok_s", "tpot_ms",
+FIELDS = ["run", "config", "heads", "kv", "mtp", "context", "batch", "decode_tok_s", "tpot_ms",
           "tokens_per_step", "projected_output_tok_s", "speedup_vs_auto", "kv_cache_tokens",
           "kv_cache_mib", "backend", "error"]
 MTP_SPEC = {"method": "mtp", "num_speculative_tokens": 1}
 
 
-_INTEGER_FIELDS = ("heads", "context", "batch", "kv_cache_tokens")
+_INTEGER_FIELDS = ("run", "heads", "context", "batch", "kv_cache_tokens")
 _FLOAT_FIELDS = ("decode_tok_s", "tpot_ms", "tokens_per_step", "projected_output_tok_s",
                  "kv_cache_mib")
 
@@ -235,7 +238,7 @@ def _row_from_csv(row: dict) -> dict:
     for name in _INTEGER_FIELDS + _FLOAT_FIELDS:
         value = number(r.get(name))
         r[name] = "" if value is None else int(value) if name in _INTEGER_FIELDS else value
-    r["mtp"] = r.get("mtp") == "True" or ""
+    r["mtp"] = r.get("mtp") == "True"
     return r
 
 
@@ -257,21 +260,25 @@ def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
 
 def write_outputs(rows: list[dict], out: Path, header: str, budget: str) -> None:
     """Merge ``rows`` into ``out``'s earlier results (so each configuration can run in its own
-    call) and rewrite deployment.csv, .md and .png; ``header`` joins the runs listed on top."""
+    call) and rewrite deployment.csv, .md and .png; ``header`` joins the runs listed on top, and
+    each row's ``run`` is its run's number in that list."""
     out.mkdir(parents=True, exist_ok=True)
     runs, old = read_csv(out / "deployment.csv")
     if header not in runs:
         runs.append(header)
-    rows = add_speedups(merge_rows([_row_from_csv(r) for r in old], rows))
+    run = runs.index(header) + 1
+    rows = add_speedups(merge_rows([_row_from_csv(r) for r in old],
+                                   [{**r, "run": run} for r in rows]))
     write_csv(rows, out / "deployment.csv", FIELDS, comments=runs)
-    lines = ["\n\n".join(runs), "", "KV budget per rank:", "", budget, "",
-             "| configuration | heads | kv | context | batch | decode steps/s x B | step ms | "
-             "tokens per step | projected output tok/s | vs auto |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["\n\n".join(f"run {i}: {text}" for i, text in enumerate(runs, 1)), "",
+             "KV budget per rank:", "", budget, "",
+             "| run | configuration | heads | kv | context | batch | decode steps/s x B | "
+             "step ms | tokens per step | projected output tok/s | vs auto (same run) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tok, tpot, speedup = r.get("decode_tok_s"), r.get("tpot_ms"), r["speedup_vs_auto"]
         per_step, projected = r.get("tokens_per_step"), r.get("projected_output_tok_s")
-        cells = [r["config"], r["heads"], r["kv"] + (" + MTP" if r.get("mtp") else ""),
+        cells = [r["run"], r["config"], r["heads"], r["kv"] + (" + MTP" if r.get("mtp") else ""),
                  r["context"], r.get("batch", ""),
                  f"{tok:,.0f}" if tok else r.get("error", ""), f"{tpot:.2f}" if tpot else "",
                  f"{per_step:.3f}" if per_step else "",

@@ -1,7 +1,7 @@
 """How far the RoPE-key range can grow before each KV-cache format loses accuracy, on the CPU.
 
     python -m eval.rope_headroom --out runs/headroom [--input capture.pt --layer 0]
-        [--exponents 0 2 4 ... 40] [--configs A,vllm_fp8,snapmla_kv,snapmla]
+        [--max-cases 8] [--exponents 0 2 4 ... 40] [--configs A,vllm_fp8,snapmla_kv,snapmla]
 
 Takes the decode cases of one layer (a capture from ``eval.capture_vllm``, or the synthetic
 layer of ``eval.fidelity``), multiplies every RoPE key by 2^e and every RoPE query by 2^-e, and
@@ -12,9 +12,11 @@ far beyond a real model's range).
 
 Where ``fp8_snapmla`` loses: its per-token scale is ``max(amax|c_KV| / 448, amax|k_pe| / 2^24,
 2^-126)``.  Until a token's RoPE abs-max reaches 2^24 / 448 (about 37,000) times its content
-abs-max the first term wins and the cache holds exactly 2^e times the unscaled values; past it,
-the content is stored below the top of e4m3's range and loses precision.  The report counts the
-tokens past that bound at each e.
+abs-max the first term wins: the content bytes stay the same and the RoPE part holds exactly 2^e
+times the unscaled values; past it, the content is stored below the top of e4m3's range and
+loses precision.  The report gives the share of cached token rows past that bound at each e
+(over all the cases used: a capture's decode steps share their context, so its tokens count once
+per case).
 
 Writes ``headroom.csv`` (one row per exponent and configuration: the ranges, the share of tokens
 past the bound, the error metrics), ``headroom.md`` (relative L2 per exponent and
@@ -45,8 +47,8 @@ def scaled_cases(cases: list[dict], exponent: int) -> list[dict]:
 
 
 def token_ranges(cases: list[dict]) -> dict[str, float]:
-    """RoPE and content abs-max over the cases' tokens, and the share of tokens whose RoPE/content
-    ratio is past the scale bound."""
+    """RoPE and content abs-max over the cases' token rows, and the share of rows whose
+    RoPE/content ratio is past the scale bound."""
     kv_c = torch.cat([c["kv_c"].float() for c in cases])
     k_pe = torch.cat([c["k_pe"].float() for c in cases])
     content_max, rope_max = kv_c.abs().amax(-1), k_pe.abs().amax(-1)
@@ -114,11 +116,14 @@ def main(argv=None) -> int:
     p.add_argument("--input", default=None, help=".pt file from eval.capture_vllm "
                    "(default: eval.fidelity's synthetic layer)")
     p.add_argument("--layer", type=int, default=0, help="layer of the capture to use")
-    p.add_argument("--max-cases", type=int, default=8, help="cases of the layer to use (CPU time)")
+    p.add_argument("--max-cases", type=int, default=8,
+                   help="cases of the layer to use, at least 1 (CPU time)")
     p.add_argument("--exponents", type=int, nargs="+", default=list(range(0, 41, 2)))
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS))
     p.add_argument("--out", default="runs/headroom")
     opts = p.parse_args(argv)
+    if opts.max_cases < 1:
+        p.error(f"--max-cases must be at least 1, got {opts.max_cases}")
     configs = [c for c in opts.configs.split(",") if c]
     if unknown := set(configs) - set(fidelity.CONFIGS):
         p.error(f"unknown configs {sorted(unknown)}; available: {fidelity.CONFIGS}")

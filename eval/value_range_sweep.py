@@ -46,7 +46,11 @@ def point_model(args, target: float | None) -> tuple[str, pathlib.Path, dict]:
                                       "--out", str(model), "--rope-absmax", f"{target:g}",
                                       "--seed", str(args.seed)),
                        env=script_env(), check=True)
-    return name, model, json.loads(report_path.read_text())
+    report = json.loads(report_path.read_text())
+    if pathlib.Path(report["source"]).resolve() != args.model.resolve():
+        raise SystemExit(f"{model} was made from {report['source']}, not {args.model}: use "
+                         "another --out for another checkpoint")
+    return name, model, report
 
 
 def run_parity(args, name: str, model: pathlib.Path) -> list[dict]:

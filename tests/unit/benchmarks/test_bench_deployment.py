@@ -107,22 +107,27 @@ def test_report_has_speedups_per_config_and_context(tmp_path):
 def test_runs_of_separate_configurations_merge(tmp_path):
     pytest.importorskip("matplotlib")
 
-    def run(config, kv, context, tok, mtp=False):
+    def row(config, kv, tok, mtp=False):
         return {"config": config, "heads": dep.CONFIGS[config].heads, "kv": kv, "mtp": mtp,
-                "context": context, "batch": 8, "decode_tok_s": tok, "tpot_ms": 8 / tok * 1e3}
+                "context": 32768, "batch": 8, "decode_tok_s": tok, "tpot_ms": 8 / tok * 1e3}
 
-    dep.write_outputs([run("dp1-tp8", "auto", 32768, 100.0),
-                       run("dp1-tp8", "fp8_snapmla", 32768, 170.0)], tmp_path, "run one", "b")
-    dep.write_outputs([run("dp8-tp1-ep8", "auto", 32768, 50.0),
-                       run("dp8-tp1-ep8", "fp8_snapmla", 32768, 60.0),
-                       run("dp1-tp8", "fp8_snapmla", 32768, 150.0)], tmp_path, "run two", "b")
+    dep.write_outputs([row("dp1-tp8", "auto", 100.0), row("dp1-tp8", "fp8_snapmla", 170.0),
+                       row("dp1-tp8", "auto", 80.0, mtp=True),
+                       row("dp1-tp8", "fp8_snapmla", 120.0, mtp=True)], tmp_path, "one", "b")
+    dep.write_outputs([row("dp8-tp1-ep8", "auto", 50.0), row("dp8-tp1-ep8", "fp8_snapmla", 60.0),
+                       row("dp1-tp8", "fp8_snapmla", 150.0)], tmp_path, "two", "b")
     with open(tmp_path / "deployment.csv") as f:
         lines = f.read().splitlines()
-    assert lines[:2] == ["# run one", "# run two"]
+    assert lines[:2] == ["# one", "# two"]
     got = list(csv.DictReader(line for line in lines if not line.startswith("#")))
-    # Configurations in CONFIGS order; the rerun dp1-tp8 fp8_snapmla row replaced the first.
-    assert [(r["config"], r["kv"], float(r["speedup_vs_auto"])) for r in got] == [
-        ("dp8-tp1-ep8", "auto", 1.0), ("dp8-tp1-ep8", "fp8_snapmla", 1.2),
-        ("dp1-tp8", "auto", 1.0), ("dp1-tp8", "fp8_snapmla", 1.5)]
+    # Configurations in CONFIGS order, plain before MTP; the rerun dp1-tp8 fp8_snapmla row
+    # replaced the first, and gets no speedup: its auto row is from the other run.
+    assert [(r["run"], r["config"], r["kv"], r["mtp"], r["speedup_vs_auto"]) for r in got] == [
+        ("2", "dp8-tp1-ep8", "auto", "False", "1.0"),
+        ("2", "dp8-tp1-ep8", "fp8_snapmla", "False", "1.2"),
+        ("1", "dp1-tp8", "auto", "False", "1.0"),
+        ("2", "dp1-tp8", "fp8_snapmla", "False", ""),
+        ("1", "dp1-tp8", "auto", "True", "1.0"),
+        ("1", "dp1-tp8", "fp8_snapmla", "True", "1.5")]
     text = (tmp_path / "deployment.md").read_text()
-    assert text.startswith("run one\n\nrun two\n") and "1.50x" in text and "1.20x" in text
+    assert text.startswith("run 1: one\n\nrun 2: two\n") and "1.20x" in text and "1.50x" in text

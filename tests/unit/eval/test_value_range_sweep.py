@@ -19,6 +19,7 @@ def test_sweep_tables_every_point_and_setting(smoke_checkpoint, tmp_path, monkey
         return [{"run": "auto", "ppl_cache_context": "8.0", "ppl_delta_pct": "",
                  "greedy_identical": ""},
                 {"run": "fp8", "ppl_cache_context": "9.0", "ppl_delta_pct": "12.5",
+                 "dnll_vs_bf16": "0.1178", "dnll_vs_bf16_se": "0.01",
                  "greedy_identical": "0.25"}]
 
     monkeypatch.setattr(sweep, "run_parity", fake_parity)
@@ -37,6 +38,18 @@ def test_sweep_tables_every_point_and_setting(smoke_checkpoint, tmp_path, monkey
     assert float(rows[0]["content_absmax"]) == float(rows[2]["content_absmax"])
     assert "+12.500%" in (tmp_path / "sweep.md").read_text()
     assert (tmp_path / "sweep.png").stat().st_size > 0
+
+
+def test_sweep_refuses_points_of_another_checkpoint(smoke_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setattr(sweep, "run_parity", lambda args, name, model: [
+        {"run": "auto", "ppl_cache_context": "8.0", "ppl_delta_pct": "", "greedy_identical": ""}])
+    sweep.main(["--model", str(smoke_checkpoint), "--out", str(tmp_path), "--targets", "100",
+                "--dtypes", "auto"])
+    other = tmp_path / "other-checkpoint"
+    other.mkdir()
+    with pytest.raises(SystemExit, match="made from"):
+        sweep.main(["--model", str(other), "--out", str(tmp_path), "--targets", "100",
+                    "--dtypes", "auto"])
 
 
 def test_sweep_needs_the_bf16_baseline(tmp_path):
