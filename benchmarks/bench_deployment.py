@@ -62,8 +62,8 @@ from pathlib import Path
 
 from benchmarks import bench_e2e
 from benchmarks.provenance import describe, run_info
-from benchmarks.vllm_engine import (DEEPSEEK_V31_ATTENTION, KV_BYTES_PER_TOKEN, number,
-                                    read_csv, write_csv)
+from benchmarks.vllm_engine import (DEEPSEEK_V31_ATTENTION, KV_BYTES_PER_TOKEN, merge_by_key,
+                                    number, read_csv, write_csv)
 
 GIB = 2**30
 H200_MEMORY_BYTES = int(139.8 * GIB)   # what torch reports as total memory on an H200
@@ -245,9 +245,6 @@ def _row_from_csv(row: dict) -> dict:
 def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
     """``old`` with the rows of the same (configuration, kv, MTP, context) replaced by ``new``,
     in report order (configurations as ``CONFIGS``, plain before MTP, kv, context)."""
-    key = lambda r: (r["config"], r["kv"], bool(r.get("mtp")), int(r["context"]))  # noqa: E731
-    merged = {key(r): r for r in old}
-    merged.update({key(r): r for r in new})
     configs, kvs = list(CONFIGS), list(KV_SETTINGS)
 
     def order(k):
@@ -255,7 +252,8 @@ def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
         return (configs.index(config) if config in configs else len(configs), mtp,
                 kvs.index(kv) if kv in kvs else len(kvs), kv, context)
 
-    return [merged[k] for k in sorted(merged, key=order)]
+    return merge_by_key(old, new, lambda r: (r["config"], r["kv"], bool(r.get("mtp")),
+                                             int(r["context"])), order)
 
 
 def write_outputs(rows: list[dict], out: Path, header: str, budget: str) -> None:

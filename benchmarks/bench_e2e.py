@@ -48,7 +48,7 @@ from pathlib import Path
 
 from benchmarks.vllm_engine import (
     DEEPSEEK_V31_ATTENTION, SETTLE_STEPS, batch_to_fill, build_llm, child_main,
-    engine_log_facts, model_config, number, random_prompts, read_csv, run_child,
+    engine_log_facts, merge_by_key, model_config, number, random_prompts, read_csv, run_child,
     summarize_windows, timed_decode_windows, warm_tokens, warm_up, write_csv)
 from vllm_snapmla.testing import write_tiny_deepseek_v3
 
@@ -85,11 +85,8 @@ def add_relative_columns(rows: list[dict]) -> list[dict]:
 
 def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
     """``old`` with rows of the same (heads, context, kv) replaced by ``new``, sorted."""
-    merged = {_key(r): r for r in old}
-    merged.update({_key(r): r for r in new})
     order = {kv: i for i, kv in enumerate(KV_SETTINGS)}
-    return [merged[k] for k in sorted(merged, key=lambda k: (-k[0], k[1], order.get(k[2], 99),
-                                                               k[2]))]
+    return merge_by_key(old, new, _key, lambda k: (-k[0], k[1], order.get(k[2], 99), k[2]))
 
 
 def _fmt(value, digits: int = 0) -> str:

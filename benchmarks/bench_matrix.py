@@ -82,9 +82,9 @@ from pathlib import Path
 from benchmarks.provenance import describe, run_info
 from benchmarks.vllm_engine import (
     BLOCK_SIZE, DEEPSEEK_V31_ATTENTION, KV_BYTES_PER_TOKEN, SETTLE_STEPS, batch_to_fill,
-    build_llm, child_main, core_timestamp, engine_log_facts, estimated_kv_blocks, model_config,
-    number, random_prompts, read_csv, run_child, summarize_windows, timed_decode_windows,
-    warm_tokens, warm_up, write_csv)
+    build_llm, child_main, core_timestamp, engine_log_facts, estimated_kv_blocks, merge_by_key,
+    model_config, number, random_prompts, read_csv, run_child, summarize_windows,
+    timed_decode_windows, warm_tokens, warm_up, write_csv)
 from vllm_snapmla.testing import write_tiny_deepseek_v3
 
 KV_SETTINGS = ("auto", "fp8_snapmla", "fp8")
@@ -530,10 +530,7 @@ def merge_rows(old: list[dict], new: list[dict], key=None) -> list[dict]:
     """``old`` with the rows of the same key (``matrix_key`` or ``serve_key``) replaced by
     ``new``, in report order."""
     key = key or matrix_key
-    merged = {key(r): r for r in old}
-    merged.update({key(r): r for r in new})
-    order = _matrix_order if key is matrix_key else _serve_order
-    return [merged[k] for k in sorted(merged, key=order)]
+    return merge_by_key(old, new, key, _matrix_order if key is matrix_key else _serve_order)
 
 
 def add_ratios(rows: list[dict]) -> list[dict]:

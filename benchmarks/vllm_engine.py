@@ -166,6 +166,15 @@ def number(value) -> float | None:
     return None if value in (None, "") else float(value)
 
 
+def merge_by_key(old: list[dict], new: list[dict], key, order) -> list[dict]:
+    """``old`` with each row whose ``key(row)`` a row of ``new`` shares replaced by that row, the
+    rest of ``new`` added; sorted by ``order(key)``.  How every benchmark merges a run into the
+    results already in its output folder."""
+    merged = {key(r): r for r in old}
+    merged.update({key(r): r for r in new})
+    return [merged[k] for k in sorted(merged, key=order)]
+
+
 def read_csv(path: Path) -> tuple[list[str], list[dict]]:
     """The ``# `` comment lines at the top of a CSV (without the ``# ``) and its rows."""
     if not path.exists():

@@ -36,7 +36,8 @@ from eval import fidelity
 from vllm_snapmla import format as fmt
 
 DEFAULT_CONFIGS = ("A", "vllm_fp8", "snapmla_kv", "snapmla")
-SCALE_BOUND = 2.0 ** 24 / fmt.FP8_MAX     # RoPE / content abs-max ratio where the second term wins
+# RoPE / content abs-max ratio past which the format's scale comes from the RoPE key.
+SCALE_BOUND = fmt.ROPE_PRESCALED_MAX / fmt.FP8_MAX
 
 
 def scaled_cases(cases: list[dict], exponent: int) -> list[dict]:

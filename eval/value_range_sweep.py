@@ -25,6 +25,7 @@ import subprocess
 import sys
 
 from eval.common import script_command, script_env
+from vllm_snapmla import format as fmt
 
 ORIGINAL = "original"
 
@@ -157,8 +158,9 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
     ax.axhline(0.5, color="grey", ls=":", lw=0.8)
     ax.text(ax.get_xlim()[1], 0.5, "0.5% target ", ha="right", va="bottom", fontsize=8,
             color="grey")
-    ax.axvline(448, color="grey", ls="--", lw=0.8)
-    ax.text(448, ax.get_ylim()[0], " e4m3 max (448)", va="bottom", fontsize=8, color="grey")
+    ax.axvline(fmt.FP8_MAX, color="grey", ls="--", lw=0.8)
+    ax.text(fmt.FP8_MAX, ax.get_ylim()[0], f" e4m3 max ({fmt.FP8_MAX:g})", va="bottom",
+            fontsize=8, color="grey")
     ax.set_xlabel("RoPE-key abs-max of the cache (largest layer)")
     ax.set_ylabel("Δ perplexity vs BF16 cache (%)")
     ax.set_title("KV-cache formats against the RoPE-key range (bars: ±2 paired SE)")
