@@ -2,7 +2,8 @@
 per rank for DP8/TP1, DP4/TP2 and DP1/TP8 (the paper's Figure 1 configurations).
 
     python -m benchmarks.bench_deployment --out out/deployment [--configs dp8-tp1-ep8 ...]
-        [--contexts 16384 32768 65536 131072] [--kv auto fp8_snapmla fp8] [--budget-only]
+        [--contexts 16384 32768 65536 131072] [--kv auto fp8_snapmla fp8]
+        [--mtp | --mtp-only] [--budget-only]
 
 The model is the part of DeepSeek-V3.1 one rank runs, for a few layers: 1 dense layer and 3 MoE
 layers with the rank's shards, FP8 block-quantized weights as the checkpoint declares
@@ -287,6 +288,15 @@ def write_outputs(rows: list[dict], out: Path, header: str, budget: str) -> None
         plot(rows, out / "deployment.png")
 
 
+def engine_runs(kvs: list[str], mtp: bool, mtp_only: bool) -> list[tuple[str, bool]]:
+    """(KV format, with the MTP drafter) of each engine of a configuration: ``kvs`` plain
+    unless ``mtp_only``, then ``auto`` and ``fp8_snapmla`` of ``kvs`` with MTP if asked."""
+    runs = [] if mtp_only else [(kv, False) for kv in kvs]
+    if mtp or mtp_only:
+        runs += [(kv, True) for kv in ("auto", "fp8_snapmla") if kv in kvs]
+    return runs
+
+
 def main(argv=None) -> None:
     from vllm_snapmla.testing import write_tiny_deepseek_v3
 
@@ -304,6 +314,8 @@ def main(argv=None) -> None:
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per context")
     parser.add_argument("--mtp", action="store_true",
                         help="also auto and fp8_snapmla with one MTP speculative token")
+    parser.add_argument("--mtp-only", action="store_true",
+                        help="only the MTP engines (auto and fp8_snapmla among --kv)")
     parser.add_argument("--mtp-acceptance", type=float, default=0.85,
                         help="acceptance of the MTP token for the projected output tok/s")
     parser.add_argument("--budget-only", action="store_true",
@@ -320,10 +332,7 @@ def main(argv=None) -> None:
         for name in args.configs:
             rank = CONFIGS[name]
             per_layer = kv_budget(rank, args.reserve_gib)["kv_bytes_per_layer"]
-            runs = [(kv, False) for kv in args.kv]
-            if args.mtp:
-                runs += [(kv, True) for kv in ("auto", "fp8_snapmla") if kv in args.kv]
-            for kv, mtp in runs:
+            for kv, mtp in engine_runs(args.kv, args.mtp, args.mtp_only):
                 overrides = {**proxy_model_config(rank),
                              **({"num_nextn_predict_layers": 1} if mtp else {})}
                 model = str(write_tiny_deepseek_v3(Path(tmp) / f"{name}{'-mtp' if mtp else ''}",

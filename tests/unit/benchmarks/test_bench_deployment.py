@@ -131,3 +131,13 @@ def test_runs_of_separate_configurations_merge(tmp_path):
         ("1", "dp1-tp8", "fp8_snapmla", "True", "1.5")]
     text = (tmp_path / "deployment.md").read_text()
     assert text.startswith("run 1: one\n\nrun 2: two\n") and "1.20x" in text and "1.50x" in text
+
+
+def test_engine_runs_plain_mtp_and_mtp_only():
+    kvs = ["auto", "fp8_snapmla", "fp8"]
+    assert dep.engine_runs(kvs, False, False) == [(kv, False) for kv in kvs]
+    assert dep.engine_runs(kvs, True, False) == [(kv, False) for kv in kvs] + [
+        ("auto", True), ("fp8_snapmla", True)]
+    assert dep.engine_runs(kvs, False, True) == [("auto", True), ("fp8_snapmla", True)]
+    # vLLM's fp8 has no MTP engine here; a list without auto gets fp8_snapmla's alone.
+    assert dep.engine_runs(["fp8_snapmla", "fp8"], False, True) == [("fp8_snapmla", True)]
