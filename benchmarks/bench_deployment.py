@@ -45,7 +45,11 @@ method).  ``--mtp`` adds engines with DeepSeek's own drafter (one MTP layer, one
 token) for ``auto`` and ``fp8_snapmla``.  Dummy weights make the drafter's acceptance
 meaningless, so besides the measured tokens per step the report projects output tok/s =
 decode steps/s x B x (1 + ``--mtp-acceptance``), the acceptance DeepSeek reports for its second
-token (85-90%); the step time, which is what the KV format changes, is measured.
+token (85-90%); the step time, which is what the KV format changes, is measured.  The MTP
+layer's weights come off the rank's memory and its KV cache shares the budget (62 layers), so
+the 5-layer proxy gets 5 layers' share.  In the proxy the drafter is one layer in five, not one
+in 62, so its cost per step is overstated: compare KV formats with MTP against each other, not
+against the runs without it.
 
 Writes ``deployment.csv``, ``deployment.md`` and ``deployment.png`` (per configuration, speedup
 over ``auto`` against context, the paper's Figure 1 layout), merged with earlier runs in the same
@@ -63,8 +67,8 @@ from pathlib import Path
 
 from benchmarks import bench_e2e
 from benchmarks.provenance import describe, run_info
-from benchmarks.vllm_engine import (DEEPSEEK_V31_ATTENTION, KV_BYTES_PER_TOKEN, merge_by_key,
-                                    number, read_csv, write_csv)
+from benchmarks.vllm_engine import (DEEPSEEK_V31_ATTENTION, KV_BYTES_PER_TOKEN, NOISE_FRACTION,
+                                    merge_by_key, number, read_csv, write_csv)
 
 GIB = 2**30
 H200_MEMORY_BYTES = int(139.8 * GIB)   # what torch reports as total memory on an H200
@@ -103,8 +107,10 @@ def fp8_bytes(rows: int, cols: int) -> int:
     return rows * cols + 4 * blocks
 
 
-def rank_weight_bytes(rank: Rank) -> dict[str, int]:
-    """Bytes of the real 61-layer model's weights on one rank, by component."""
+def rank_weight_bytes(rank: Rank, mtp: bool = False) -> dict[str, int]:
+    """Bytes of the real 61-layer model's weights on one rank, by component; with ``mtp`` also
+    DeepSeek's MTP module (one more MoE layer and its BF16 ``eh_proj``, 2 x hidden -> hidden;
+    it shares the embedding and LM head)."""
     h, tp = V31["hidden"], rank.tp
     heads = rank.heads
     attention = (fp8_bytes(V31["q_lora"], h) + fp8_bytes(V31["kv_lora"] + V31["rope"], h)
@@ -122,24 +128,29 @@ def rank_weight_bytes(rank: Rank) -> dict[str, int]:
     gate = 2 * V31["experts"] * h
     moe_layers = V31["layers"] - V31["dense_layers"]
     vocab = 2 * V31["vocab"] * h // tp        # BF16 embedding and LM head, vocabulary-parallel
-    return {"attention": V31["layers"] * (attention + absorbed),
-            "dense_mlp": V31["dense_layers"] * dense,
-            "routed_experts": moe_layers * routed,
-            "shared_experts": moe_layers * shared,
-            "router": moe_layers * gate,
-            "embedding_and_lm_head": 2 * vocab}
+    parts = {"attention": V31["layers"] * (attention + absorbed),
+             "dense_mlp": V31["dense_layers"] * dense,
+             "routed_experts": moe_layers * routed,
+             "shared_experts": moe_layers * shared,
+             "router": moe_layers * gate,
+             "embedding_and_lm_head": 2 * vocab}
+    if mtp:
+        parts["mtp_layer"] = attention + absorbed + routed + shared + gate + 2 * 2 * h * h
+    return parts
 
 
-def kv_budget(rank: Rank, reserve_gib: float, memory_bytes: int = H200_MEMORY_BYTES,
+def kv_budget(rank: Rank, reserve_gib: float, mtp: bool = False,
+              memory_bytes: int = H200_MEMORY_BYTES,
               utilization: float = GPU_MEMORY_UTILIZATION) -> dict:
-    """The KV cache a rank of the real deployment has, in total and per layer."""
-    weights = sum(rank_weight_bytes(rank).values())
+    """The KV cache a rank of the real deployment has, in total and per layer; with ``mtp`` the
+    MTP layer's weights come off the total and its KV cache shares it (62 layers)."""
+    weights = sum(rank_weight_bytes(rank, mtp).values())
     usable = int(memory_bytes * utilization)
     total = usable - weights - int(reserve_gib * GIB)
     if total <= 0:
         raise ValueError(f"{rank.name}: weights ({weights / GIB:.1f} GiB) and reserve leave no "
                          f"KV cache in {usable / GIB:.1f} GiB")
-    per_layer = total // V31["layers"]
+    per_layer = total // (V31["layers"] + int(mtp))
     return {"usable_bytes": usable, "weight_bytes": weights,
             "reserve_bytes": int(reserve_gib * GIB), "kv_bytes": total,
             "kv_bytes_per_layer": per_layer,
@@ -170,15 +181,17 @@ def proxy_model_config(rank: Rank) -> dict:
 
 def budget_table(reserve_gib: float) -> str:
     lines = ["| configuration | heads | weights GiB | reserve GiB | KV GiB (61 layers) | "
-             "KV MiB per layer | tokens BF16 | tokens fp8_snapmla | tokens fp8 |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "KV MiB per layer | tokens BF16 | tokens fp8_snapmla | tokens fp8 | "
+             "KV MiB per layer with MTP |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for rank in CONFIGS.values():
         b = kv_budget(rank, reserve_gib)
         t = b["tokens"]
+        with_mtp = kv_budget(rank, reserve_gib, mtp=True)["kv_bytes_per_layer"]
         lines.append(f"| {rank.name} | {rank.heads} | {b['weight_bytes'] / GIB:.1f} | "
                      f"{reserve_gib:g} | {b['kv_bytes'] / GIB:.1f} | "
                      f"{b['kv_bytes_per_layer'] / 2**20:.0f} | {t['auto']:,} | "
-                     f"{t['fp8_snapmla']:,} | {t['fp8']:,} |")
+                     f"{t['fp8_snapmla']:,} | {t['fp8']:,} | {with_mtp / 2**20:.0f} |")
     return "\n".join(lines)
 
 
@@ -195,6 +208,17 @@ def add_speedups(rows: list[dict]) -> list[dict]:
     return rows
 
 
+SERIES = {("fp8_snapmla", False): ("o-", "tab:blue"), ("fp8", False): ("^-", "tab:orange"),
+          ("fp8_snapmla", True): ("s--", "tab:green")}
+
+
+def speedup_uncertainty(row: dict, base: dict) -> float:
+    """Half the range a speedup can take when each side's step time lies anywhere between its
+    two windows: speedup x (both spreads) / 2."""
+    spreads = [number(r.get("spread_pct")) or 0.0 for r in (row, base)]
+    return row["speedup_vs_auto"] * sum(spreads) / 200
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -202,35 +226,40 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     configs = list(dict.fromkeys(r["config"] for r in rows))
-    fig, axes = plt.subplots(1, len(configs), figsize=(4.2 * len(configs), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(configs), figsize=(4.2 * len(configs), 3.6), squeeze=False,
+                             sharey=True)
+    base = {(r["config"], r["context"], bool(r.get("mtp")), r.get("run")): r for r in rows
+            if r["kv"] == "auto"}
     for ax, config in zip(axes[0], configs):
-        for kv, mtp in (("fp8_snapmla", False), ("fp8", False), ("fp8_snapmla", True)):
-            pts = sorted((r["context"], r["speedup_vs_auto"]) for r in rows
-                         if r["config"] == config and r["kv"] == kv
+        for (kv, mtp), (style, color) in SERIES.items():
+            pts = sorted((r["context"], r["speedup_vs_auto"],
+                          speedup_uncertainty(r, base[(config, r["context"], mtp, r.get("run"))]))
+                         for r in rows if r["config"] == config and r["kv"] == kv
                          and bool(r.get("mtp")) == mtp and r["speedup_vs_auto"])
             if pts:
-                ax.plot([c // 1024 for c, _ in pts], [s for _, s in pts],
-                        "s--" if mtp else "o-", label=kv + (" + MTP" if mtp else ""))
+                ax.errorbar([c // 1024 for c, _, _ in pts], [s for _, s, _ in pts],
+                            yerr=[e for _, _, e in pts], fmt=style, color=color, capsize=3,
+                            label=kv + (" + MTP" if mtp else ""))
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context (k tokens)")
         ax.set_title(config)
-        ax.set_ylabel("decode tok/s per rank vs BF16")
         ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("decode tok/s per rank vs BF16\n(bars: the windows' spread)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
 FIELDS = ["run", "config", "heads", "kv", "mtp", "context", "batch", "decode_tok_s", "tpot_ms",
-          "tokens_per_step", "projected_output_tok_s", "speedup_vs_auto", "kv_cache_tokens",
-          "kv_cache_mib", "backend", "error"]
+          "spread_pct", "tokens_per_step", "projected_output_tok_s", "speedup_vs_auto",
+          "kv_cache_tokens", "kv_cache_mib", "backend", "error"]
 MTP_SPEC = {"method": "mtp", "num_speculative_tokens": 1}
 
 
 _INTEGER_FIELDS = ("run", "heads", "context", "batch", "kv_cache_tokens")
-_FLOAT_FIELDS = ("decode_tok_s", "tpot_ms", "tokens_per_step", "projected_output_tok_s",
-                 "kv_cache_mib")
+_FLOAT_FIELDS = ("decode_tok_s", "tpot_ms", "spread_pct", "tokens_per_step",
+                 "projected_output_tok_s", "kv_cache_mib")
 
 
 def _row_from_csv(row: dict) -> dict:
@@ -257,6 +286,14 @@ def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
                                              int(r["context"])), order)
 
 
+def _spread_cell(spread) -> str:
+    """The two windows' difference, flagged past bench_e2e's noise bound (a ratio built on
+    such a row is uncertain by about half the spread)."""
+    if spread in (None, ""):
+        return ""
+    return f"{spread:.1f}%" + (" (noisy)" if spread > 100 * NOISE_FRACTION else "")
+
+
 def write_outputs(rows: list[dict], out: Path, header: str, budget: str) -> None:
     """Merge ``rows`` into ``out``'s earlier results (so each configuration can run in its own
     call) and rewrite deployment.csv, .md and .png; ``header`` joins the runs listed on top, and
@@ -272,15 +309,16 @@ def write_outputs(rows: list[dict], out: Path, header: str, budget: str) -> None
     lines = ["\n\n".join(f"run {i}: {text}" for i, text in enumerate(runs, 1)), "",
              "KV budget per rank:", "", budget, "",
              "| run | configuration | heads | kv | context | batch | decode steps/s x B | "
-             "step ms | tokens per step | projected output tok/s | vs auto (same run) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "step ms | windows apart | tokens per step | projected output tok/s | "
+             "vs auto (same run) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tok, tpot, speedup = r.get("decode_tok_s"), r.get("tpot_ms"), r["speedup_vs_auto"]
         per_step, projected = r.get("tokens_per_step"), r.get("projected_output_tok_s")
         cells = [r["run"], r["config"], r["heads"], r["kv"] + (" + MTP" if r.get("mtp") else ""),
                  r["context"], r.get("batch", ""),
                  f"{tok:,.0f}" if tok else r.get("error", ""), f"{tpot:.2f}" if tpot else "",
-                 f"{per_step:.3f}" if per_step else "",
+                 _spread_cell(r.get("spread_pct")), f"{per_step:.3f}" if per_step else "",
                  f"{projected:,.0f}" if projected else "", f"{speedup:.2f}x" if speedup else ""]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     (out / "deployment.md").write_text("\n".join(lines) + "\n")
@@ -331,22 +369,24 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-deployment-") as tmp:
         for name in args.configs:
             rank = CONFIGS[name]
-            per_layer = kv_budget(rank, args.reserve_gib)["kv_bytes_per_layer"]
             for kv, mtp in engine_runs(args.kv, args.mtp, args.mtp_only):
+                # The drafter's layer holds KV too: the proxy's cache is its layers' share.
+                layers = PROXY_LAYERS + int(mtp)
+                kv_bytes = layers * kv_budget(rank, args.reserve_gib, mtp)["kv_bytes_per_layer"]
                 overrides = {**proxy_model_config(rank),
                              **({"num_nextn_predict_layers": 1} if mtp else {})}
                 model = str(write_tiny_deepseek_v3(Path(tmp) / f"{name}{'-mtp' if mtp else ''}",
                                                    **overrides))
                 label = kv + (" + MTP" if mtp else "")
                 print(f"[{name} kv={label}] {rank.heads} heads, KV "
-                      f"{per_layer * PROXY_LAYERS / GIB:.2f} GiB for {PROXY_LAYERS} layers, "
+                      f"{kv_bytes / GIB:.2f} GiB for {layers} layers, "
                       f"contexts {args.contexts}; starting the engine (the first engine of a "
                       "configuration also compiles DeepGEMM's FP8 kernels: minutes) ...",
                       flush=True)
                 start = time.monotonic()
                 spec = {"model": model, "heads": rank.heads, "contexts": list(args.contexts),
                         "kv": kv, "gen_tokens": args.gen_tokens, "windows": args.windows,
-                        "kv_cache_gib": per_layer * PROXY_LAYERS / GIB,
+                        "kv_cache_gib": kv_bytes / GIB,
                         "max_batch": args.max_batch, "vocab": V31["vocab"] // rank.tp,
                         "speculative_config": MTP_SPEC if mtp else None}
                 reported = set()
@@ -359,7 +399,7 @@ def main(argv=None) -> None:
                 for row in bench_e2e.run_in_subprocess(spec, args.timeout * len(args.contexts),
                                                        on_result=report):
                     row.update(config=name, mtp=mtp,
-                               kv_cache_mib=per_layer * PROXY_LAYERS / 2**20)
+                               kv_cache_mib=kv_bytes / 2**20)
                     if row.get("decode_tok_s"):
                         row["projected_output_tok_s"] = round(
                             row["decode_tok_s"] * (1 + (args.mtp_acceptance if mtp else 0)), 1)

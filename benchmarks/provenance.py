@@ -12,13 +12,23 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def _git_commit() -> str:
+def _git(*args: str) -> subprocess.CompletedProcess | None:
     try:
-        proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
-                              capture_output=True, text=True, timeout=10)
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True,
+                              timeout=10)
     except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def _git_commit() -> str:
+    """The short commit, with ``+changes`` when tracked files differ from it (the numbers then
+    come from code that commit does not hold)."""
+    head = _git("rev-parse", "--short", "HEAD")
+    if head is None or head.returncode != 0 or not head.stdout.strip():
         return "unknown"
-    return proc.stdout.strip() if proc.returncode == 0 and proc.stdout.strip() else "unknown"
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    changed = status is not None and status.returncode == 0 and status.stdout.strip()
+    return head.stdout.strip() + ("+changes" if changed else "")
 
 
 def _gpu_name() -> str:

@@ -141,3 +141,31 @@ def test_engine_runs_plain_mtp_and_mtp_only():
     assert dep.engine_runs(kvs, False, True) == [("auto", True), ("fp8_snapmla", True)]
     # vLLM's fp8 has no MTP engine here; a list without auto gets fp8_snapmla's alone.
     assert dep.engine_runs(["fp8_snapmla", "fp8"], False, True) == [("fp8_snapmla", True)]
+
+
+def test_mtp_layer_takes_weights_and_a_share_of_the_kv_cache():
+    for rank in dep.CONFIGS.values():
+        plain = dep.kv_budget(rank, reserve_gib=6.0)
+        mtp = dep.kv_budget(rank, reserve_gib=6.0, mtp=True)
+        weights = dep.rank_weight_bytes(rank, mtp=True)
+        # The MTP module is one more MoE decoder layer (the rank's share of each of its
+        # parts) plus the BF16 eh_proj (2 x 7168 -> 7168, replicated).
+        one_moe_layer = (weights["attention"] / 61 + (weights["routed_experts"]
+                         + weights["shared_experts"] + weights["router"]) / 58)
+        assert weights["mtp_layer"] == pytest.approx(one_moe_layer + 2 * 2 * 7168**2, rel=1e-9)
+        assert mtp["weight_bytes"] - plain["weight_bytes"] == weights["mtp_layer"]
+        assert mtp["kv_bytes_per_layer"] == mtp["kv_bytes"] // 62
+        assert mtp["kv_bytes_per_layer"] < plain["kv_bytes_per_layer"]
+
+
+def test_spread_cell_flags_noisy_windows():
+    assert dep._spread_cell("") == ""
+    assert dep._spread_cell(0.8) == "0.8%"
+    assert dep._spread_cell(23.5) == "23.5% (noisy)"
+
+
+def test_speedup_uncertainty_adds_both_sides_spreads():
+    ours = {"speedup_vs_auto": 1.6, "spread_pct": 1.0}
+    assert dep.speedup_uncertainty(ours, {"spread_pct": 23.0}) == pytest.approx(1.6 * 0.12)
+    # A row without windows' spread (older results) counts as exact.
+    assert dep.speedup_uncertainty(ours, {}) == pytest.approx(1.6 * 0.005)

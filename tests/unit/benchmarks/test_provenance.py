@@ -1,0 +1,33 @@
+"""benchmarks.provenance: the commit a result names says when the code differed from it."""
+
+import shutil
+import subprocess
+
+import pytest
+
+from benchmarks import provenance
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git not installed")
+def test_commit_is_flagged_when_tracked_files_changed(tmp_path, monkeypatch):
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path,
+                       check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "kernel.py").write_text("a = 1\n")
+    git("add", "kernel.py")
+    git("commit", "-qm", "first")
+    monkeypatch.setattr(provenance, "REPO_ROOT", tmp_path)
+    clean = provenance._git_commit()
+    assert clean != "unknown" and not clean.endswith("+changes")
+    (tmp_path / "untracked.txt").write_text("results\n")   # untracked output: still clean
+    assert provenance._git_commit() == clean
+    (tmp_path / "kernel.py").write_text("a = 2\n")
+    assert provenance._git_commit() == clean + "+changes"
+
+
+def test_commit_outside_a_repository_is_unknown(tmp_path, monkeypatch):
+    monkeypatch.setattr(provenance, "REPO_ROOT", tmp_path)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    assert provenance._git_commit() == "unknown"
