@@ -31,7 +31,9 @@ the rank's real weight bytes (``rank_weight_bytes``: FP8 block-quantized project
 experts with their scales, BF16 embedding and LM head, vLLM's BF16 copy of the MLA up-projection
 for the absorbed decode), less ``--reserve-gib`` for activations, CUDA graphs and non-torch
 memory; divided by 61 layers and given to the 4-layer proxy as ``kv_cache_memory_bytes``.
-``--budget-only`` prints that arithmetic and runs nothing.
+``--budget-only`` prints that arithmetic and runs nothing.  ``--concurrent-starts N`` starts N
+engines of a configuration at once (their compilation and CUDA-graph capture overlap) and lets
+them measure one at a time once all are up.
 
 Engine start includes what vLLM does for FP8 block-quantized MoE on Hopper: DeepGEMM compiles
 and warms up its kernels for the shapes the engine can meet (``VLLM_DEEP_GEMM_WARMUP``, default
@@ -68,7 +70,8 @@ from pathlib import Path
 from benchmarks import bench_e2e
 from benchmarks.provenance import describe, run_info
 from benchmarks.vllm_engine import (DEEPSEEK_V31_ATTENTION, KV_BYTES_PER_TOKEN, NOISE_FRACTION,
-                                    merge_by_key, number, read_csv, write_csv)
+                                    merge_by_key, number, read_csv, run_engines_together,
+                                    write_csv)
 
 GIB = 2**30
 H200_MEMORY_BYTES = int(139.8 * GIB)   # what torch reports as total memory on an H200
@@ -83,6 +86,9 @@ FP8_BLOCK = 128
 PROXY_LAYERS = 4          # 1 dense + 3 MoE
 CONTEXTS = (16384, 32768, 65536, 131072)
 KV_SETTINGS = ("auto", "fp8_snapmla", "fp8")
+# --concurrent-starts N: each engine asks vLLM for this fraction / N of the GPU's memory to be
+# free at its start (its KV cache is the rank's budget whatever the fraction).
+CONCURRENT_MEMORY_FRACTION = 0.8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,7 +250,8 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context (k tokens)")
         ax.set_title(config)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     axes[0][0].set_ylabel("decode tok/s per rank vs BF16\n(bars: the windows' spread)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -335,9 +342,59 @@ def engine_runs(kvs: list[str], mtp: bool, mtp_only: bool) -> list[tuple[str, bo
     return runs
 
 
-def main(argv=None) -> None:
+def engine_launch(rank: Rank, kv: str, mtp: bool, position: int, group_size: int, args,
+                  tmp: Path):
+    """The launch (``run_engines_together``) of one engine of ``rank``: its proxy model, its
+    KV budget, progress lines; returns the engine's rows."""
     from vllm_snapmla.testing import write_tiny_deepseek_v3
 
+    def run(go_file, on_up) -> list[dict]:
+        overrides = {**proxy_model_config(rank),
+                     **({"num_nextn_predict_layers": 1} if mtp else {})}
+        model = str(write_tiny_deepseek_v3(tmp / f"{rank.name}{'-mtp' if mtp else ''}-{kv}",
+                                           **overrides))
+        # The drafter's layer holds KV too: the proxy's cache is its layers' share.
+        layers = PROXY_LAYERS + int(mtp)
+        kv_bytes = layers * kv_budget(rank, args.reserve_gib, mtp)["kv_bytes_per_layer"]
+        label = f"[{rank.name} kv={kv}{' + MTP' if mtp else ''}]"
+        print(f"{label} {rank.heads} heads, KV {kv_bytes / GIB:.2f} GiB for {layers} layers, "
+              f"contexts {args.contexts}; starting the engine (the first engine of a "
+              "configuration also compiles DeepGEMM's FP8 kernels: minutes) ...", flush=True)
+        start = time.monotonic()
+        spec = {"model": model, "heads": rank.heads, "contexts": list(args.contexts),
+                "kv": kv, "gen_tokens": args.gen_tokens, "windows": args.windows,
+                "kv_cache_gib": kv_bytes / GIB, "max_batch": args.max_batch,
+                "vocab": V31["vocab"] // rank.tp,
+                "speculative_config": MTP_SPEC if mtp else None}
+        if group_size > 1:
+            spec.update(go_file=go_file,
+                        gpu_memory_utilization=CONCURRENT_MEMORY_FRACTION / group_size)
+        reported = set()
+
+        def report(result):
+            if result.get("kind") == "engine":
+                on_up()
+            else:
+                reported.add(result["context"])
+            print(label, end="", flush=True)
+            bench_e2e.print_progress(result, start)
+
+        # An engine of a group waits for the ones before it.
+        timeout = args.timeout * len(args.contexts) * (position + 1)
+        rows = bench_e2e.run_in_subprocess(spec, timeout, on_result=report)
+        for row in rows:
+            row.update(config=rank.name, mtp=mtp, kv_cache_mib=kv_bytes / 2**20)
+            if row.get("decode_tok_s"):
+                row["projected_output_tok_s"] = round(
+                    row["decode_tok_s"] * (1 + (args.mtp_acceptance if mtp else 0)), 1)
+            if row["context"] not in reported:   # the engine died or timed out first
+                print(f"{label} context {row['context']}: {row.get('error')}", flush=True)
+        print(f"{label} engine done ({time.monotonic() - start:.0f} s)", flush=True)
+        return rows
+    return run
+
+
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="out/deployment")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
@@ -346,8 +403,9 @@ def main(argv=None) -> None:
     parser.add_argument("--reserve-gib", type=float, default=6.0,
                         help="activations, CUDA graphs and non-torch memory of a real rank "
                              "(default 6; the engines log their own figures)")
-    parser.add_argument("--gen-tokens", type=int, default=256, help="decode steps per window")
-    parser.add_argument("--windows", type=int, default=2)
+    parser.add_argument("--gen-tokens", type=int, default=128, help="decode steps per window")
+    parser.add_argument("--windows", type=int, default=4,
+                        help="timed windows; the step time is their median")
     parser.add_argument("--max-batch", type=int, default=512)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per context")
     parser.add_argument("--mtp", action="store_true",
@@ -356,9 +414,14 @@ def main(argv=None) -> None:
                         help="only the MTP engines (auto and fp8_snapmla among --kv)")
     parser.add_argument("--mtp-acceptance", type=float, default=0.85,
                         help="acceptance of the MTP token for the projected output tok/s")
+    parser.add_argument("--concurrent-starts", type=int, default=1, metavar="N",
+                        help="start N engines of a configuration at once (their start-ups "
+                             "overlap), measure them one at a time")
     parser.add_argument("--budget-only", action="store_true",
                         help="print the KV-budget arithmetic and stop")
     args = parser.parse_args(argv)
+    if not 1 <= args.concurrent_starts <= 8:
+        parser.error("--concurrent-starts must be 1 to 8")
     budget = budget_table(args.reserve_gib)
     print(budget, flush=True)
     if args.budget_only:
@@ -369,44 +432,13 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-deployment-") as tmp:
         for name in args.configs:
             rank = CONFIGS[name]
-            for kv, mtp in engine_runs(args.kv, args.mtp, args.mtp_only):
-                # The drafter's layer holds KV too: the proxy's cache is its layers' share.
-                layers = PROXY_LAYERS + int(mtp)
-                kv_bytes = layers * kv_budget(rank, args.reserve_gib, mtp)["kv_bytes_per_layer"]
-                overrides = {**proxy_model_config(rank),
-                             **({"num_nextn_predict_layers": 1} if mtp else {})}
-                model = str(write_tiny_deepseek_v3(Path(tmp) / f"{name}{'-mtp' if mtp else ''}",
-                                                   **overrides))
-                label = kv + (" + MTP" if mtp else "")
-                print(f"[{name} kv={label}] {rank.heads} heads, KV "
-                      f"{kv_bytes / GIB:.2f} GiB for {layers} layers, "
-                      f"contexts {args.contexts}; starting the engine (the first engine of a "
-                      "configuration also compiles DeepGEMM's FP8 kernels: minutes) ...",
-                      flush=True)
-                start = time.monotonic()
-                spec = {"model": model, "heads": rank.heads, "contexts": list(args.contexts),
-                        "kv": kv, "gen_tokens": args.gen_tokens, "windows": args.windows,
-                        "kv_cache_gib": kv_bytes / GIB,
-                        "max_batch": args.max_batch, "vocab": V31["vocab"] // rank.tp,
-                        "speculative_config": MTP_SPEC if mtp else None}
-                reported = set()
-
-                def report(result, start=start, reported=reported):
-                    if result.get("kind") != "engine":
-                        reported.add(result["context"])
-                    bench_e2e.print_progress(result, start)
-
-                for row in bench_e2e.run_in_subprocess(spec, args.timeout * len(args.contexts),
-                                                       on_result=report):
-                    row.update(config=name, mtp=mtp,
-                               kv_cache_mib=kv_bytes / 2**20)
-                    if row.get("decode_tok_s"):
-                        row["projected_output_tok_s"] = round(
-                            row["decode_tok_s"] * (1 + (args.mtp_acceptance if mtp else 0)), 1)
-                    if row["context"] not in reported:   # the engine died or timed out first
-                        print(f"    context {row['context']}: {row.get('error')}", flush=True)
-                    rows.append(row)
-                print(f"    engine done ({time.monotonic() - start:.0f} s)", flush=True)
+            runs = engine_runs(args.kv, args.mtp, args.mtp_only)
+            for first in range(0, len(runs), args.concurrent_starts):
+                group = runs[first:first + args.concurrent_starts]
+                launches = [engine_launch(rank, kv, mtp, position, len(group), args, Path(tmp))
+                            for position, (kv, mtp) in enumerate(group)]
+                for engine_rows in run_engines_together(launches, Path(tmp)):
+                    rows.extend(engine_rows)
                 write_outputs(rows, out, header, budget)
     print(f"wrote {out}/deployment.md, deployment.csv, deployment.png")
 

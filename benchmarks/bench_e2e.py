@@ -49,7 +49,7 @@ from pathlib import Path
 from benchmarks.vllm_engine import (
     DEEPSEEK_V31_ATTENTION, SETTLE_STEPS, batch_to_fill, build_llm, child_main,
     engine_log_facts, merge_by_key, model_config, number, random_prompts, read_csv, run_child,
-    summarize_windows, timed_decode_windows, warm_tokens, warm_up, write_csv)
+    summarize_windows, timed_decode_windows, wait_for_go, warm_tokens, warm_up, write_csv)
 from vllm_snapmla.testing import write_tiny_deepseek_v3
 
 KV_SETTINGS = ("auto", "fp8_snapmla", "fp8")
@@ -194,7 +194,8 @@ def run_engine(spec: dict):
     llm = build_llm(spec["model"], spec["kv"],
                     max(spec["contexts"]) + MAX_WARM_TOKENS + timed_tokens,
                     spec["kv_cache_gib"], spec["max_batch"],
-                    speculative_config=spec.get("speculative_config"))
+                    speculative_config=spec.get("speculative_config"),
+                    gpu_memory_utilization=spec.get("gpu_memory_utilization"))
     config = llm.llm_engine.vllm_config
     cache = config.cache_config
     capacity = cache.num_gpu_blocks * cache.block_size
@@ -203,6 +204,7 @@ def run_engine(spec: dict):
     vocab = spec.get("vocab", DEEPSEEK_V31_ATTENTION["vocab_size"])
     warm_up(llm, gen_ids, vocab)
     yield {"kind": "engine", "kv_cache_tokens": capacity}
+    wait_for_go(spec.get("go_file"))   # the other engines of a concurrent start come up
     # Block 0 is vLLM's null block: a batch sized on all blocks could be preempted.
     usable_blocks = cache.num_gpu_blocks - 1
     for context in spec["contexts"]:

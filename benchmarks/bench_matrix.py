@@ -3,7 +3,7 @@
     python -m benchmarks.bench_matrix --out out/matrix [--dry-run] [--budget-s 480]
         [--kv auto fp8_snapmla fp8] [--heads 16 128] [--contexts 512 2048 8192 32768 131072]
         [--batches 1 8 64 fill] [--max-model-len wide tight] [--modes graph eager]
-        [--serve | --serve-only]
+        [--serve | --serve-only] [--concurrent-starts N]
     python -m benchmarks.bench_matrix --out out/matrix --replot      # no GPU: redraw md/png
 
 The model is bench_e2e's: DeepSeek-V3.1's attention shapes with 4 dense layers and vLLM's dummy
@@ -29,14 +29,19 @@ with a block table as wide as the context; this matrix measures what users meet 
   ``enforce_eager=True``.  (Steps that mix prefill and decode run attention eagerly even in
   graph mode.)
 
-One engine (a child process that owns the GPU) per (kv, heads, max_model_len, mode) runs all its
-cells; engines run in the order of --heads, --modes and --max-model-len, with kv innermost, so
-that a budget cut leaves whole comparisons and the first-named settings run first.  Each cell:
-B random-token prompts of ``context`` tokens (prefix caching off) go in at once; the engine is
-stepped through the chunked prefill, then ``--windows`` windows of ``--steps`` decode steps are
-timed with the engine core's timestamps, as in bench_e2e:
+One engine (a child process) per (kv, heads, max_model_len, mode) runs all its cells; engines
+run in the order of --heads, --modes and --max-model-len, with kv innermost, so that a budget
+cut leaves whole comparisons and the first-named settings run first. Each cell: B random-token
+prompts of ``context`` tokens (prefix caching off) go in at once; the engine is stepped through
+the chunked prefill, then ``--windows`` windows of ``--steps`` decode steps are timed with the
+engine core's timestamps, as in bench_e2e:
 
     TPOT = median over the windows of (window time / steps);  decode tok/s = B / TPOT
+
+``--concurrent-starts N`` starts N engines at once, so that their compilation and CUDA-graph
+capture (a minute or more each) overlap, and lets them measure one at a time, in plan order, once
+all N are up: while one measures, the others sit idle with their memory held, and nothing
+starts.  Each asks vLLM for 0.8/N of the GPU's memory to be free at its start.
 
 Every engine has the same KV-cache bytes (``--kv-cache-gib``, default 4 GiB: for 4 layers that is
 the token capacity DeepSeek-V3.1's 61 layers have in about 61 GiB, a TP8 rank's share), so
@@ -74,6 +79,7 @@ import math
 import random
 import sys
 import tempfile
+import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -84,7 +90,7 @@ from benchmarks.vllm_engine import (
     BLOCK_SIZE, DEEPSEEK_V31_ATTENTION, KV_BYTES_PER_TOKEN, SETTLE_STEPS, batch_to_fill,
     build_llm, child_main, core_timestamp, engine_log_facts, estimated_kv_blocks, merge_by_key,
     model_config, number, random_prompts, read_csv, run_child, summarize_windows,
-    timed_decode_windows, warm_tokens, warm_up, write_csv)
+    run_engines_together, timed_decode_windows, wait_for_go, warm_tokens, warm_up, write_csv)
 from vllm_snapmla.testing import write_tiny_deepseek_v3
 
 KV_SETTINGS = ("auto", "fp8_snapmla", "fp8")
@@ -110,6 +116,9 @@ DECODE_STEP_S = {"graph": 0.008, "eager": 0.03}
 HBM_BYTES_PER_S = 2e12
 CELL_OVERHEAD_S = 2.0
 CHILD_GRACE_S = 30.0   # how long past the budget a running engine may go before it is killed
+# --concurrent-starts N: each engine asks vLLM for this fraction / N of the GPU's memory to be
+# free at its start (its KV cache is --kv-cache-gib whatever the fraction).
+CONCURRENT_MEMORY_FRACTION = 0.8
 
 MATRIX_FIELDS = [
     "heads", "max_model_len", "mode", "context", "batch", "kv", "status", "reason",
@@ -335,6 +344,17 @@ def estimate_engine_s(engine: Engine, settings: Settings, workload=None) -> tupl
 
 # --- continuous batching (pure; unit-tested with a stand-in engine) ------------------------
 
+def estimate_total_s(engines: list[Engine], estimates: list[tuple], concurrent_starts: int
+                     ) -> float:
+    """The whole sweep's time: each engine's estimate, less the start-ups that overlap the
+    first of their group with ``--concurrent-starts`` (groups of consecutive engines)."""
+    total = sum(seconds for seconds, _ in estimates)
+    for k, engine in enumerate(engines):
+        if k % concurrent_starts:
+            total -= ENGINE_START_S[engine.mode]
+    return total
+
+
 def run_serve(engine, requests: list[tuple[float, object, object]], clock=time.monotonic,
               sleep=time.sleep, stop_at: float | None = None) -> tuple[float, list[dict]]:
     """Drive ``engine`` (vLLM's ``LLMEngine``) with ``requests`` (arrival s, prompt, params with
@@ -423,7 +443,8 @@ def run_engine(spec: dict):
     llm = build_llm(spec["model"], spec["kv"], spec["max_model_len_tokens"],
                     settings.kv_cache_gib, settings.max_batch,
                     enforce_eager=spec["mode"] == "eager",
-                    max_num_batched_tokens=settings.max_batched_tokens)
+                    max_num_batched_tokens=settings.max_batched_tokens,
+                    gpu_memory_utilization=spec.get("gpu_memory_utilization"))
     config = llm.llm_engine.vllm_config
     cache = config.cache_config
     max_batched_tokens = config.scheduler_config.max_num_batched_tokens
@@ -435,6 +456,7 @@ def run_engine(spec: dict):
     yield {"kind": "engine", "kv_cache_tokens": capacity, "block_size": cache.block_size,
            "max_num_batched_tokens": max_batched_tokens,
            "start_s": round(time.monotonic() - started, 1)}
+    wait_for_go(spec.get("go_file"))   # other engines of a --concurrent-starts group start up
 
     deadline = spec.get("deadline")   # time.time() after which no cell starts
     spent = estimated = 0.0           # of the finished cells, to rescale the estimates
@@ -825,6 +847,10 @@ def main(argv=None) -> None:
                         help="wall-clock seconds for the whole command: no engine or cell "
                              "starts that the estimate says would end later")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per engine")
+    parser.add_argument("--concurrent-starts", type=int, default=1, metavar="N",
+                        help="start N engines at once (their compilation and CUDA-graph "
+                             "capture overlap), then let them measure one at a time; 1: one "
+                             "engine after the other")
     parser.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
     parser.add_argument("--replot", action="store_true",
                         help="no GPU: redraw matrix.md/png and serve.md from --out's CSVs")
@@ -839,6 +865,8 @@ def main(argv=None) -> None:
         return
     if args.steps < 1 or args.windows < 1:
         parser.error("--steps and --windows must be at least 1")
+    if not 1 <= args.concurrent_starts <= 8:
+        parser.error("--concurrent-starts must be 1 to 8")
     if args.kv_cache_gib <= 0:
         parser.error("--kv-cache-gib must be positive: the cells are planned on it")
     low, high = args.serve_prompt_range
@@ -869,7 +897,8 @@ def main(argv=None) -> None:
           f"max_model_len), {len(skipped)} cell rows skipped now by --max-prefill-tokens"
           + (f", {sum(e.serve for e in engines)} serve runs of {len(workload)} requests"
              if serve else "")
-          + f"; estimated {sum(t for t, _ in estimates) / 60:.1f} min"
+          + f"; estimated {estimate_total_s(engines, estimates, args.concurrent_starts) / 60:.1f}"
+            " min"
           + (f", budget {args.budget_s / 60:.1f} min" if deadline else ""), flush=True)
     for i, (engine, (seconds, _)) in enumerate(zip(engines, estimates), 1):
         print(f"  [{i}] {engine.describe()}: {len(engine.cells)} cells"
@@ -878,39 +907,26 @@ def main(argv=None) -> None:
         return
     write_outputs(out, info, skipped)
 
-    with tempfile.TemporaryDirectory(prefix="bench-matrix-") as tmp:
-        models = {h: str(write_tiny_deepseek_v3(Path(tmp) / f"deepseek-v31-attn-h{h}",
-                                                **model_config(h))) for h in args.heads}
-        for i, (engine, (seconds, decisions)) in enumerate(zip(engines, estimates), 1):
-            first = next((d["estimated_s"] for d in decisions if not d["reason"]),
-                         estimate_serve_s(workload, engine.mode) if engine.serve else 0.0)
-            need = ENGINE_START_S[engine.mode] + first
-            if deadline is not None and time.time() + need > deadline:
-                reason = (f"--budget-s: engine start + first cell ~{need:.0f} s, "
-                          f"{max(0.0, deadline - time.time()):.0f} s left")
-                print(f"[{i}/{len(engines)}] {engine.describe()}: skipped, {reason}", flush=True)
-                matrix, serve_rows = engine_rows(
-                    engine, [{"kind": "cell", "context": c, "batch": b, "status": "skipped",
-                              "reason": reason} for c, b in engine.cells]
-                    + ([{"kind": "serve", "status": "skipped", "reason": reason}]
-                       if engine.serve else []), None, {})
-                write_outputs(out, info, matrix, serve_rows, plot=False)
-                continue
-            print(f"[{i}/{len(engines)}] {engine.describe()}: {len(engine.cells)} cells"
-                  f"{' + serve' if engine.serve else ''}, ~{seconds:.0f} s "
-                  f"({time.time() - started:.0f} s into the run)", flush=True)
+    write_lock = threading.Lock()   # result handlers run on the children's reader threads
+
+    def launch(i: int, engine: Engine, models: dict, position: int, group_size: int):
+        """What ``run_engines_together`` calls for engine ``i``: its child, with progress lines
+        and each cell's row written as it arrives."""
+        def run(go_file, on_up):
             engine_start = time.monotonic()
 
-            def report(result, engine=engine, engine_start=engine_start):
+            def report(result):
                 kind = result.get("kind")
                 if kind == "engine":
-                    print(f"    engine up in {time.monotonic() - engine_start:.0f} s, KV cache "
-                          f"{result['kv_cache_tokens']:,} tokens", flush=True)
+                    print(f"    [{i}] engine up in {time.monotonic() - engine_start:.0f} s, "
+                          f"KV cache {result['kv_cache_tokens']:,} tokens", flush=True)
+                    on_up()
                 elif kind == "cell":
                     matrix, _ = engine_rows(engine, [result], None, {})
                     row = next(r for r in matrix if (r["context"], r["batch"])
                                == (result["context"], result["batch"]))
-                    rows, _ = write_outputs(out, info, [row], plot=False)
+                    with write_lock:
+                        rows, _ = write_outputs(out, info, [row], plot=False)
                     bf16 = next((r for r in rows if matrix_key(r)
                                  == matrix_key({**row, "kv": BASELINE_KV})), None)
                     print(_cell_line(row, bf16), flush=True)
@@ -929,16 +945,55 @@ def main(argv=None) -> None:
                     "cells": engine.cells, "settings": asdict(settings), "deadline": deadline,
                     "serve": ({"workload": workload, "seed": args.serve_seed}
                               if engine.serve else None)}
-            timeout = args.timeout
+            if group_size > 1:
+                spec.update(go_file=go_file,
+                            gpu_memory_utilization=CONCURRENT_MEMORY_FRACTION / group_size)
+            # An engine waits for the ones before it in its group.
+            timeout = args.timeout * (position + 1)
             if deadline is not None:
                 timeout = min(timeout, deadline - time.time() + CHILD_GRACE_S)
-            results, log, failure = run_child(child_command(), spec, timeout, report)
-            matrix, serve_rows = engine_rows(engine, results, failure, engine_log_facts(log))
-            for row in serve_rows:
-                row.update(rate=args.serve_rate, seed=args.serve_seed)
-            write_outputs(out, info, matrix, serve_rows)
-            if failure:
-                print(f"    engine failed: {failure}", flush=True)
+            return run_child(child_command(), spec, timeout, report)
+        return run
+
+    with tempfile.TemporaryDirectory(prefix="bench-matrix-") as tmp:
+        models = {h: str(write_tiny_deepseek_v3(Path(tmp) / f"deepseek-v31-attn-h{h}",
+                                                **model_config(h))) for h in args.heads}
+        pending = list(zip(range(1, len(engines) + 1), engines, estimates))
+        while pending:
+            group = []
+            while pending and len(group) < args.concurrent_starts:
+                i, engine, (seconds, decisions) = pending.pop(0)
+                first = next((d["estimated_s"] for d in decisions if not d["reason"]),
+                             estimate_serve_s(workload, engine.mode) if engine.serve else 0.0)
+                need = ENGINE_START_S[engine.mode] + first
+                if deadline is not None and time.time() + need > deadline:
+                    reason = (f"--budget-s: engine start + first cell ~{need:.0f} s, "
+                              f"{max(0.0, deadline - time.time()):.0f} s left")
+                    print(f"[{i}/{len(engines)}] {engine.describe()}: skipped, {reason}",
+                          flush=True)
+                    matrix, serve_rows = engine_rows(
+                        engine, [{"kind": "cell", "context": c, "batch": b, "status": "skipped",
+                                  "reason": reason} for c, b in engine.cells]
+                        + ([{"kind": "serve", "status": "skipped", "reason": reason}]
+                           if engine.serve else []), None, {})
+                    write_outputs(out, info, matrix, serve_rows, plot=False)
+                    continue
+                print(f"[{i}/{len(engines)}] {engine.describe()}: {len(engine.cells)} cells"
+                      f"{' + serve' if engine.serve else ''}, ~{seconds:.0f} s "
+                      f"({time.time() - started:.0f} s into the run)", flush=True)
+                group.append((i, engine))
+            if not group:
+                continue
+            outcomes = run_engines_together(
+                [launch(i, engine, models, k, len(group)) for k, (i, engine) in enumerate(group)],
+                Path(tmp))
+            for (i, engine), (results, log, failure) in zip(group, outcomes):
+                matrix, serve_rows = engine_rows(engine, results, failure, engine_log_facts(log))
+                for row in serve_rows:
+                    row.update(rate=args.serve_rate, seed=args.serve_seed)
+                write_outputs(out, info, matrix, serve_rows)
+                if failure:
+                    print(f"    [{i}] engine failed: {failure}", flush=True)
     matrix, serve_rows = write_outputs(out, None)
     print(f"\nwrote {out}/matrix.csv, matrix.md, matrix.png"
           + (", serve.csv, serve.md" if serve_rows else "")

@@ -207,14 +207,19 @@ def engine_log_facts(log: str) -> dict:
 
 def build_llm(model: str, kv: str, max_model_len: int, kv_cache_gib: float, max_batch: int, *,
               enforce_eager: bool = False, max_num_batched_tokens: int | None = None,
-              speculative_config: dict | None = None):
+              speculative_config: dict | None = None,
+              gpu_memory_utilization: float | None = None):
     """The ``LLM`` every benchmark engine is: dummy weights, no tokenizer, prefix caching off,
     stats logging on (for the core's timestamps), a KV cache of ``kv_cache_gib`` GiB whatever
-    the dtype (0: 90% of the GPU), default compilation unless ``enforce_eager``."""
+    the dtype (0: 90% of the GPU), default compilation unless ``enforce_eager``.
+    ``gpu_memory_utilization`` with a fixed KV size only lowers the free memory vLLM demands at
+    start-up, so that several engines can share the GPU."""
     from vllm import LLM
 
     memory = ({"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)} if kv_cache_gib
               else {"gpu_memory_utilization": 0.9})
+    if gpu_memory_utilization is not None and kv_cache_gib:
+        memory["gpu_memory_utilization"] = gpu_memory_utilization
     if max_num_batched_tokens:
         memory["max_num_batched_tokens"] = max_num_batched_tokens
     if speculative_config:
@@ -249,6 +254,56 @@ def child_main(run) -> None:
     spec = json.loads(sys.stdin.read())
     for result in run(spec):
         print(RESULT_TAG + json.dumps(result), flush=True)
+
+
+def run_engines_together(launches: list, go_dir: Path) -> list:
+    """Run several engines with overlapping start-ups but one measurement at a time.
+
+    ``launches[k](go_file, on_up)`` runs engine k to the end and returns its outcome; its child
+    calls ``on_up()`` (through the parent's result handler) once the engine is up and warm, then
+    waits for ``go_file`` (``wait_for_go``) before it measures.  All engines start at once, so
+    their compilation and CUDA-graph capture overlap; once every one is up (or has ended), the
+    go files are created one at a time, in order, each after the previous engine has ended, so
+    no start-up and no other engine's work overlaps a measurement.  Returns the outcomes in
+    order; an exception in a launch is raised after all have ended."""
+    go_dir.mkdir(parents=True, exist_ok=True)
+    group = tempfile.mkdtemp(prefix="go-", dir=go_dir)
+    ups = [threading.Event() for _ in launches]
+    outcomes: list = [None] * len(launches)
+    errors: list = [None] * len(launches)
+
+    def body(k: int) -> None:
+        try:
+            outcomes[k] = launches[k](os.path.join(group, str(k)), ups[k].set)
+        except BaseException as exc:  # noqa: BLE001  (re-raised below, after the others)
+            errors[k] = exc
+        finally:
+            ups[k].set()   # an engine that ended without coming up must not hold the others
+
+    threads = [threading.Thread(target=body, args=(k,), daemon=True)
+               for k in range(len(launches))]
+    for thread in threads:
+        thread.start()
+    for up in ups:
+        up.wait()
+    for k, thread in enumerate(threads):
+        Path(group, str(k)).touch()
+        thread.join()
+    for exc in errors:
+        if exc is not None:
+            raise exc
+    return outcomes
+
+
+def wait_for_go(go_file: str | None, poll_s: float = 0.05) -> float:
+    """In an engine child: wait until ``go_file`` exists (``run_engines_together``); returns the
+    seconds waited (0 without a go file)."""
+    if not go_file:
+        return 0.0
+    start = time.monotonic()
+    while not os.path.exists(go_file):
+        time.sleep(poll_s)
+    return time.monotonic() - start
 
 
 def run_child(command: list[str], spec: dict, timeout: float, on_result=None

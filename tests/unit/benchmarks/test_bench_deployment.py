@@ -169,3 +169,47 @@ def test_speedup_uncertainty_adds_both_sides_spreads():
     assert dep.speedup_uncertainty(ours, {"spread_pct": 23.0}) == pytest.approx(1.6 * 0.12)
     # A row without windows' spread (older results) counts as exact.
     assert dep.speedup_uncertainty(ours, {}) == pytest.approx(1.6 * 0.005)
+
+
+@pytest.mark.parametrize("concurrent", [1, 3])
+def test_main_runs_a_configurations_engines_in_groups(tmp_path, monkeypatch, concurrent):
+    import threading
+
+    from benchmarks import bench_e2e, vllm_engine
+
+    specs, live, most_live = [], [0], [0]
+    lock = threading.Lock()
+
+    def fake_engine(spec, timeout, on_result):
+        with lock:
+            specs.append(spec)
+            live[0] += 1
+        on_result({"kind": "engine", "kv_cache_tokens": 1000})
+        vllm_engine.wait_for_go(spec.get("go_file"), poll_s=0.005)
+        with lock:
+            most_live[0] = max(most_live[0], live[0])
+        rows = []
+        for context in spec["contexts"]:
+            result = {"context": context, "batch": 4, "decode_tok_s": 100.0, "tpot_ms": 40.0,
+                      "spread_pct": 1.0, "timing_ok": True, "lock_step": True,
+                      "prefill_steps": 3, "tokens_per_step": 1.0}
+            on_result(result)
+            rows.append({"heads": spec["heads"], "kv": spec["kv"], **result})
+        with lock:
+            live[0] -= 1
+        return rows
+
+    monkeypatch.setattr(bench_e2e, "run_in_subprocess", fake_engine)
+    dep.main(["--out", str(tmp_path), "--configs", "dp1-tp8", "--contexts", "32768",
+              "--concurrent-starts", str(concurrent)])
+    assert sorted(s["kv"] for s in specs) == sorted(dep.KV_SETTINGS)
+    assert len({s["model"] for s in specs}) == 3          # one proxy folder per engine
+    if concurrent == 1:
+        assert most_live[0] == 1 and not any(s.get("go_file") for s in specs)
+    else:
+        assert most_live[0] == 3
+        assert all(s["gpu_memory_utilization"] == pytest.approx(0.8 / 3) for s in specs)
+    with open(tmp_path / "deployment.csv") as f:
+        rows = list(csv.DictReader(line for line in f if not line.startswith("#")))
+    assert {r["kv"] for r in rows} == set(dep.KV_SETTINGS)
+    assert all(float(r["speedup_vs_auto"]) == pytest.approx(1.0) for r in rows)

@@ -392,3 +392,132 @@ def test_replot_redraws_md_and_png_from_the_csvs(tmp_path):
                             "--out", str(tmp_path / "nothing")], capture_output=True, text=True,
                            timeout=300, cwd=_ROOT)
     assert empty.returncode != 0 and "no matrix.csv" in empty.stderr
+
+
+def _fake_engine(k: int, start_s: float, log: list, fail_before_up: bool = False):
+    """A launch for run_engines_together: 'starts up' for start_s, reports up, waits for its go
+    file as the child does, then 'measures' for 20 ms; records each event with its time."""
+    import time
+
+    def run(go_file, on_up):
+        time.sleep(start_s)
+        if fail_before_up:
+            log.append(("died", k, time.monotonic()))
+            return ("failed", k)
+        log.append(("up", k, time.monotonic()))
+        on_up()
+        vllm_engine.wait_for_go(go_file, poll_s=0.005)
+        log.append(("measure", k, time.monotonic()))
+        time.sleep(0.02)
+        log.append(("done", k, time.monotonic()))
+        return ("ok", k)
+    return run
+
+
+def test_concurrent_starts_overlap_start_ups_and_measure_one_engine_at_a_time(tmp_path):
+    import time
+
+    log: list = []
+    # Engine 0 starts up slowest: nobody may measure before it is up.
+    starts = [0.15, 0.02, 0.05, 0.01]
+    began = time.monotonic()
+    outcomes = vllm_engine.run_engines_together(
+        [_fake_engine(k, s, log) for k, s in enumerate(starts)], tmp_path)
+    assert outcomes == [("ok", k) for k in range(4)]
+    # The start-ups overlapped: the whole group took about the slowest start, not the sum.
+    assert max(t for e, _, t in log if e == "up") - began < sum(starts)
+    last_up = max(t for e, _, t in log if e == "up")
+    measures = [(k, t) for e, k, t in log if e == "measure"]
+    assert [k for k, _ in measures] == [0, 1, 2, 3]             # in plan order
+    assert all(t >= last_up for _, t in measures)               # after every start-up
+    done = {k: t for e, k, t in log if e == "done"}
+    for (k, t), (_, t_next) in zip(measures, measures[1:]):
+        assert done[k] <= t_next                                # never two at once
+
+
+def test_an_engine_that_dies_at_start_does_not_hold_the_others(tmp_path):
+    log: list = []
+    outcomes = vllm_engine.run_engines_together(
+        [_fake_engine(0, 0.01, log, fail_before_up=True), _fake_engine(1, 0.03, log)], tmp_path)
+    assert outcomes == [("failed", 0), ("ok", 1)]
+    assert [k for e, k, _ in log if e == "measure"] == [1]
+
+
+def test_a_launch_that_raises_is_reraised_after_the_others_end(tmp_path):
+    log: list = []
+
+    def broken(go_file, on_up):
+        raise RuntimeError("launch broke")
+
+    with pytest.raises(RuntimeError, match="launch broke"):
+        vllm_engine.run_engines_together([broken, _fake_engine(1, 0.01, log)], tmp_path)
+    assert [e for e, k, _ in log if k == 1] == ["up", "measure", "done"]
+
+
+def test_wait_for_go_returns_at_once_without_a_file_and_waits_for_it_otherwise(tmp_path):
+    import threading
+
+    assert vllm_engine.wait_for_go(None) == 0.0
+    go = tmp_path / "go"
+    threading.Timer(0.1, go.touch).start()
+    assert vllm_engine.wait_for_go(str(go), poll_s=0.01) >= 0.09
+
+
+def test_total_estimate_counts_one_start_up_per_group():
+    settings = bm.Settings()
+    engines, _ = bm.plan_matrix(["auto", "fp8_snapmla", "fp8"], [16], [8192], ["8"], ["wide"],
+                                ["graph"], settings, False, False)
+    estimates = [bm.estimate_engine_s(e, settings) for e in engines]
+    one_by_one = bm.estimate_total_s(engines, estimates, 1)
+    assert one_by_one == pytest.approx(sum(t for t, _ in estimates))
+    assert bm.estimate_total_s(engines, estimates, 3) == pytest.approx(
+        one_by_one - 2 * bm.ENGINE_START_S["graph"])
+    assert bm.estimate_total_s(engines, estimates, 2) == pytest.approx(
+        one_by_one - bm.ENGINE_START_S["graph"])
+
+
+@pytest.mark.parametrize("concurrent", [1, 2])
+def test_main_gives_grouped_engines_a_go_file_and_a_memory_share(tmp_path, monkeypatch,
+                                                                 concurrent):
+    import csv
+    import threading
+
+    specs, live, most_live = [], [0], [0]
+    lock = threading.Lock()
+
+    def fake_run_child(command, spec, timeout, on_result):
+        with lock:
+            specs.append(spec)
+            live[0] += 1
+        on_result({"kind": "engine", "kv_cache_tokens": 64 * 100, "block_size": 64,
+                   "max_num_batched_tokens": 16384, "start_s": 0.0})
+        vllm_engine.wait_for_go(spec.get("go_file"), poll_s=0.005)
+        with lock:
+            most_live[0] = max(most_live[0], live[0])
+        result = {"kind": "cell", "context": 512, "batch": "1", "batch_size": 1,
+                  "max_tokens": 200, "kv_cache_tokens": 6400, "status": "ok",
+                  "decode_tok_s": 100.0 if spec["kv"] == "auto" else 150.0, "tpot_ms": 10.0,
+                  "spread_pct": 1.0, "timing_ok": True, "lock_step": True, "prefill_steps": 1,
+                  "timer": "core", "cell_s": 1.0, "estimated_s": 1.0}
+        on_result(result)
+        with lock:
+            live[0] -= 1
+        return [result], "", None
+
+    monkeypatch.setattr(bm, "run_child", fake_run_child)
+    bm.main(["--out", str(tmp_path), "--kv", "auto", "fp8_snapmla", "--heads", "16",
+             "--contexts", "512", "--batches", "1", "--max-model-len", "wide", "--modes",
+             "eager", "--concurrent-starts", str(concurrent)])
+    assert sorted(s["kv"] for s in specs) == ["auto", "fp8_snapmla"]
+    if concurrent == 1:
+        assert [s["kv"] for s in specs] == ["auto", "fp8_snapmla"]
+        assert all("go_file" not in s and "gpu_memory_utilization" not in s for s in specs)
+        assert most_live[0] == 1
+    else:
+        assert all(s["go_file"] and s["gpu_memory_utilization"] == pytest.approx(0.4)
+                   for s in specs)
+        assert most_live[0] == 2          # both engines were up together
+    with open(tmp_path / "matrix.csv") as f:
+        rows = [r for r in csv.DictReader(line for line in f if not line.startswith("#"))]
+    ours = next(r for r in rows if r["kv"] == "fp8_snapmla")
+    assert ours["status"] == "ok" and float(ours["vs_bf16"]) == pytest.approx(1.5)
