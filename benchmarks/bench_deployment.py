@@ -70,8 +70,8 @@ from pathlib import Path
 from benchmarks import bench_e2e
 from benchmarks.provenance import describe, run_info
 from benchmarks.vllm_engine import (DEEPSEEK_V31_ATTENTION, KV_BYTES_PER_TOKEN, NOISE_FRACTION,
-                                    merge_by_key, number, read_csv, run_engines_together,
-                                    write_csv)
+                                    concurrent_memory_problem, merge_by_key, number, read_csv,
+                                    run_engines_together, write_csv)
 
 GIB = 2**30
 H200_MEMORY_BYTES = int(139.8 * GIB)   # what torch reports as total memory on an H200
@@ -89,6 +89,7 @@ KV_SETTINGS = ("auto", "fp8_snapmla", "fp8")
 # --concurrent-starts N: each engine asks vLLM for this fraction / N of the GPU's memory to be
 # free at its start (its KV cache is the rank's budget whatever the fraction).
 CONCURRENT_MEMORY_FRACTION = 0.8
+ENGINE_OVERHEAD_GIB = 10.0   # an engine's activations, CUDA graphs and pools, generously
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,6 +186,15 @@ def proxy_model_config(rank: Rank) -> dict:
     }
 
 
+def proxy_weight_bytes(rank: Rank, mtp: bool = False) -> int:
+    """The rank's proxy's weights: its share of each part of the real model's (4 of 61
+    attention layers, 1 of 3 dense MLPs, 3 of 58 MoE layers, the vocabulary, the MTP layer)."""
+    w = rank_weight_bytes(rank, mtp)
+    moe = w["routed_experts"] + w["shared_experts"] + w["router"]
+    return int(w["attention"] * PROXY_LAYERS / V31["layers"] + w["dense_mlp"] / 3
+               + moe * 3 / 58 + w["embedding_and_lm_head"] + w.get("mtp_layer", 0))
+
+
 def budget_table(reserve_gib: float) -> str:
     lines = ["| configuration | heads | weights GiB | reserve GiB | KV GiB (61 layers) | "
              "KV MiB per layer | tokens BF16 | tokens fp8_snapmla | tokens fp8 | "
@@ -220,7 +230,7 @@ SERIES = {("fp8_snapmla", False): ("o-", "tab:blue"), ("fp8", False): ("^-", "ta
 
 def speedup_uncertainty(row: dict, base: dict) -> float:
     """Half the range a speedup can take when each side's step time lies anywhere between its
-    two windows: speedup x (both spreads) / 2."""
+    fastest and slowest window: speedup x (both spreads) / 2."""
     spreads = [number(r.get("spread_pct")) or 0.0 for r in (row, base)]
     return row["speedup_vs_auto"] * sum(spreads) / 200
 
@@ -294,8 +304,8 @@ def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
 
 
 def _spread_cell(spread) -> str:
-    """The two windows' difference, flagged past bench_e2e's noise bound (a ratio built on
-    such a row is uncertain by about half the spread)."""
+    """The windows' spread (slowest - fastest, % of the median), flagged past bench_e2e's
+    noise bound."""
     if spread in (None, ""):
         return ""
     return f"{spread:.1f}%" + (" (noisy)" if spread > 100 * NOISE_FRACTION else "")
@@ -381,7 +391,8 @@ def engine_launch(rank: Rank, kv: str, mtp: bool, position: int, group_size: int
 
         # An engine of a group waits for the ones before it.
         timeout = args.timeout * len(args.contexts) * (position + 1)
-        rows = bench_e2e.run_in_subprocess(spec, timeout, on_result=report)
+        rows = bench_e2e.run_in_subprocess(spec, timeout, on_result=report,
+                                           startup_timeout=args.timeout)
         for row in rows:
             row.update(config=rank.name, mtp=mtp, kv_cache_mib=kv_bytes / 2**20)
             if row.get("decode_tok_s"):
@@ -407,7 +418,9 @@ def main(argv=None) -> None:
     parser.add_argument("--windows", type=int, default=4,
                         help="timed windows; the step time is their median")
     parser.add_argument("--max-batch", type=int, default=512)
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds per context")
+    parser.add_argument("--timeout", type=float, default=1800,
+                        help="seconds for an engine to start, and per context (an engine of "
+                             "a --concurrent-starts group also gets the time of those before)")
     parser.add_argument("--mtp", action="store_true",
                         help="also auto and fp8_snapmla with one MTP speculative token")
     parser.add_argument("--mtp-only", action="store_true",
@@ -422,6 +435,15 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if not 1 <= args.concurrent_starts <= 8:
         parser.error("--concurrent-starts must be 1 to 8")
+    for name in args.configs:
+        rank = CONFIGS[name]
+        kv_gib = (PROXY_LAYERS + 1) * kv_budget(rank, args.reserve_gib, True)[
+            "kv_bytes_per_layer"] / GIB
+        problem = concurrent_memory_problem(
+            args.concurrent_starts, kv_gib,
+            proxy_weight_bytes(rank, mtp=True) / GIB + ENGINE_OVERHEAD_GIB)
+        if problem:
+            parser.error(f"{name}: {problem}")
     budget = budget_table(args.reserve_gib)
     print(budget, flush=True)
     if args.budget_only:

@@ -282,10 +282,12 @@ def child_command() -> list[str]:
     return [sys.executable, "-m", "benchmarks.bench_e2e", "--child"]
 
 
-def run_in_subprocess(spec: dict, timeout: float, on_result=None) -> list[dict]:
+def run_in_subprocess(spec: dict, timeout: float, on_result=None,
+                      startup_timeout: float | None = None) -> list[dict]:
     """Run one engine in a child process; ``on_result(result)`` sees each context's result
     as it arrives.  A crash or timeout keeps the contexts finished before it."""
-    results, log, failure = run_child(child_command(), spec, timeout, on_result)
+    results, log, failure = run_child(child_command(), spec, timeout, on_result,
+                                      startup_timeout=startup_timeout)
     return parse_engine_log(spec, results, log, failure)
 
 

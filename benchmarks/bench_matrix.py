@@ -90,7 +90,8 @@ from benchmarks.vllm_engine import (
     BLOCK_SIZE, DEEPSEEK_V31_ATTENTION, KV_BYTES_PER_TOKEN, SETTLE_STEPS, batch_to_fill,
     build_llm, child_main, core_timestamp, engine_log_facts, estimated_kv_blocks, merge_by_key,
     model_config, number, random_prompts, read_csv, run_child, summarize_windows,
-    run_engines_together, timed_decode_windows, wait_for_go, warm_tokens, warm_up, write_csv)
+    concurrent_memory_problem, run_engines_together, timed_decode_windows, wait_for_go,
+    warm_tokens, warm_up, write_csv)
 from vllm_snapmla.testing import write_tiny_deepseek_v3
 
 KV_SETTINGS = ("auto", "fp8_snapmla", "fp8")
@@ -119,6 +120,9 @@ CHILD_GRACE_S = 30.0   # how long past the budget a running engine may go before
 # --concurrent-starts N: each engine asks vLLM for this fraction / N of the GPU's memory to be
 # free at its start (its KV cache is --kv-cache-gib whatever the fraction).
 CONCURRENT_MEMORY_FRACTION = 0.8
+# Memory of one engine besides its KV cache (weights, activations, CUDA graphs, torch's pool),
+# generously: what --concurrent-starts checks against the GPU's memory.
+ENGINE_OVERHEAD_GIB = 10.0
 
 MATRIX_FIELDS = [
     "heads", "max_model_len", "mode", "context", "batch", "kv", "status", "reason",
@@ -846,7 +850,10 @@ def main(argv=None) -> None:
     parser.add_argument("--budget-s", type=float,
                         help="wall-clock seconds for the whole command: no engine or cell "
                              "starts that the estimate says would end later")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds per engine")
+    parser.add_argument("--timeout", type=float, default=1800,
+                        help="seconds for an engine to start, and for it to start and measure "
+                             "(an engine of a --concurrent-starts group also gets the time of "
+                             "those measuring before it)")
     parser.add_argument("--concurrent-starts", type=int, default=1, metavar="N",
                         help="start N engines at once (their compilation and CUDA-graph "
                              "capture overlap), then let them measure one at a time; 1: one "
@@ -867,6 +874,10 @@ def main(argv=None) -> None:
         parser.error("--steps and --windows must be at least 1")
     if not 1 <= args.concurrent_starts <= 8:
         parser.error("--concurrent-starts must be 1 to 8")
+    problem = concurrent_memory_problem(args.concurrent_starts, args.kv_cache_gib,
+                                        ENGINE_OVERHEAD_GIB)
+    if problem:
+        parser.error(problem)
     if args.kv_cache_gib <= 0:
         parser.error("--kv-cache-gib must be positive: the cells are planned on it")
     low, high = args.serve_prompt_range
@@ -918,9 +929,9 @@ def main(argv=None) -> None:
             def report(result):
                 kind = result.get("kind")
                 if kind == "engine":
+                    on_up()
                     print(f"    [{i}] engine up in {time.monotonic() - engine_start:.0f} s, "
                           f"KV cache {result['kv_cache_tokens']:,} tokens", flush=True)
-                    on_up()
                 elif kind == "cell":
                     matrix, _ = engine_rows(engine, [result], None, {})
                     row = next(r for r in matrix if (r["context"], r["batch"])
@@ -948,11 +959,13 @@ def main(argv=None) -> None:
             if group_size > 1:
                 spec.update(go_file=go_file,
                             gpu_memory_utilization=CONCURRENT_MEMORY_FRACTION / group_size)
-            # An engine waits for the ones before it in its group.
+            # An engine waits for the ones before it in its group; past the budget each gets
+            # its grace after the one before it, time to record its cells as skipped.
             timeout = args.timeout * (position + 1)
             if deadline is not None:
-                timeout = min(timeout, deadline - time.time() + CHILD_GRACE_S)
-            return run_child(child_command(), spec, timeout, report)
+                timeout = min(timeout, deadline - time.time() + CHILD_GRACE_S * (position + 1))
+            return run_child(child_command(), spec, timeout, report,
+                             startup_timeout=args.timeout)
         return run
 
     with tempfile.TemporaryDirectory(prefix="bench-matrix-") as tmp:
@@ -960,12 +973,12 @@ def main(argv=None) -> None:
                                                 **model_config(h))) for h in args.heads}
         pending = list(zip(range(1, len(engines) + 1), engines, estimates))
         while pending:
-            group = []
+            group, queued = [], 0.0   # queued: the measuring time of the group so far
             while pending and len(group) < args.concurrent_starts:
                 i, engine, (seconds, decisions) = pending.pop(0)
                 first = next((d["estimated_s"] for d in decisions if not d["reason"]),
                              estimate_serve_s(workload, engine.mode) if engine.serve else 0.0)
-                need = ENGINE_START_S[engine.mode] + first
+                need = ENGINE_START_S[engine.mode] + queued + first
                 if deadline is not None and time.time() + need > deadline:
                     reason = (f"--budget-s: engine start + first cell ~{need:.0f} s, "
                               f"{max(0.0, deadline - time.time()):.0f} s left")
@@ -982,6 +995,7 @@ def main(argv=None) -> None:
                       f"{' + serve' if engine.serve else ''}, ~{seconds:.0f} s "
                       f"({time.time() - started:.0f} s into the run)", flush=True)
                 group.append((i, engine))
+                queued += seconds - ENGINE_START_S[engine.mode]
             if not group:
                 continue
             outcomes = run_engines_together(

@@ -20,13 +20,18 @@ def _git(*args: str) -> subprocess.CompletedProcess | None:
         return None
 
 
+# What "+changes" looks at: code and build files, not results or documents (a sweep split over
+# several calls into a tracked results folder must not mark its own later calls).
+CODE_PATHS = ("*.py", "*.cu", "*.cuh", "*.h", "*.cpp", "*.toml", "*.cfg", "*.txt")
+
+
 def _git_commit() -> str:
-    """The short commit, with ``+changes`` when tracked files differ from it (the numbers then
+    """The short commit, with ``+changes`` when tracked code differs from it (the numbers then
     come from code that commit does not hold)."""
     head = _git("rev-parse", "--short", "HEAD")
     if head is None or head.returncode != 0 or not head.stdout.strip():
         return "unknown"
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS)
     changed = status is not None and status.returncode == 0 and status.stdout.strip()
     return head.stdout.strip() + ("+changes" if changed else "")
 

@@ -295,23 +295,61 @@ def run_engines_together(launches: list, go_dir: Path) -> list:
     return outcomes
 
 
-def wait_for_go(go_file: str | None, poll_s: float = 0.05) -> float:
+def gpu_memory_gib() -> float | None:
+    """The first GPU's memory (nvidia-smi, so that the parent makes no CUDA context); None if
+    it cannot be read."""
+    try:
+        proc = subprocess.run(["nvidia-smi", "--query-gpu=memory.total",
+                               "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=20)
+        return float(proc.stdout.splitlines()[0]) / 1024 if proc.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return None
+
+
+def concurrent_memory_problem(engines: int, kv_cache_gib: float, overhead_gib: float,
+                              total_gib: float | None = None) -> str | None:
+    """Why ``engines`` engines of ``kv_cache_gib`` KV cache and ``overhead_gib`` besides cannot
+    be up on the GPU at once (90% of its memory), or None (also when it cannot be told)."""
+    if engines <= 1:
+        return None
+    total_gib = gpu_memory_gib() if total_gib is None else total_gib
+    if total_gib is None:
+        return None
+    need = engines * (kv_cache_gib + overhead_gib)
+    if need > 0.9 * total_gib:
+        return (f"--concurrent-starts {engines}: {engines} engines x ({kv_cache_gib:g} GiB KV "
+                f"+ ~{overhead_gib:g} GiB) = {need:.0f} GiB do not fit in 90% of the GPU's "
+                f"{total_gib:.0f} GiB; start fewer at once")
+    return None
+
+
+def wait_for_go(go_file: str | None, poll_s: float = 0.05, max_wait_s: float = 86400.0
+                ) -> float:
     """In an engine child: wait until ``go_file`` exists (``run_engines_together``); returns the
-    seconds waited (0 without a go file)."""
+    seconds waited (0 without a go file).  Exits the child if its parent is gone or the go
+    file's folder was removed (the parent ended without giving the go), or after
+    ``max_wait_s``: a waiting engine must never outlive the benchmark with its GPU memory."""
     if not go_file:
         return 0.0
+    parent, folder = os.getppid(), os.path.dirname(go_file)
     start = time.monotonic()
     while not os.path.exists(go_file):
+        if os.getppid() != parent or not os.path.isdir(folder):
+            raise SystemExit("the benchmark that started this engine has ended")
+        if time.monotonic() - start > max_wait_s:
+            raise SystemExit(f"no go after {max_wait_s:.0f} s")
         time.sleep(poll_s)
     return time.monotonic() - start
 
 
-def run_child(command: list[str], spec: dict, timeout: float, on_result=None
-              ) -> tuple[list[dict], str, str | None]:
+def run_child(command: list[str], spec: dict, timeout: float, on_result=None,
+              startup_timeout: float | None = None) -> tuple[list[dict], str, str | None]:
     """Run ``command`` (a ``child_main``) with ``spec`` on stdin in this plugin's environment;
     ``on_result(result)`` sees each result as it arrives.  Returns the results, everything the
     child printed, and why it failed (None on a clean exit).  A crash or timeout keeps the
-    results that came before it."""
+    results that came before it.  ``startup_timeout``: the child is killed if it has given no
+    result (the first is "engine up") by then, whatever is left of ``timeout``."""
     from vllm_snapmla.testing import subprocess_env
 
     with tempfile.TemporaryFile("w+") as err:
@@ -322,7 +360,8 @@ def run_child(command: list[str], spec: dict, timeout: float, on_result=None
                                 start_new_session=True)
         proc.stdin.write(json.dumps(spec))
         proc.stdin.close()
-        out, results = [], []
+        out, results, handler_errors = [], [], []
+        first_result = threading.Event()
 
         def pump():
             for line in proc.stdout:
@@ -330,21 +369,41 @@ def run_child(command: list[str], spec: dict, timeout: float, on_result=None
                 if line.startswith(RESULT_TAG):
                     result = json.loads(line[len(RESULT_TAG):])
                     results.append(result)
+                    first_result.set()
                     if on_result:
-                        on_result(result)
+                        # A failing handler must not stop the draining: a child whose output
+                        # pipe fills up blocks until it is killed.
+                        try:
+                            on_result(result)
+                        except Exception as exc:  # noqa: BLE001  (reported as the failure)
+                            handler_errors.append(f"result handler: {type(exc).__name__}: "
+                                                  f"{exc}"[:200])
 
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
         failure = None
-        try:
-            proc.wait(timeout=max(timeout, 1))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            failure = f"timed out after {timeout:.0f} s"
+        started = time.monotonic()
+        if startup_timeout is not None:
+            limit = started + min(startup_timeout, timeout)
+            while (not first_result.is_set() and proc.poll() is None
+                   and time.monotonic() < limit):
+                first_result.wait(0.2)
+            if not first_result.is_set() and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                failure = f"not up after {min(startup_timeout, timeout):.0f} s"
+        if failure is None:
+            try:
+                proc.wait(timeout=max(timeout - (time.monotonic() - started), 1))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                failure = f"timed out after {timeout:.0f} s"
         reader.join(10)
         err.seek(0)
         log = "".join(out) + err.read()
+    if failure is None and handler_errors:
+        failure = handler_errors[0]
     if failure is None and proc.returncode != 0:
         print(log[-4000:], file=sys.stderr)
         last = [ln for ln in log.strip().splitlines() if ln.strip()][-1:] or ["no output"]

@@ -180,7 +180,7 @@ def test_main_runs_a_configurations_engines_in_groups(tmp_path, monkeypatch, con
     specs, live, most_live = [], [0], [0]
     lock = threading.Lock()
 
-    def fake_engine(spec, timeout, on_result):
+    def fake_engine(spec, timeout, on_result, startup_timeout=None):
         with lock:
             specs.append(spec)
             live[0] += 1

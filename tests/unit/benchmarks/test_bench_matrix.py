@@ -419,7 +419,7 @@ def test_concurrent_starts_overlap_start_ups_and_measure_one_engine_at_a_time(tm
 
     log: list = []
     # Engine 0 starts up slowest: nobody may measure before it is up.
-    starts = [0.15, 0.02, 0.05, 0.01]
+    starts = [0.4, 0.25, 0.3, 0.2]
     began = time.monotonic()
     outcomes = vllm_engine.run_engines_together(
         [_fake_engine(k, s, log) for k, s in enumerate(starts)], tmp_path)
@@ -485,7 +485,7 @@ def test_main_gives_grouped_engines_a_go_file_and_a_memory_share(tmp_path, monke
     specs, live, most_live = [], [0], [0]
     lock = threading.Lock()
 
-    def fake_run_child(command, spec, timeout, on_result):
+    def fake_run_child(command, spec, timeout, on_result, startup_timeout=None):
         with lock:
             specs.append(spec)
             live[0] += 1
@@ -521,3 +521,93 @@ def test_main_gives_grouped_engines_a_go_file_and_a_memory_share(tmp_path, monke
         rows = [r for r in csv.DictReader(line for line in f if not line.startswith("#"))]
     ours = next(r for r in rows if r["kv"] == "fp8_snapmla")
     assert ours["status"] == "ok" and float(ours["vs_bf16"]) == pytest.approx(1.5)
+
+
+def test_waiting_engine_exits_when_the_go_folder_is_gone_or_after_its_limit(tmp_path):
+    folder = tmp_path / "go-group"
+    folder.mkdir()
+    with pytest.raises(SystemExit, match="no go after"):
+        vllm_engine.wait_for_go(str(folder / "0"), poll_s=0.01, max_wait_s=0.05)
+    folder.rmdir()   # the parent ended and its temporary folder went with it
+    with pytest.raises(SystemExit, match="has ended"):
+        vllm_engine.wait_for_go(str(folder / "0"), poll_s=0.01)
+
+
+def _child(tmp_path, body: str) -> list[str]:
+    script = tmp_path / "child.py"
+    script.write_text("import json, sys, time\nsys.stdin.read()\n" + body)
+    return [sys.executable, str(script)]
+
+
+def _result_line(payload: dict) -> str:
+    import json
+
+    return f"print({vllm_engine.RESULT_TAG!r} + {json.dumps(json.dumps(payload))}, flush=True)\n"
+
+
+def test_run_child_kills_a_child_that_does_not_come_up_in_time(tmp_path):
+    import time
+
+    began = time.monotonic()
+    results, _, failure = vllm_engine.run_child(_child(tmp_path, "time.sleep(60)\n"), {},
+                                                timeout=60, startup_timeout=1)
+    assert results == [] and failure == "not up after 1 s"
+    assert time.monotonic() - began < 10
+    # Once up, the start-up limit no longer applies.
+    body = _result_line({"kind": "engine"}) + "time.sleep(1.5)\n" + _result_line({"n": 1})
+    results, _, failure = vllm_engine.run_child(_child(tmp_path, body), {}, timeout=30,
+                                                startup_timeout=1)
+    assert failure is None and [r.get("n") for r in results] == [None, 1]
+
+
+def test_a_failing_result_handler_does_not_stall_the_child(tmp_path):
+    # The child writes well past a pipe buffer after its first result.
+    body = (_result_line({"kind": "engine"}) + "print('x' * 200000, flush=True)\n"
+            + _result_line({"n": 2}))
+
+    def handler(result):
+        raise ValueError("bad row")
+
+    results, log, failure = vllm_engine.run_child(_child(tmp_path, body), {}, timeout=30,
+                                                  on_result=handler)
+    assert failure == "result handler: ValueError: bad row"
+    assert len(results) == 2 and len(log) > 200000
+
+
+def test_concurrent_memory_check():
+    assert vllm_engine.concurrent_memory_problem(1, 100.0, 10.0, total_gib=10.0) is None
+    assert vllm_engine.concurrent_memory_problem(4, 4.0, 10.0, total_gib=139.8) is None
+    problem = vllm_engine.concurrent_memory_problem(8, 24.0, 10.0, total_gib=139.8)
+    assert problem and "start fewer at once" in problem
+
+
+def test_budget_counts_the_measurements_queued_before_an_engine_of_a_group(tmp_path,
+                                                                           monkeypatch):
+    import csv
+
+    settings = bm.Settings()
+    engines, _ = bm.plan_matrix(["auto", "fp8_snapmla"], [16], [512], ["1"], ["wide"],
+                                ["eager"], settings, False, False)
+    (first_s, first_dec), (_, second_dec) = [bm.estimate_engine_s(e, settings) for e in engines]
+    need_first = bm.ENGINE_START_S["eager"] + first_dec[0]["estimated_s"]
+    need_second = (bm.ENGINE_START_S["eager"] + first_s - bm.ENGINE_START_S["eager"]
+                   + second_dec[0]["estimated_s"])
+    assert need_first < need_second
+    launched = []
+
+    def fake_run_child(command, spec, timeout, on_result, startup_timeout=None):
+        launched.append(spec["kv"])
+        on_result({"kind": "engine", "kv_cache_tokens": 6400, "block_size": 64,
+                   "max_num_batched_tokens": 16384, "start_s": 0.0})
+        return [], "", None
+
+    monkeypatch.setattr(bm, "run_child", fake_run_child)
+    bm.main(["--out", str(tmp_path), "--kv", "auto", "fp8_snapmla", "--heads", "16",
+             "--contexts", "512", "--batches", "1", "--max-model-len", "wide", "--modes",
+             "eager", "--concurrent-starts", "2",
+             "--budget-s", str((need_first + need_second) / 2)])
+    assert launched == ["auto"]          # the second would only start to skip its cells
+    with open(tmp_path / "matrix.csv") as f:
+        rows = [r for r in csv.DictReader(line for line in f if not line.startswith("#"))]
+    second = next(r for r in rows if r["kv"] == "fp8_snapmla")
+    assert second["status"] == "skipped" and "--budget-s" in second["reason"]

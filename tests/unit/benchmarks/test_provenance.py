@@ -23,6 +23,12 @@ def test_commit_is_flagged_when_tracked_files_changed(tmp_path, monkeypatch):
     assert clean != "unknown" and not clean.endswith("+changes")
     (tmp_path / "untracked.txt").write_text("results\n")   # untracked output: still clean
     assert provenance._git_commit() == clean
+    (tmp_path / "RESULTS.md").write_text("old\n")
+    git("add", "RESULTS.md")
+    git("commit", "-qm", "results")
+    clean = provenance._git_commit()
+    (tmp_path / "RESULTS.md").write_text("new results of a split sweep\n")
+    assert provenance._git_commit() == clean                # results are not code
     (tmp_path / "kernel.py").write_text("a = 2\n")
     assert provenance._git_commit() == clean + "+changes"
 
