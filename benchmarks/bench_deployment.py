@@ -69,8 +69,9 @@ from pathlib import Path
 
 from benchmarks import bench_e2e
 from benchmarks.provenance import describe, run_info
-from benchmarks.vllm_engine import (DEEPSEEK_V31_ATTENTION, KV_BYTES_PER_TOKEN, NOISE_FRACTION,
-                                    concurrent_memory_problem, merge_by_key, number, read_csv,
+from benchmarks.vllm_engine import (DEEPSEEK_V31_ATTENTION, ENGINE_OVERHEAD_GIB,
+                                    KV_BYTES_PER_TOKEN, NOISE_FRACTION, concurrent_memory_problem,
+                                    concurrent_start_spec, merge_by_key, number, read_csv,
                                     run_engines_together, write_csv)
 
 GIB = 2**30
@@ -86,10 +87,6 @@ FP8_BLOCK = 128
 PROXY_LAYERS = 4          # 1 dense + 3 MoE
 CONTEXTS = (16384, 32768, 65536, 131072)
 KV_SETTINGS = ("auto", "fp8_snapmla", "fp8")
-# --concurrent-starts N: each engine asks vLLM for this fraction / N of the GPU's memory to be
-# free at its start (its KV cache is the rank's budget whatever the fraction).
-CONCURRENT_MEMORY_FRACTION = 0.8
-ENGINE_OVERHEAD_GIB = 10.0   # an engine's activations, CUDA graphs and pools, generously
 
 
 @dataclasses.dataclass(frozen=True)
@@ -376,9 +373,7 @@ def engine_launch(rank: Rank, kv: str, mtp: bool, position: int, group_size: int
                 "kv_cache_gib": kv_bytes / GIB, "max_batch": args.max_batch,
                 "vocab": V31["vocab"] // rank.tp,
                 "speculative_config": MTP_SPEC if mtp else None}
-        if group_size > 1:
-            spec.update(go_file=go_file,
-                        gpu_memory_utilization=CONCURRENT_MEMORY_FRACTION / group_size)
+        spec.update(concurrent_start_spec(go_file, group_size))
         reported = set()
 
         def report(result):

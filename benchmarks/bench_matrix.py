@@ -87,11 +87,11 @@ from pathlib import Path
 
 from benchmarks.provenance import describe, run_info
 from benchmarks.vllm_engine import (
-    BLOCK_SIZE, DEEPSEEK_V31_ATTENTION, KV_BYTES_PER_TOKEN, SETTLE_STEPS, batch_to_fill,
-    build_llm, child_main, core_timestamp, engine_log_facts, estimated_kv_blocks, merge_by_key,
-    model_config, number, random_prompts, read_csv, run_child, summarize_windows,
-    concurrent_memory_problem, run_engines_together, timed_decode_windows, wait_for_go,
-    warm_tokens, warm_up, write_csv)
+    BLOCK_SIZE, DEEPSEEK_V31_ATTENTION, ENGINE_OVERHEAD_GIB, KV_BYTES_PER_TOKEN, SETTLE_STEPS,
+    batch_to_fill, build_llm, child_main, concurrent_memory_problem, concurrent_start_spec,
+    core_timestamp, engine_log_facts, estimated_kv_blocks, merge_by_key, model_config, number,
+    random_prompts, read_csv, run_child, run_engines_together, summarize_windows,
+    timed_decode_windows, wait_for_go, warm_tokens, warm_up, write_csv)
 from vllm_snapmla.testing import write_tiny_deepseek_v3
 
 KV_SETTINGS = ("auto", "fp8_snapmla", "fp8")
@@ -117,12 +117,6 @@ DECODE_STEP_S = {"graph": 0.008, "eager": 0.03}
 HBM_BYTES_PER_S = 2e12
 CELL_OVERHEAD_S = 2.0
 CHILD_GRACE_S = 30.0   # how long past the budget a running engine may go before it is killed
-# --concurrent-starts N: each engine asks vLLM for this fraction / N of the GPU's memory to be
-# free at its start (its KV cache is --kv-cache-gib whatever the fraction).
-CONCURRENT_MEMORY_FRACTION = 0.8
-# Memory of one engine besides its KV cache (weights, activations, CUDA graphs, torch's pool),
-# generously: what --concurrent-starts checks against the GPU's memory.
-ENGINE_OVERHEAD_GIB = 10.0
 
 MATRIX_FIELDS = [
     "heads", "max_model_len", "mode", "context", "batch", "kv", "status", "reason",
@@ -956,9 +950,7 @@ def main(argv=None) -> None:
                     "cells": engine.cells, "settings": asdict(settings), "deadline": deadline,
                     "serve": ({"workload": workload, "seed": args.serve_seed}
                               if engine.serve else None)}
-            if group_size > 1:
-                spec.update(go_file=go_file,
-                            gpu_memory_utilization=CONCURRENT_MEMORY_FRACTION / group_size)
+            spec.update(concurrent_start_spec(go_file, group_size))
             # An engine waits for the ones before it in its group; past the budget each gets
             # its grace after the one before it, time to record its cells as skipped.
             timeout = args.timeout * (position + 1)

@@ -36,16 +36,22 @@ def _git_commit() -> str:
     return head.stdout.strip() + ("+changes" if changed else "")
 
 
-def _gpu_name() -> str:
-    # nvidia-smi rather than torch: the parent process of an engine benchmark must not create a
-    # CUDA context of its own on the GPU its children measure.
+def gpu_query(field: str) -> str | None:
+    """The first GPU's ``field`` as nvidia-smi reports it (numbers without units), or None.
+    nvidia-smi rather than torch: the parent process of an engine benchmark must not create a
+    CUDA context of its own on the GPU its children measure."""
     try:
-        proc = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+        proc = subprocess.run(["nvidia-smi", f"--query-gpu={field}",
+                               "--format=csv,noheader,nounits"],
                               capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    names = [line.strip() for line in proc.stdout.splitlines() if line.strip()]
-    return names[0] if proc.returncode == 0 and names else "unknown"
+        return None
+    values = [line.strip() for line in proc.stdout.splitlines() if line.strip()]
+    return values[0] if proc.returncode == 0 and values else None
+
+
+def _gpu_name() -> str:
+    return gpu_query("name") or "unknown"
 
 
 def _vllm_version() -> str:

@@ -28,6 +28,8 @@ import threading
 import time
 from pathlib import Path
 
+from benchmarks.provenance import gpu_query
+
 NOISE_FRACTION = 0.05   # largest spread of the timed windows, as a fraction of their median
 SETTLE_STEPS = 4        # decode steps of all requests before the first timed window
 
@@ -296,15 +298,29 @@ def run_engines_together(launches: list, go_dir: Path) -> list:
 
 
 def gpu_memory_gib() -> float | None:
-    """The first GPU's memory (nvidia-smi, so that the parent makes no CUDA context); None if
-    it cannot be read."""
+    """The first GPU's memory, or None if it cannot be read."""
     try:
-        proc = subprocess.run(["nvidia-smi", "--query-gpu=memory.total",
-                               "--format=csv,noheader,nounits"],
-                              capture_output=True, text=True, timeout=20)
-        return float(proc.stdout.splitlines()[0]) / 1024 if proc.returncode == 0 else None
-    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return float(gpu_query("memory.total")) / 1024   # MiB
+    except (TypeError, ValueError):
         return None
+
+
+# --concurrent-starts N: each engine asks vLLM for this fraction / N of the GPU's memory to be
+# free at its start (its KV cache has a fixed size whatever the fraction).
+CONCURRENT_MEMORY_FRACTION = 0.8
+# An engine's memory besides its KV cache (activations, CUDA graphs, torch's pool, and the
+# weights of bench_matrix's 4-layer model; bench_deployment adds its proxies' weights),
+# generously: what the memory check of --concurrent-starts assumes.
+ENGINE_OVERHEAD_GIB = 10.0
+
+
+def concurrent_start_spec(go_file: str, group_size: int) -> dict:
+    """What an engine's spec adds when it starts together with ``group_size - 1`` others: the
+    go file to wait for once up, and its share of the free memory vLLM checks at start-up."""
+    if group_size <= 1:
+        return {}
+    return {"go_file": go_file,
+            "gpu_memory_utilization": CONCURRENT_MEMORY_FRACTION / group_size}
 
 
 def concurrent_memory_problem(engines: int, kv_cache_gib: float, overhead_gib: float,
