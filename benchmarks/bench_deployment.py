@@ -3,7 +3,7 @@ per rank for DP8/TP1, DP4/TP2 and DP1/TP8 (the paper's Figure 1 configurations).
 
     python -m benchmarks.bench_deployment --out out/deployment [--configs dp8-tp1-ep8 ...]
         [--contexts 16384 32768 65536 131072] [--kv auto fp8_snapmla fp8]
-        [--mtp | --mtp-only] [--budget-only]
+        [--mtp | --mtp-only] [--routing uniform|weights] [--concurrent-starts N] [--budget-only]
 
 The model is the part of DeepSeek-V3.1 one rank runs, for a few layers: 1 dense layer and 3 MoE
 layers with the rank's shards, FP8 block-quantized weights as the checkpoint declares
@@ -25,6 +25,15 @@ rank runs, plus one embedding, LM head and sampler per step instead of per 61 la
 H200 NVLink these are reported at tens of microseconds per layer and per step, comparable
 between the KV formats, so they shrink every ratio here towards 1.
 
+**Routing.** vLLM's dummy weights (uniform in +-1e-3) make DeepSeek's router degenerate: the
+sigmoid scores differ by ~1e-5 between experts, the score-correction bias by ~1e-3, so every
+token goes to the same 8 experts, a rank's MoE reads 8 experts' weights whatever the batch, and
+the expert load above does not hold (a test shows it).  ``--routing uniform`` (the default)
+sets vLLM's routing simulator (``VLLM_MOE_ROUTING_SIMULATION_STRATEGY=uniform_random``): each
+token picks top-k experts uniformly at random (with replacement, so a token's 8 picks may
+repeat one), the balanced load DeepSeek's bias-based balancing aims at; ``--routing weights``
+keeps the router.  Results before the option existed are ``weights``.
+
 KV budget: what a real deployment of the full 61-layer model leaves a rank per layer
 (``kv_budget``): the H200's memory times vLLM's default ``gpu_memory_utilization`` (0.9), less
 the rank's real weight bytes (``rank_weight_bytes``: FP8 block-quantized projections and
@@ -40,6 +49,12 @@ and warms up its kernels for the shapes the engine can meet (``VLLM_DEEP_GEMM_WA
 ``relax``), a few minutes for the first engine of a configuration (its cache serves the next
 ones), so a configuration takes several minutes before its first context.  Progress is printed
 as each engine comes up and each context finishes.
+
+An engine's ``max_num_seqs`` is the largest batch its cache can hold at the shortest context
+(``largest_batch``, a multiple of 8): vLLM captures CUDA graphs for batch sizes up to twice
+that instead of up to 512 (at DP1/TP8 with ``fp8``, 25 sizes instead of 51; the capture took
+3.7 of the 6.3 minutes five engines needed to start together on the H200), and a batch pads to
+the same graph size as with vLLM's default limit.
 
 Per (configuration, KV format) one engine; per context the batch that fills the KV budget,
 decode steps timed after the prefill with the engine core's timestamps (``bench_e2e``'s
@@ -69,10 +84,10 @@ from pathlib import Path
 
 from benchmarks import bench_e2e
 from benchmarks.provenance import describe, run_info
-from benchmarks.vllm_engine import (DEEPSEEK_V31_ATTENTION, ENGINE_OVERHEAD_GIB,
+from benchmarks.vllm_engine import (BLOCK_SIZE, DEEPSEEK_V31_ATTENTION, ENGINE_OVERHEAD_GIB,
                                     KV_BYTES_PER_TOKEN, NOISE_FRACTION, concurrent_memory_problem,
-                                    concurrent_start_spec, merge_by_key, number, read_csv,
-                                    run_engines_together, write_csv)
+                                    concurrent_start_spec, estimated_kv_blocks, merge_by_key,
+                                    number, read_csv, run_engines_together, write_csv)
 
 GIB = 2**30
 H200_MEMORY_BYTES = int(139.8 * GIB)   # what torch reports as total memory on an H200
@@ -265,10 +280,25 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-FIELDS = ["run", "config", "heads", "kv", "mtp", "context", "batch", "decode_tok_s", "tpot_ms",
-          "spread_pct", "tokens_per_step", "projected_output_tok_s", "speedup_vs_auto",
-          "kv_cache_tokens", "kv_cache_mib", "backend", "error"]
+FIELDS = ["run", "config", "heads", "kv", "mtp", "routing", "context", "batch", "decode_tok_s",
+          "tpot_ms", "spread_pct", "window_ms", "tokens_per_step", "projected_output_tok_s",
+          "speedup_vs_auto", "kv_cache_tokens", "kv_cache_mib", "backend", "error"]
 MTP_SPEC = {"method": "mtp", "num_speculative_tokens": 1}
+# --routing: vLLM's routing simulator (VLLM_MOE_ROUTING_SIMULATION_STRATEGY) or the router.
+ROUTING_ENV = {"uniform": {"VLLM_MOE_ROUTING_SIMULATION_STRATEGY": "uniform_random"},
+               "weights": {}}
+
+
+def largest_batch(kv: str, kv_gib: float, layers: int, contexts, limit: int) -> int:
+    """An upper bound on the batch any of ``contexts`` can fill in a ``kv_gib`` GiB cache over
+    ``layers`` layers (the shortest context, no generated tokens, 1/8 slack over vLLM's page
+    count), a multiple of 8, at most ``limit``: the engine's ``max_num_seqs``.  vLLM captures
+    CUDA graphs up to 2 x max_num_seqs x query length, the sizes a larger limit would also
+    capture, so a batch pads to the same graph as in a deployment with the default limit;
+    most of an engine's start-up is that capture."""
+    pages_per_request = -(-min(contexts) // BLOCK_SIZE)
+    fits = estimated_kv_blocks(kv, kv_gib, layers) * 9 // 8 // pages_per_request
+    return max(8, min(limit, -(-fits // 8) * 8))
 
 
 _INTEGER_FIELDS = ("run", "heads", "context", "batch", "kv_cache_tokens")
@@ -283,6 +313,7 @@ def _row_from_csv(row: dict) -> dict:
         value = number(r.get(name))
         r[name] = "" if value is None else int(value) if name in _INTEGER_FIELDS else value
     r["mtp"] = r.get("mtp") == "True"
+    r["routing"] = r.get("routing") or "weights"   # runs before the column routed by weights
     return r
 
 
@@ -322,15 +353,15 @@ def write_outputs(rows: list[dict], out: Path, header: str, budget: str) -> None
     write_csv(rows, out / "deployment.csv", FIELDS, comments=runs)
     lines = ["\n\n".join(f"run {i}: {text}" for i, text in enumerate(runs, 1)), "",
              "KV budget per rank:", "", budget, "",
-             "| run | configuration | heads | kv | context | batch | decode steps/s x B | "
-             "step ms | windows apart | tokens per step | projected output tok/s | "
-             "vs auto (same run) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| run | configuration | heads | kv | routing | context | batch | "
+             "decode steps/s x B | step ms | windows apart | tokens per step | "
+             "projected output tok/s | vs auto (same run) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tok, tpot, speedup = r.get("decode_tok_s"), r.get("tpot_ms"), r["speedup_vs_auto"]
         per_step, projected = r.get("tokens_per_step"), r.get("projected_output_tok_s")
         cells = [r["run"], r["config"], r["heads"], r["kv"] + (" + MTP" if r.get("mtp") else ""),
-                 r["context"], r.get("batch", ""),
+                 r.get("routing", ""), r["context"], r.get("batch", ""),
                  f"{tok:,.0f}" if tok else r.get("error", ""), f"{tpot:.2f}" if tpot else "",
                  _spread_cell(r.get("spread_pct")), f"{per_step:.3f}" if per_step else "",
                  f"{projected:,.0f}" if projected else "", f"{speedup:.2f}x" if speedup else ""]
@@ -368,10 +399,11 @@ def engine_launch(rank: Rank, kv: str, mtp: bool, position: int, group_size: int
               f"contexts {args.contexts}; starting the engine (the first engine of a "
               "configuration also compiles DeepGEMM's FP8 kernels: minutes) ...", flush=True)
         start = time.monotonic()
+        max_batch = largest_batch(kv, kv_bytes / GIB, layers, args.contexts, args.max_batch)
         spec = {"model": model, "heads": rank.heads, "contexts": list(args.contexts),
                 "kv": kv, "gen_tokens": args.gen_tokens, "windows": args.windows,
-                "kv_cache_gib": kv_bytes / GIB, "max_batch": args.max_batch,
-                "vocab": V31["vocab"] // rank.tp,
+                "kv_cache_gib": kv_bytes / GIB, "max_batch": max_batch,
+                "vocab": V31["vocab"] // rank.tp, "env": ROUTING_ENV[args.routing],
                 "speculative_config": MTP_SPEC if mtp else None}
         spec.update(concurrent_start_spec(go_file, group_size))
         reported = set()
@@ -383,13 +415,25 @@ def engine_launch(rank: Rank, kv: str, mtp: bool, position: int, group_size: int
                 reported.add(result["context"])
             print(label, end="", flush=True)
             bench_e2e.print_progress(result, start)
+            if result.get("batch") == max_batch and max_batch < args.max_batch:
+                print(f"{label} WARNING: context {result['context']}: B={max_batch} is the "
+                      "engine's max_num_seqs, the cache may hold more", flush=True)
 
         # An engine of a group waits for the ones before it.
         timeout = args.timeout * len(args.contexts) * (position + 1)
         rows = bench_e2e.run_in_subprocess(spec, timeout, on_result=report,
                                            startup_timeout=args.timeout)
+        wanted = ROUTING_ENV[args.routing].get("VLLM_MOE_ROUTING_SIMULATION_STRATEGY", "")
         for row in rows:
-            row.update(config=rank.name, mtp=mtp, kv_cache_mib=kv_bytes / 2**20)
+            row.update(config=rank.name, mtp=mtp, routing=args.routing,
+                       kv_cache_mib=kv_bytes / 2**20)
+            if row.get("decode_tok_s") and row.get("simulated_routing", "") != wanted:
+                # Not what --routing asked for: no number rather than a mislabelled one.
+                row["error"] = (f"engine log shows routing simulator "
+                                f"'{row.get('simulated_routing', '')}', expected '{wanted}'")
+                for name in ("decode_tok_s", "tpot_ms", "output_tok_s"):
+                    row[name] = ""
+                print(f"{label} context {row['context']}: {row['error']}", flush=True)
             if row.get("decode_tok_s"):
                 row["projected_output_tok_s"] = round(
                     row["decode_tok_s"] * (1 + (args.mtp_acceptance if mtp else 0)), 1)
@@ -412,7 +456,14 @@ def main(argv=None) -> None:
     parser.add_argument("--gen-tokens", type=int, default=128, help="decode steps per window")
     parser.add_argument("--windows", type=int, default=4,
                         help="timed windows; the step time is their median")
-    parser.add_argument("--max-batch", type=int, default=512)
+    parser.add_argument("--max-batch", type=int, default=512,
+                        help="most requests at once (an engine's max_num_seqs is the smaller "
+                             "of this and the largest batch its cache can hold)")
+    parser.add_argument("--routing", choices=list(ROUTING_ENV), default="uniform",
+                        help="uniform: each token picks its experts uniformly at random "
+                             "(vLLM's routing simulator), the balanced load of a deployment; "
+                             "weights: the router on the dummy weights, which sends every "
+                             "token to the same experts")
     parser.add_argument("--timeout", type=float, default=1800,
                         help="seconds for an engine to start, and per context (an engine of "
                              "a --concurrent-starts group also gets the time of those before)")

@@ -40,6 +40,7 @@ tok/s and speedup vs BF16 against context, per head count).
 from __future__ import annotations
 
 import argparse
+import os
 import functools
 import sys
 import tempfile
@@ -59,7 +60,8 @@ CONTEXTS = (16384, 32768, 65536, 131072)
 QUICK = {"heads": (128,), "contexts": (16384, 65536), "gen_tokens": 128, "kv_cache_gib": 4.0}
 
 CSV_FIELDS = ["heads", "context", "kv", "backend", "batch", "gen_tokens", "windows",
-              "max_tokens", "prefill_steps", "lock_step", "timer", "spread_pct", "timing_ok",
+              "max_tokens", "prefill_steps", "lock_step", "timer", "spread_pct", "window_ms",
+              "timing_ok",
               "kv_cache_tokens", "log_kv_cache_tokens", "capacity_vs_bf16", "decode_tok_s",
               "tpot_ms", "speedup_vs_bf16", "error"]
 
@@ -181,7 +183,9 @@ MAX_WARM_TOKENS = 4096
 def run_engine(spec: dict):
     """Build one engine and, for each context, fill its KV cache with a batch and time its decode
     steps (``timed_decode_windows``).  Yields ``{"kind": "engine", ...}`` once the engine is up
-    and warm, then one result per context (with ``context``)."""
+    and warm, then one result per context (with ``context``).  ``spec["env"]``, if given, is
+    set before vLLM starts (its engine-core process inherits it)."""
+    os.environ.update(spec.get("env") or {})
     import torch
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind

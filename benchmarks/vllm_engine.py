@@ -48,6 +48,7 @@ KV_BYTES_PER_TOKEN = {"auto": 1152, "fp8": 576, "fp8_snapmla": 656}
 RESULT_TAG = "BENCH_ENGINE_RESULT "
 _KV_TOKENS_LOG = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
 _BACKEND_LOG = re.compile(r"Using (\w+) attention backend")
+_ROUTING_LOG = re.compile(r"Simulating MoE routing using a (\w+) strategy")
 
 
 # --- pure helpers (unit-tested on CPU) -----------------------------------------------------
@@ -152,14 +153,16 @@ def timed_decode_windows(engine, prompts: list, params, steps: int, windows: int
 
 
 def summarize_windows(batch: int, seconds_per_step: list[float]) -> dict:
-    """decode tok/s, time per output token (ms), the windows' spread (% of the median) and
-    timing_ok ("" with one window) of the windows of ``timed_decode_windows``."""
+    """decode tok/s, time per output token (ms), the windows' spread (% of the median), each
+    window's ms per step (space-separated: one slow window and a slow engine look different)
+    and timing_ok ("" with one window) of the windows of ``timed_decode_windows``."""
     if batch < 1 or not seconds_per_step or min(seconds_per_step) <= 0:
         raise ValueError(f"no decode time: {batch=}, {seconds_per_step=}")
     step_s = statistics.median(seconds_per_step)
     spread = (max(seconds_per_step) - min(seconds_per_step)) / step_s
     return {"decode_tok_s": round(batch / step_s, 1), "tpot_ms": round(1000 * step_s, 3),
             "spread_pct": round(100 * spread, 2),
+            "window_ms": " ".join(f"{1000 * s:.3f}" for s in seconds_per_step),
             "timing_ok": spread <= NOISE_FRACTION if len(seconds_per_step) > 1 else ""}
 
 
@@ -198,11 +201,14 @@ def write_csv(rows: list[dict], path: Path, fields: list[str], comments=()) -> N
 
 
 def engine_log_facts(log: str) -> dict:
-    """The KV capacity (tokens) and the attention backend a vLLM engine logged ("" if not)."""
+    """The KV capacity (tokens), the attention backend and the MoE routing simulator's strategy
+    a vLLM engine logged ("" if not)."""
     logged = _KV_TOKENS_LOG.findall(log)
     backends = _BACKEND_LOG.findall(log)
+    routing = _ROUTING_LOG.findall(log)
     return {"log_kv_cache_tokens": int(logged[-1].replace(",", "")) if logged else "",
-            "backend": backends[-1] if backends else ""}
+            "backend": backends[-1] if backends else "",
+            "simulated_routing": routing[-1] if routing else ""}
 
 
 # --- one engine in a child process -------------------------------------------------------------
@@ -421,7 +427,39 @@ def run_child(command: list[str], spec: dict, timeout: float, on_result=None,
     if failure is None and handler_errors:
         failure = handler_errors[0]
     if failure is None and proc.returncode != 0:
-        print(log[-4000:], file=sys.stderr)
+        cause = root_cause(log)
+        excerpt = log[-4000:]
+        if cause and cause not in excerpt:   # the engine core's traceback came long before
+            excerpt = f"{cause_context(log)}\n...\n{excerpt}"
+        print(excerpt, file=sys.stderr)
         last = [ln for ln in log.strip().splitlines() if ln.strip()][-1:] or ["no output"]
-        failure = f"exit {proc.returncode}: {last[0][-200:]}"
+        failure = f"exit {proc.returncode}: {(cause or last[0])[-300:]}"
     return results, log, failure
+
+
+# The exception line of a traceback ("torch.OutOfMemoryError: CUDA out of memory ..."), after
+# any "(EngineCore pid=N)" prefix vLLM puts on its engine-core process's lines.
+_EXCEPTION_LINE = re.compile(r"^(?:\([\w ]+pid=\d+\)\s*)?((?:[A-Za-z_][\w]*\.)*"
+                             r"[A-Za-z_]\w*(?:Error|Exception|Interrupt)(?::.*)?)$")
+# What a front end raises when the engine core died: the consequence, not the cause.
+_CONSEQUENCES = ("EngineDeadError", "EngineCore encountered an issue")
+
+
+def root_cause(log: str) -> str | None:
+    """The last exception line in a child's output that is not the front end reporting a dead
+    engine core: why an engine died, which vLLM prints in the core's traceback, often long
+    before the front end's own ``EngineDeadError``.  None if there is none."""
+    causes = [m.group(1).strip() for m in map(_EXCEPTION_LINE.match,
+                                              (line.strip() for line in log.splitlines()))
+              if m and not any(c in m.group(1) for c in _CONSEQUENCES)]
+    return causes[-1] if causes else None
+
+
+def cause_context(log: str, before: int = 25) -> str:
+    """The ``before`` lines of ``log`` up to and including its ``root_cause`` line."""
+    lines = log.splitlines()
+    cause = root_cause(log)
+    for i in reversed(range(len(lines))):
+        if cause and cause in lines[i]:
+            return "\n".join(lines[max(0, i - before):i + 1])
+    return ""

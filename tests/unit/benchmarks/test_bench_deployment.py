@@ -175,6 +175,8 @@ def test_speedup_uncertainty_adds_both_sides_spreads():
 def test_main_runs_a_configurations_engines_in_groups(tmp_path, monkeypatch, concurrent):
     import threading
 
+    logged_routing = "uniform_random"   # what vLLM's engine log says (engine_log_facts)
+
     from benchmarks import bench_e2e, vllm_engine
 
     specs, live, most_live = [], [0], [0]
@@ -194,7 +196,8 @@ def test_main_runs_a_configurations_engines_in_groups(tmp_path, monkeypatch, con
                       "spread_pct": 1.0, "timing_ok": True, "lock_step": True,
                       "prefill_steps": 3, "tokens_per_step": 1.0}
             on_result(result)
-            rows.append({"heads": spec["heads"], "kv": spec["kv"], **result})
+            rows.append({"heads": spec["heads"], "kv": spec["kv"], **result,
+                         "simulated_routing": logged_routing})
         with lock:
             live[0] -= 1
         return rows
@@ -213,3 +216,77 @@ def test_main_runs_a_configurations_engines_in_groups(tmp_path, monkeypatch, con
         rows = list(csv.DictReader(line for line in f if not line.startswith("#")))
     assert {r["kv"] for r in rows} == set(dep.KV_SETTINGS)
     assert all(float(r["speedup_vs_auto"]) == pytest.approx(1.0) for r in rows)
+    # Balanced routing by default, and max_num_seqs no larger than the cache can use.
+    assert all(s["env"] == {"VLLM_MOE_ROUTING_SIMULATION_STRATEGY": "uniform_random"}
+               for s in specs)
+    assert {r["routing"] for r in rows} == {"uniform"}
+    assert all(8 <= s["max_batch"] < 512 for s in specs)
+
+
+@pytest.mark.parametrize("mtp", [False, True], ids=["plain", "mtp"])
+@pytest.mark.parametrize("name", sorted(dep.CONFIGS))
+def test_max_num_seqs_holds_every_batch_the_cache_fills(name, mtp):
+    from benchmarks import bench_e2e, vllm_engine
+
+    rank = dep.CONFIGS[name]
+    layers = dep.PROXY_LAYERS + int(mtp)
+    kv_gib = layers * dep.kv_budget(rank, 6.0, mtp)["kv_bytes_per_layer"] / dep.GIB
+    for kv in dep.KV_SETTINGS:
+        bound = dep.largest_batch(kv, kv_gib, layers, dep.CONTEXTS, 512)
+        assert bound % 8 == 0 and bound < 512
+        blocks = vllm_engine.estimated_kv_blocks(kv, kv_gib, layers)
+        # vLLM may hold up to 1/8 more pages than estimated; the batches still fit under it.
+        for pages in (blocks, blocks * 9 // 8):
+            for context in dep.CONTEXTS:
+                fills = vllm_engine.batch_to_fill(pages, vllm_engine.BLOCK_SIZE, context,
+                                                  bench_e2e.SETTLE_STEPS, 10**6)
+                assert fills <= bound
+        # Not so generous that the short context's batch is far below it.
+        shortest = vllm_engine.batch_to_fill(blocks, vllm_engine.BLOCK_SIZE, dep.CONTEXTS[0],
+                                             0, 10**6)
+        assert bound <= shortest * 9 // 8 + 8
+    assert dep.largest_batch("fp8", 100.0, 4, [512], 512) == 512
+
+
+def test_the_router_on_dummy_weights_sends_every_token_to_the_same_experts():
+    """Why --routing defaults to vLLM's routing simulator: with vLLM's dummy weights (uniform in
+    +-1e-3) DeepSeek's sigmoid scores differ by ~1e-5 between experts while the score-correction
+    bias differs by ~1e-3, so the bias alone picks the experts, the same ones for every token.
+    If this fails, vLLM's dummy initialisation changed: revisit the default."""
+    import torch
+
+    from vllm.model_executor.model_loader.weight_utils import initialize_single_dummy_weight
+
+    hidden, experts, top_k = 7168, 32, 8
+    gate, bias, norm = torch.empty(experts, hidden), torch.empty(experts), torch.empty(hidden)
+    for param in (gate, bias, norm):
+        initialize_single_dummy_weight(param)
+    x = torch.randn(1024, hidden, generator=torch.Generator().manual_seed(0))
+    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)) * norm     # RMSNorm
+    picked = torch.topk(torch.sigmoid(h @ gate.T) + bias, top_k, dim=-1).indices
+    assert len({tuple(sorted(row.tolist())) for row in picked}) == 1
+
+
+def test_a_number_measured_without_the_asked_routing_is_not_reported(tmp_path, monkeypatch):
+    from benchmarks import bench_e2e
+
+    def fake_engine(spec, timeout, on_result, startup_timeout=None):
+        on_result({"kind": "engine", "kv_cache_tokens": 1000})
+        result = {"context": 32768, "batch": 4, "decode_tok_s": 100.0, "tpot_ms": 40.0,
+                  "spread_pct": 1.0, "timing_ok": True, "lock_step": True, "prefill_steps": 3}
+        on_result(result)
+        # The engine log never mentioned the routing simulator.
+        return [{"heads": spec["heads"], "kv": spec["kv"], **result, "simulated_routing": ""}]
+
+    monkeypatch.setattr(bench_e2e, "run_in_subprocess", fake_engine)
+    dep.main(["--out", str(tmp_path), "--configs", "dp1-tp8", "--contexts", "32768",
+              "--kv", "auto"])
+    with open(tmp_path / "deployment.csv") as f:
+        (row,) = list(csv.DictReader(line for line in f if not line.startswith("#")))
+    assert row["decode_tok_s"] == "" and "expected 'uniform_random'" in row["error"]
+    # With --routing weights the same log is what was asked for.
+    dep.main(["--out", str(tmp_path), "--configs", "dp1-tp8", "--contexts", "32768",
+              "--kv", "auto", "--routing", "weights"])
+    with open(tmp_path / "deployment.csv") as f:
+        (row,) = list(csv.DictReader(line for line in f if not line.startswith("#")))
+    assert float(row["decode_tok_s"]) == 100.0 and row["routing"] == "weights"

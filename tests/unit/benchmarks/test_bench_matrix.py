@@ -611,3 +611,51 @@ def test_budget_counts_the_measurements_queued_before_an_engine_of_a_group(tmp_p
         rows = [r for r in csv.DictReader(line for line in f if not line.startswith("#"))]
     second = next(r for r in rows if r["kv"] == "fp8_snapmla")
     assert second["status"] == "skipped" and "--budget-s" in second["reason"]
+
+
+def test_a_dead_engine_core_reports_its_own_exception(tmp_path, capsys):
+    # vLLM's engine core prints its traceback (prefixed with its pid) long before the front
+    # end raises EngineDeadError; the failure names the core's exception.
+    body = (_result_line({"kind": "engine"})
+            + "core = '(EngineCore pid=77) '\n"
+            + "print(core + 'ERROR [core.py:1] EngineCore encountered a fatal error.', "
+              "file=sys.stderr)\n"
+            + "print(core + 'Traceback (most recent call last):', file=sys.stderr)\n"
+            + "print(core + 'torch.OutOfMemoryError: CUDA out of memory. Tried 2.00 GiB', "
+              "file=sys.stderr, flush=True)\n"
+            + "print('filler ' * 2000, file=sys.stderr)\n"
+            + "print('Traceback (most recent call last):', file=sys.stderr)\n"
+            + "print('vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an "
+              "issue. See stack trace (above) for the root cause.', file=sys.stderr)\n"
+            + "sys.exit(1)\n")
+    results, log, failure = vllm_engine.run_child(_child(tmp_path, body), {}, timeout=30)
+    assert len(results) == 1
+    assert failure == "exit 1: torch.OutOfMemoryError: CUDA out of memory. Tried 2.00 GiB"
+    # The printed excerpt shows the core's traceback although 14 kB of output followed it.
+    assert "EngineCore encountered a fatal error" in capsys.readouterr().err
+
+
+def test_root_cause_skips_the_dead_engine_consequence_and_plain_text():
+    assert vllm_engine.root_cause("no error here\nTraceback (most recent call last):\n") is None
+    assert vllm_engine.root_cause(
+        "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.") is None
+    # The last cause wins (an exception handled during start-up came earlier).
+    log = "ValueError: handled at start-up\nx\nRuntimeError: requests finished early\n"
+    assert vllm_engine.root_cause(log) == "RuntimeError: requests finished early"
+    assert vllm_engine.cause_context(log, before=1) == "x\nRuntimeError: requests finished early"
+
+
+def test_window_times_are_kept_per_window():
+    summary = vllm_engine.summarize_windows(8, [0.002, 0.0021, 0.003, 0.00205])
+    assert summary["window_ms"] == "2.000 2.100 3.000 2.050"
+    assert summary["tpot_ms"] == pytest.approx(2.075)   # the median resists the slow window
+
+
+def test_engine_log_facts_read_the_routing_simulator():
+    log = ("(EngineCore pid=5) INFO [gpu_model_runner.py:1] Using FLASHMLA attention backend\n"
+           "(EngineCore pid=5) WARNING 12-04 14:15:00 [routing_simulator_router.py:292] "
+           "Simulating MoE routing using a uniform_random strategy. This should only be used "
+           "for performance testing. Model outputs will not be valid.\n")
+    facts = vllm_engine.engine_log_facts(log)
+    assert facts["simulated_routing"] == "uniform_random" and facts["backend"] == "FLASHMLA"
+    assert vllm_engine.engine_log_facts("nothing")["simulated_routing"] == ""
