@@ -315,9 +315,13 @@ def gpu_memory_gib() -> float | None:
 # free at its start (its KV cache has a fixed size whatever the fraction).
 CONCURRENT_MEMORY_FRACTION = 0.8
 # An engine's memory besides its KV cache (activations, CUDA graphs, torch's pool, and the
-# weights of bench_matrix's 4-layer model; bench_deployment adds its proxies' weights),
-# generously: what the memory check of --concurrent-starts assumes.
-ENGINE_OVERHEAD_GIB = 10.0
+# weights of bench_matrix's 4-layer model; bench_deployment adds its proxies' weights): what
+# the memory check of --concurrent-starts assumes.  An engine's memory grows past what it
+# holds at start-up once it prefills long contexts (torch keeps the pool): on the H200 three
+# DP8/TP1 proxy engines (10.5 GiB of weights, 1.8 of KV cache each) held 96 GiB while one of
+# them ran 128k-token prefills, and of five such engines started together one died in a 64k
+# prefill; 20 GiB besides the KV cache and weights is what those 32 GiB per engine leave.
+ENGINE_OVERHEAD_GIB = 20.0
 
 
 def concurrent_start_spec(go_file: str, group_size: int) -> dict:
