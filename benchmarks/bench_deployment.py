@@ -6,7 +6,7 @@ per rank for DP8/TP1, DP4/TP2 and DP1/TP8 (the paper's Figure 1 configurations).
         [--mtp | --mtp-only] [--routing uniform|weights] [--concurrent-starts N] [--budget-only]
 
 The model is the part of DeepSeek-V3.1 one rank runs, for a few layers: 1 dense layer and 3 MoE
-layers with the rank's shards, FP8 block-quantized weights as the checkpoint declares
+layers (``--moe-layers``) with the rank's shards, FP8 block-quantized weights as the checkpoint declares
 (``quantization_config``: e4m3, 128x128 blocks, dynamic activations), vLLM's dummy weights:
 
 - ``dp8-tp1-ep8``: 128 heads; 32 routed experts with top-8 routing.  With DP8 and EP8 the 8
@@ -20,7 +20,14 @@ layers with the rank's shards, FP8 block-quantized weights as the checkpoint dec
 
 The shared expert keeps its full width 2048 in the EP configurations (vLLM shards it by TP:
 1024 at TP2), and the layer count is 4, not 61: the proxy's time per step is per layer what a
-rank runs, plus one embedding, LM head and sampler per step instead of per 61 layers.
+rank runs, plus one embedding, LM head and sampler per step instead of per 61 layers.  The
+engine's host work per step (scheduling, input preparation, sampling, outputs) is the same for
+4 layers as for 61, so in the proxy it is a far larger share of the step.  By arithmetic
+(weight and cache bytes per step over the H200's bandwidth) a 61-layer rank's step is bound by
+the GPU, while the GPU work of the 4-layer proxy's 2-4 ms steps is about half of them; its step
+times also move with the batch more than its GPU work can explain.  ``--moe-layers N`` runs a deeper
+proxy (the KV budget and batch per layer stay those of the full model) to see how a ratio
+moves as the GPU's share grows.
 **Communication is not modelled** (TP all-reduces, EP dispatch/combine, DP synchronization): on
 H200 NVLink these are reported at tens of microseconds per layer and per step, comparable
 between the KV formats, so they shrink every ratio here towards 1.
@@ -39,7 +46,7 @@ KV budget: what a real deployment of the full 61-layer model leaves a rank per l
 the rank's real weight bytes (``rank_weight_bytes``: FP8 block-quantized projections and
 experts with their scales, BF16 embedding and LM head, vLLM's BF16 copy of the MLA up-projection
 for the absorbed decode), less ``--reserve-gib`` for activations, CUDA graphs and non-torch
-memory; divided by 61 layers and given to the 4-layer proxy as ``kv_cache_memory_bytes``.
+memory; divided by 61 layers and given to the proxy's layers as ``kv_cache_memory_bytes``.
 ``--budget-only`` prints that arithmetic and runs nothing.  ``--concurrent-starts N`` starts N
 engines of a configuration at once (their compilation and CUDA-graph capture overlap) and lets
 them measure one at a time once all are up.
@@ -64,9 +71,9 @@ meaningless, so besides the measured tokens per step the report projects output 
 decode steps/s x B x (1 + ``--mtp-acceptance``), the acceptance DeepSeek reports for its second
 token (85-90%); the step time, which is what the KV format changes, is measured.  The MTP
 layer's weights come off the rank's memory and its KV cache shares the budget (62 layers), so
-the 5-layer proxy gets 5 layers' share.  In the proxy the drafter is one layer in five, not one
-in 62, so its cost per step is overstated: compare KV formats with MTP against each other, not
-against the runs without it.
+the proxy gets one more layer's share.  In the 4-layer proxy the drafter is one layer in five,
+not one in 62, so its cost per step is overstated: compare KV formats with MTP against each
+other, not against the runs without it.
 
 Writes ``deployment.csv``, ``deployment.md`` and ``deployment.png`` (per configuration, speedup
 over ``auto`` against context, the paper's Figure 1 layout), merged with earlier runs in the same
@@ -78,6 +85,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import tempfile
 import time
 from pathlib import Path
@@ -99,7 +107,7 @@ V31 = {"hidden": 7168, "layers": 61, "dense_layers": 3, "heads": 128, "q_lora": 
        "experts": 256, "top_k": 8, "expert_width": 2048, "shared_experts": 1,
        "vocab": 129280, "n_group": 8, "topk_group": 4}
 FP8_BLOCK = 128
-PROXY_LAYERS = 4          # 1 dense + 3 MoE
+MOE_LAYERS = 3            # the proxy's MoE layers after its one dense layer (--moe-layers)
 CONTEXTS = (16384, 32768, 65536, 131072)
 KV_SETTINGS = ("auto", "fp8_snapmla", "fp8")
 
@@ -176,13 +184,14 @@ def kv_budget(rank: Rank, reserve_gib: float, mtp: bool = False,
             "tokens": {kv: per_layer // b for kv, b in KV_BYTES_PER_TOKEN.items()}}
 
 
-def proxy_model_config(rank: Rank) -> dict:
-    """The config.json overrides of the rank's 4-layer proxy (for ``write_tiny_deepseek_v3``)."""
+def proxy_model_config(rank: Rank, moe_layers: int = MOE_LAYERS) -> dict:
+    """The config.json overrides of the rank's proxy, 1 dense and ``moe_layers`` MoE layers
+    (for ``write_tiny_deepseek_v3``)."""
     ep = rank.ep > 1
     return {
         **DEEPSEEK_V31_ATTENTION,
         "num_attention_heads": rank.heads, "num_key_value_heads": rank.heads,
-        "num_hidden_layers": PROXY_LAYERS, "first_k_dense_replace": 1,
+        "num_hidden_layers": 1 + moe_layers, "first_k_dense_replace": 1,
         "intermediate_size": V31["dense_width"] // rank.tp,
         "vocab_size": V31["vocab"] // rank.tp,
         "n_routed_experts": V31["experts"] // rank.ep if ep else V31["experts"],
@@ -198,13 +207,16 @@ def proxy_model_config(rank: Rank) -> dict:
     }
 
 
-def proxy_weight_bytes(rank: Rank, mtp: bool = False) -> int:
-    """The rank's proxy's weights: its share of each part of the real model's (4 of 61
-    attention layers, 1 of 3 dense MLPs, 3 of 58 MoE layers, the vocabulary, the MTP layer)."""
+def proxy_weight_bytes(rank: Rank, mtp: bool = False, moe_layers: int = MOE_LAYERS) -> int:
+    """The rank's proxy's weights: its share of each part of the real model's (1 + moe_layers
+    of 61 attention layers, 1 of 3 dense MLPs, moe_layers of 58 MoE layers, the vocabulary,
+    the MTP layer)."""
     w = rank_weight_bytes(rank, mtp)
     moe = w["routed_experts"] + w["shared_experts"] + w["router"]
-    return int(w["attention"] * PROXY_LAYERS / V31["layers"] + w["dense_mlp"] / 3
-               + moe * 3 / 58 + w["embedding_and_lm_head"] + w.get("mtp_layer", 0))
+    moe_total = V31["layers"] - V31["dense_layers"]
+    return int(w["attention"] * (1 + moe_layers) / V31["layers"] + w["dense_mlp"] / 3
+               + moe * moe_layers / moe_total + w["embedding_and_lm_head"]
+               + w.get("mtp_layer", 0))
 
 
 def budget_table(reserve_gib: float) -> str:
@@ -259,15 +271,22 @@ def plot(rows: list[dict], path: Path) -> None:
     base = {(r["config"], r["context"], bool(r.get("mtp")), r.get("run")): r for r in rows
             if r["kv"] == "auto"}
     for ax, config in zip(axes[0], configs):
-        for (kv, mtp), (style, color) in SERIES.items():
+        depths = sorted({r.get("layers") or 1 + MOE_LAYERS for r in rows
+                         if r["config"] == config})
+        for ((kv, mtp), (style, color)), layers in itertools.product(SERIES.items(), depths):
             pts = sorted((r["context"], r["speedup_vs_auto"],
                           speedup_uncertainty(r, base[(config, r["context"], mtp, r.get("run"))]))
                          for r in rows if r["config"] == config and r["kv"] == kv
-                         and bool(r.get("mtp")) == mtp and r["speedup_vs_auto"])
+                         and bool(r.get("mtp")) == mtp and r["speedup_vs_auto"]
+                         and (r.get("layers") or 1 + MOE_LAYERS) == layers)
             if pts:
+                # A deeper proxy in the same folder: its own dotted line.
+                deeper = layers != depths[0]
                 ax.errorbar([c // 1024 for c, _, _ in pts], [s for _, s, _ in pts],
-                            yerr=[e for _, _, e in pts], fmt=style, color=color, capsize=3,
-                            label=kv + (" + MTP" if mtp else ""))
+                            yerr=[e for _, _, e in pts], fmt=style.replace("-", ":") if deeper
+                            else style, color=color, capsize=3, mfc="none" if deeper else None,
+                            label=kv + (" + MTP" if mtp else "")
+                            + (f" ({layers} layers)" if len(depths) > 1 else ""))
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context (k tokens)")
@@ -280,7 +299,7 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-FIELDS = ["run", "config", "heads", "kv", "mtp", "routing", "context", "batch", "decode_tok_s",
+FIELDS = ["run", "config", "heads", "layers", "kv", "mtp", "routing", "context", "batch", "decode_tok_s",
           "tpot_ms", "spread_pct", "window_ms", "tokens_per_step", "projected_output_tok_s",
           "speedup_vs_auto", "kv_cache_tokens", "kv_cache_mib", "backend", "error"]
 MTP_SPEC = {"method": "mtp", "num_speculative_tokens": 1}
@@ -301,7 +320,7 @@ def largest_batch(kv: str, kv_gib: float, layers: int, contexts, limit: int) -> 
     return max(8, min(limit, -(-fits // 8) * 8))
 
 
-_INTEGER_FIELDS = ("run", "heads", "context", "batch", "kv_cache_tokens")
+_INTEGER_FIELDS = ("run", "heads", "layers", "context", "batch", "kv_cache_tokens")
 _FLOAT_FIELDS = ("decode_tok_s", "tpot_ms", "spread_pct", "tokens_per_step",
                  "projected_output_tok_s", "kv_cache_mib")
 
@@ -314,21 +333,24 @@ def _row_from_csv(row: dict) -> dict:
         r[name] = "" if value is None else int(value) if name in _INTEGER_FIELDS else value
     r["mtp"] = r.get("mtp") == "True"
     r["routing"] = r.get("routing") or "weights"   # runs before the column routed by weights
+    r["layers"] = r["layers"] or 1 + MOE_LAYERS      # and had the default proxy
     return r
 
 
 def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
-    """``old`` with the rows of the same (configuration, kv, MTP, context) replaced by ``new``,
-    in report order (configurations as ``CONFIGS``, plain before MTP, kv, context)."""
+    """``old`` with the rows of the same (configuration, proxy layers, kv, MTP, context)
+    replaced by ``new``, in report order (configurations as ``CONFIGS``, layers, plain before
+    MTP, kv, context)."""
     configs, kvs = list(CONFIGS), list(KV_SETTINGS)
 
     def order(k):
-        config, kv, mtp, context = k
-        return (configs.index(config) if config in configs else len(configs), mtp,
+        config, layers, kv, mtp, context = k
+        return (configs.index(config) if config in configs else len(configs), layers, mtp,
                 kvs.index(kv) if kv in kvs else len(kvs), kv, context)
 
-    return merge_by_key(old, new, lambda r: (r["config"], r["kv"], bool(r.get("mtp")),
-                                             int(r["context"])), order)
+    return merge_by_key(old, new, lambda r: (r["config"], int(r.get("layers") or 1 + MOE_LAYERS),
+                                             r["kv"], bool(r.get("mtp")), int(r["context"])),
+                        order)
 
 
 def _spread_cell(spread) -> str:
@@ -353,14 +375,15 @@ def write_outputs(rows: list[dict], out: Path, header: str, budget: str) -> None
     write_csv(rows, out / "deployment.csv", FIELDS, comments=runs)
     lines = ["\n\n".join(f"run {i}: {text}" for i, text in enumerate(runs, 1)), "",
              "KV budget per rank:", "", budget, "",
-             "| run | configuration | heads | kv | routing | context | batch | "
+             "| run | configuration | heads | layers | kv | routing | context | batch | "
              "decode steps/s x B | step ms | windows apart | tokens per step | "
              "projected output tok/s | vs auto (same run) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tok, tpot, speedup = r.get("decode_tok_s"), r.get("tpot_ms"), r["speedup_vs_auto"]
         per_step, projected = r.get("tokens_per_step"), r.get("projected_output_tok_s")
-        cells = [r["run"], r["config"], r["heads"], r["kv"] + (" + MTP" if r.get("mtp") else ""),
+        cells = [r["run"], r["config"], r["heads"], r.get("layers", ""),
+                 r["kv"] + (" + MTP" if r.get("mtp") else ""),
                  r.get("routing", ""), r["context"], r.get("batch", ""),
                  f"{tok:,.0f}" if tok else r.get("error", ""), f"{tpot:.2f}" if tpot else "",
                  _spread_cell(r.get("spread_pct")), f"{per_step:.3f}" if per_step else "",
@@ -387,12 +410,12 @@ def engine_launch(rank: Rank, kv: str, mtp: bool, position: int, group_size: int
     from vllm_snapmla.testing import write_tiny_deepseek_v3
 
     def run(go_file, on_up) -> list[dict]:
-        overrides = {**proxy_model_config(rank),
+        overrides = {**proxy_model_config(rank, args.moe_layers),
                      **({"num_nextn_predict_layers": 1} if mtp else {})}
         model = str(write_tiny_deepseek_v3(tmp / f"{rank.name}{'-mtp' if mtp else ''}-{kv}",
                                            **overrides))
         # The drafter's layer holds KV too: the proxy's cache is its layers' share.
-        layers = PROXY_LAYERS + int(mtp)
+        layers = 1 + args.moe_layers + int(mtp)
         kv_bytes = layers * kv_budget(rank, args.reserve_gib, mtp)["kv_bytes_per_layer"]
         label = f"[{rank.name} kv={kv}{' + MTP' if mtp else ''}]"
         print(f"{label} {rank.heads} heads, KV {kv_bytes / GIB:.2f} GiB for {layers} layers, "
@@ -425,7 +448,8 @@ def engine_launch(rank: Rank, kv: str, mtp: bool, position: int, group_size: int
                                            startup_timeout=args.timeout)
         wanted = ROUTING_ENV[args.routing].get("VLLM_MOE_ROUTING_SIMULATION_STRATEGY", "")
         for row in rows:
-            row.update(config=rank.name, mtp=mtp, routing=args.routing,
+            row.update(config=rank.name, layers=1 + args.moe_layers, mtp=mtp,
+                       routing=args.routing,
                        kv_cache_mib=kv_bytes / 2**20)
             if row.get("decode_tok_s") and row.get("simulated_routing", "") != wanted:
                 # Not what --routing asked for: no number rather than a mislabelled one.
@@ -459,6 +483,9 @@ def main(argv=None) -> None:
     parser.add_argument("--max-batch", type=int, default=512,
                         help="most requests at once (an engine's max_num_seqs is the smaller "
                              "of this and the largest batch its cache can hold)")
+    parser.add_argument("--moe-layers", type=int, default=MOE_LAYERS,
+                        help="MoE layers of the proxy after its dense layer (default 3; more "
+                             "shrink the share of the per-step host work, see the docstring)")
     parser.add_argument("--routing", choices=list(ROUTING_ENV), default="uniform",
                         help="uniform: each token picks its experts uniformly at random "
                              "(vLLM's routing simulator), the balanced load of a deployment; "
@@ -481,13 +508,15 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if not 1 <= args.concurrent_starts <= 8:
         parser.error("--concurrent-starts must be 1 to 8")
+    if not 1 <= args.moe_layers <= V31["layers"] - V31["dense_layers"]:
+        parser.error("--moe-layers must be 1 to 58")
     for name in args.configs:
         rank = CONFIGS[name]
-        kv_gib = (PROXY_LAYERS + 1) * kv_budget(rank, args.reserve_gib, True)[
+        kv_gib = (args.moe_layers + 2) * kv_budget(rank, args.reserve_gib, True)[
             "kv_bytes_per_layer"] / GIB
         problem = concurrent_memory_problem(
             args.concurrent_starts, kv_gib,
-            proxy_weight_bytes(rank, mtp=True) / GIB + ENGINE_OVERHEAD_GIB)
+            proxy_weight_bytes(rank, True, args.moe_layers) / GIB + ENGINE_OVERHEAD_GIB)
         if problem:
             parser.error(f"{name}: {problem}")
     budget = budget_table(args.reserve_gib)

@@ -3,6 +3,7 @@ proxy models' routing and shards, vLLM's acceptance of the FP8 block-quantized p
 report writer."""
 
 import csv
+from pathlib import Path
 
 import pytest
 
@@ -229,7 +230,7 @@ def test_max_num_seqs_holds_every_batch_the_cache_fills(name, mtp):
     from benchmarks import bench_e2e, vllm_engine
 
     rank = dep.CONFIGS[name]
-    layers = dep.PROXY_LAYERS + int(mtp)
+    layers = 1 + dep.MOE_LAYERS + int(mtp)
     kv_gib = layers * dep.kv_budget(rank, 6.0, mtp)["kv_bytes_per_layer"] / dep.GIB
     for kv in dep.KV_SETTINGS:
         bound = dep.largest_batch(kv, kv_gib, layers, dep.CONTEXTS, 512)
@@ -290,3 +291,38 @@ def test_a_number_measured_without_the_asked_routing_is_not_reported(tmp_path, m
     with open(tmp_path / "deployment.csv") as f:
         (row,) = list(csv.DictReader(line for line in f if not line.startswith("#")))
     assert float(row["decode_tok_s"]) == 100.0 and row["routing"] == "weights"
+
+
+def test_a_deeper_proxy_keeps_the_per_layer_budget_and_its_own_rows(tmp_path, monkeypatch):
+    import json
+
+    from benchmarks import bench_e2e
+
+    specs = []
+
+    def fake_engine(spec, timeout, on_result, startup_timeout=None):
+        with open(Path(spec["model"]) / "config.json") as f:
+            specs.append({**spec, "layers": json.load(f)["num_hidden_layers"]})
+        on_result({"kind": "engine", "kv_cache_tokens": 1000})
+        result = {"context": 32768, "batch": 4, "decode_tok_s": 100.0 + len(specs),
+                  "tpot_ms": 40.0, "spread_pct": 1.0, "timing_ok": True, "lock_step": True,
+                  "prefill_steps": 3}
+        on_result(result)
+        return [{"heads": spec["heads"], "kv": spec["kv"], **result,
+                 "simulated_routing": "uniform_random"}]
+
+    monkeypatch.setattr(bench_e2e, "run_in_subprocess", fake_engine)
+    common = ["--out", str(tmp_path), "--configs", "dp8-tp1-ep8", "--contexts", "32768",
+              "--kv", "auto"]
+    dep.main(common)
+    dep.main(common + ["--moe-layers", "7"])
+    shallow, deep = specs
+    assert deep["kv_cache_gib"] == pytest.approx(shallow["kv_cache_gib"] * 8 / 4)
+    assert (shallow["layers"], deep["layers"]) == (4, 8)
+    with open(tmp_path / "deployment.csv") as f:
+        rows = list(csv.DictReader(line for line in f if not line.startswith("#")))
+    assert [(r["layers"], r["decode_tok_s"]) for r in rows] == [("4", "101.0"), ("8", "102.0")]
+    rank = dep.CONFIGS["dp8-tp1-ep8"]
+    assert dep.proxy_weight_bytes(rank, moe_layers=7) > dep.proxy_weight_bytes(rank)
+    with pytest.raises(SystemExit):
+        dep.main(common + ["--moe-layers", "59"])
