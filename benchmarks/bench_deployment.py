@@ -6,8 +6,9 @@ per rank for DP8/TP1, DP4/TP2 and DP1/TP8 (the paper's Figure 1 configurations).
         [--mtp | --mtp-only] [--routing uniform|weights] [--concurrent-starts N] [--budget-only]
 
 The model is the part of DeepSeek-V3.1 one rank runs, for a few layers: 1 dense layer and 3 MoE
-layers (``--moe-layers``) with the rank's shards, FP8 block-quantized weights as the checkpoint declares
-(``quantization_config``: e4m3, 128x128 blocks, dynamic activations), vLLM's dummy weights:
+layers (``--moe-layers``) with the rank's shards, FP8 block-quantized weights as the checkpoint
+declares (``quantization_config``: e4m3, 128x128 blocks, dynamic activations), vLLM's dummy
+weights:
 
 - ``dp8-tp1-ep8``: 128 heads; 32 routed experts with top-8 routing.  With DP8 and EP8 the 8
   ranks' 8B tokens each pick 8 of 256 experts, so a rank's 32 experts get 8B x 8 x 32/256 = 8B
@@ -86,6 +87,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -299,9 +301,9 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-FIELDS = ["run", "config", "heads", "layers", "kv", "mtp", "routing", "context", "batch", "decode_tok_s",
-          "tpot_ms", "spread_pct", "window_ms", "tokens_per_step", "projected_output_tok_s",
-          "speedup_vs_auto", "kv_cache_tokens", "kv_cache_mib", "backend", "error"]
+FIELDS = ["run", "config", "heads", "layers", "kv", "mtp", "routing", "context", "batch",
+          "decode_tok_s", "tpot_ms", "spread_pct", "window_ms", "tokens_per_step",
+          "projected_output_tok_s", "speedup_vs_auto", "kv_cache_tokens", "kv_cache_mib", "backend", "error"]
 MTP_SPEC = {"method": "mtp", "num_speculative_tokens": 1}
 # --routing: vLLM's routing simulator (VLLM_MOE_ROUTING_SIMULATION_STRATEGY) or the router.
 ROUTING_ENV = {"uniform": {"VLLM_MOE_ROUTING_SIMULATION_STRATEGY": "uniform_random"},
@@ -394,6 +396,12 @@ def write_outputs(rows: list[dict], out: Path, header: str, budget: str) -> None
         plot(rows, out / "deployment.png")
 
 
+def say(line: str) -> None:
+    """``line`` in one write: engines of a --concurrent-starts group report from threads."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def engine_runs(kvs: list[str], mtp: bool, mtp_only: bool) -> list[tuple[str, bool]]:
     """(KV format, with the MTP drafter) of each engine of a configuration: ``kvs`` plain
     unless ``mtp_only``, then ``auto`` and ``fp8_snapmla`` of ``kvs`` with MTP if asked."""
@@ -418,9 +426,9 @@ def engine_launch(rank: Rank, kv: str, mtp: bool, position: int, group_size: int
         layers = 1 + args.moe_layers + int(mtp)
         kv_bytes = layers * kv_budget(rank, args.reserve_gib, mtp)["kv_bytes_per_layer"]
         label = f"[{rank.name} kv={kv}{' + MTP' if mtp else ''}]"
-        print(f"{label} {rank.heads} heads, KV {kv_bytes / GIB:.2f} GiB for {layers} layers, "
-              f"contexts {args.contexts}; starting the engine (the first engine of a "
-              "configuration also compiles DeepGEMM's FP8 kernels: minutes) ...", flush=True)
+        say(f"{label} {rank.heads} heads, KV {kv_bytes / GIB:.2f} GiB for {layers} layers, "
+            f"contexts {args.contexts}; starting the engine (the first engine of a "
+            "configuration also compiles DeepGEMM's FP8 kernels: minutes) ...")
         start = time.monotonic()
         max_batch = largest_batch(kv, kv_bytes / GIB, layers, args.contexts, args.max_batch)
         spec = {"model": model, "heads": rank.heads, "contexts": list(args.contexts),
@@ -436,11 +444,10 @@ def engine_launch(rank: Rank, kv: str, mtp: bool, position: int, group_size: int
                 on_up()
             else:
                 reported.add(result["context"])
-            print(label, end="", flush=True)
-            bench_e2e.print_progress(result, start)
+            bench_e2e.print_progress(result, start, prefix=label)
             if result.get("batch") == max_batch and max_batch < args.max_batch:
-                print(f"{label} WARNING: context {result['context']}: B={max_batch} is the "
-                      "engine's max_num_seqs, the cache may hold more", flush=True)
+                say(f"{label} WARNING: context {result['context']}: B={max_batch} is the "
+                    "engine's max_num_seqs, the cache may hold more")
 
         # An engine of a group waits for the ones before it.
         timeout = args.timeout * len(args.contexts) * (position + 1)
@@ -449,21 +456,20 @@ def engine_launch(rank: Rank, kv: str, mtp: bool, position: int, group_size: int
         wanted = ROUTING_ENV[args.routing].get("VLLM_MOE_ROUTING_SIMULATION_STRATEGY", "")
         for row in rows:
             row.update(config=rank.name, layers=1 + args.moe_layers, mtp=mtp,
-                       routing=args.routing,
-                       kv_cache_mib=kv_bytes / 2**20)
+                       routing=args.routing, kv_cache_mib=kv_bytes / 2**20)
             if row.get("decode_tok_s") and row.get("simulated_routing", "") != wanted:
                 # Not what --routing asked for: no number rather than a mislabelled one.
                 row["error"] = (f"engine log shows routing simulator "
                                 f"'{row.get('simulated_routing', '')}', expected '{wanted}'")
                 for name in ("decode_tok_s", "tpot_ms", "output_tok_s"):
                     row[name] = ""
-                print(f"{label} context {row['context']}: {row['error']}", flush=True)
+                say(f"{label} context {row['context']}: {row['error']}")
             if row.get("decode_tok_s"):
                 row["projected_output_tok_s"] = round(
                     row["decode_tok_s"] * (1 + (args.mtp_acceptance if mtp else 0)), 1)
             if row["context"] not in reported:   # the engine died or timed out first
-                print(f"{label} context {row['context']}: {row.get('error')}", flush=True)
-        print(f"{label} engine done ({time.monotonic() - start:.0f} s)", flush=True)
+                say(f"{label} context {row['context']}: {row.get('error')}")
+        say(f"{label} engine done ({time.monotonic() - start:.0f} s)")
         return rows
     return run
 

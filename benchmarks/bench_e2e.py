@@ -265,21 +265,24 @@ def parse_engine_log(spec: dict, results: list[dict], log: str, failure: str | N
     return rows
 
 
-def print_progress(result: dict, start: float) -> None:
+def print_progress(result: dict, start: float, prefix: str = "") -> None:
     """One line per message of an engine child as it arrives: the engine up, or a context's
-    result or failure; ``start`` is the engine's ``time.monotonic()`` start."""
+    result or failure; ``start`` is the engine's ``time.monotonic()`` start.  One write per
+    line, so that engines reporting from several threads do not interleave within a line."""
     elapsed = f"({time.monotonic() - start:.0f} s)"
     if result.get("kind") == "engine":
-        print(f"    engine up, KV cache {result['kv_cache_tokens']:,} tokens {elapsed}", flush=True)
+        line = f"    engine up, KV cache {result['kv_cache_tokens']:,} tokens {elapsed}"
     elif result.get("error"):
-        print(f"    context {result['context']}: failed: {result['error']} {elapsed}", flush=True)
+        line = f"    context {result['context']}: failed: {result['error']} {elapsed}"
     else:
         flags = "".join([" NOT LOCK-STEP" if not result["lock_step"] else "",
                          " NOISY" if result["timing_ok"] is False else ""])
-        print(f"    context {result['context']}: B={result['batch']}, prefill "
-              f"{result['prefill_steps']} steps, {result['decode_tok_s']:,.0f} decode tok/s, "
-              f"TPOT {result['tpot_ms']:.2f} ms, windows {result['spread_pct']:.1f}% "
-              f"apart{flags} {elapsed}", flush=True)
+        line = (f"    context {result['context']}: B={result['batch']}, prefill "
+                f"{result['prefill_steps']} steps, {result['decode_tok_s']:,.0f} decode tok/s, "
+                f"TPOT {result['tpot_ms']:.2f} ms, windows {result['spread_pct']:.1f}% "
+                f"apart{flags} {elapsed}")
+    sys.stdout.write(prefix + line + "\n")
+    sys.stdout.flush()
 
 
 def child_command() -> list[str]:
