@@ -303,7 +303,8 @@ def plot(rows: list[dict], path: Path) -> None:
 
 FIELDS = ["run", "config", "heads", "layers", "kv", "mtp", "routing", "context", "batch",
           "decode_tok_s", "tpot_ms", "spread_pct", "window_ms", "tokens_per_step",
-          "projected_output_tok_s", "speedup_vs_auto", "kv_cache_tokens", "kv_cache_mib", "backend", "error"]
+          "projected_output_tok_s", "speedup_vs_auto", "kv_cache_tokens", "kv_cache_mib",
+          "backend", "error"]
 MTP_SPEC = {"method": "mtp", "num_speculative_tokens": 1}
 # --routing: vLLM's routing simulator (VLLM_MOE_ROUTING_SIMULATION_STRATEGY) or the router.
 ROUTING_ENV = {"uniform": {"VLLM_MOE_ROUTING_SIMULATION_STRATEGY": "uniform_random"},
