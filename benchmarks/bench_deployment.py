@@ -60,8 +60,9 @@ as each engine comes up and each context finishes.
 
 An engine's ``max_num_seqs`` is the largest batch its cache can hold at the shortest context
 (``largest_batch``, a multiple of 8): vLLM captures CUDA graphs for batch sizes up to twice
-that instead of up to 512 (at DP1/TP8 with ``fp8``, 25 sizes instead of 51; the capture took
-3.7 of the 6.3 minutes five engines needed to start together on the H200), and a batch pads to
+that (four times with MTP) instead of up to 512 (at DP1/TP8 with ``fp8``, 25 sizes instead of
+51; the capture took 3.7 of the 6.3 minutes five engines needed to start together on the
+H200), and a batch pads to
 the same graph size as with vLLM's default limit.
 
 Per (configuration, KV format) one engine; per context the batch that fills the KV budget,
@@ -285,8 +286,9 @@ def plot(rows: list[dict], path: Path) -> None:
                 # A deeper proxy in the same folder: its own dotted line.
                 deeper = layers != depths[0]
                 ax.errorbar([c // 1024 for c, _, _ in pts], [s for _, s, _ in pts],
-                            yerr=[e for _, _, e in pts], fmt=style.replace("-", ":") if deeper
-                            else style, color=color, capsize=3, mfc="none" if deeper else None,
+                            yerr=[e for _, _, e in pts],
+                            fmt=style.rstrip("-:.") + ":" if deeper else style, color=color,
+                            capsize=3, mfc="none" if deeper else None,
                             label=kv + (" + MTP" if mtp else "")
                             + (f" ({layers} layers)" if len(depths) > 1 else ""))
         ax.axhline(1.0, color="grey", lw=0.8)
@@ -307,20 +309,23 @@ FIELDS = ["run", "config", "heads", "layers", "kv", "mtp", "routing", "context",
           "backend", "error"]
 MTP_SPEC = {"method": "mtp", "num_speculative_tokens": 1}
 # --routing: vLLM's routing simulator (VLLM_MOE_ROUTING_SIMULATION_STRATEGY) or the router.
+# "" is vLLM's "off", also when the variable is set in the caller's environment.
 ROUTING_ENV = {"uniform": {"VLLM_MOE_ROUTING_SIMULATION_STRATEGY": "uniform_random"},
-               "weights": {}}
+               "weights": {"VLLM_MOE_ROUTING_SIMULATION_STRATEGY": ""}}
 
 
 def largest_batch(kv: str, kv_gib: float, layers: int, contexts, limit: int) -> int:
     """An upper bound on the batch any of ``contexts`` can fill in a ``kv_gib`` GiB cache over
     ``layers`` layers (the shortest context, no generated tokens, 1/8 slack over vLLM's page
-    count), a multiple of 8, at most ``limit``: the engine's ``max_num_seqs``.  vLLM captures
+    count), a multiple of 8, at most ``limit`` (rounded down to one; vLLM captures full decode
+    graphs only up to max_num_seqs x query length, and a batch past the last multiple of 8 would
+    pad beyond it): the engine's ``max_num_seqs``.  vLLM captures
     CUDA graphs up to 2 x max_num_seqs x query length, the sizes a larger limit would also
     capture, so a batch pads to the same graph as in a deployment with the default limit;
     most of an engine's start-up is that capture."""
     pages_per_request = -(-min(contexts) // BLOCK_SIZE)
     fits = estimated_kv_blocks(kv, kv_gib, layers) * 9 // 8 // pages_per_request
-    return max(8, min(limit, -(-fits // 8) * 8))
+    return max(8, min(limit // 8 * 8, -(-fits // 8) * 8))
 
 
 _INTEGER_FIELDS = ("run", "heads", "layers", "context", "batch", "kv_cache_tokens")
@@ -462,7 +467,8 @@ def engine_launch(rank: Rank, kv: str, mtp: bool, position: int, group_size: int
                 # Not what --routing asked for: no number rather than a mislabelled one.
                 row["error"] = (f"engine log shows routing simulator "
                                 f"'{row.get('simulated_routing', '')}', expected '{wanted}'")
-                for name in ("decode_tok_s", "tpot_ms", "output_tok_s"):
+                for name in ("decode_tok_s", "tpot_ms", "output_tok_s", "window_ms",
+                             "spread_pct", "tokens_per_step"):
                     row[name] = ""
                 say(f"{label} context {row['context']}: {row['error']}")
             if row.get("decode_tok_s"):

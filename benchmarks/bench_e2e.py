@@ -40,8 +40,8 @@ tok/s and speedup vs BF16 against context, per head count).
 from __future__ import annotations
 
 import argparse
-import os
 import functools
+import os
 import sys
 import tempfile
 import time

@@ -437,16 +437,20 @@ def run_child(command: list[str], spec: dict, timeout: float, on_result=None,
             excerpt = f"{cause_context(log)}\n...\n{excerpt}"
         print(excerpt, file=sys.stderr)
         last = [ln for ln in log.strip().splitlines() if ln.strip()][-1:] or ["no output"]
-        failure = f"exit {proc.returncode}: {(cause or last[0])[-300:]}"
+        failure = f"exit {proc.returncode}: " + (cause[:300] if cause else last[0][-300:])
     return results, log, failure
 
 
 # The exception line of a traceback ("torch.OutOfMemoryError: CUDA out of memory ..."), after
-# any "(EngineCore pid=N)" prefix vLLM puts on its engine-core process's lines.
-_EXCEPTION_LINE = re.compile(r"^(?:\([\w ]+pid=\d+\)\s*)?((?:[A-Za-z_][\w]*\.)*"
-                             r"[A-Za-z_]\w*(?:Error|Exception|Interrupt)(?::.*)?)$")
-# What a front end raises when the engine core died: the consequence, not the cause.
-_CONSEQUENCES = ("EngineDeadError", "EngineCore encountered an issue")
+# the "(EngineCore pid=N)" prefix vLLM puts on its engine-core process's lines and the header
+# its logger puts on each line of a logged traceback ("ERROR 12-04 14:15:01 [core.py:1330] ").
+_EXCEPTION_LINE = re.compile(r"^(?:\([\w ]+pid=\d+\)\s*)?"
+                             r"(?:[A-Z]+ \d\d-\d\d [\d:.]+ \[[^\]]*\]\s*)?"
+                             r"((?:[A-Za-z_]\w*\.)*\w*"
+                             r"(?:Error|Exception|Interrupt|OutOfResources)(?::.*)?)$")
+# What a front end raises when the engine core died or failed to start: consequences.
+_CONSEQUENCES = ("EngineDeadError", "EngineCore encountered an issue",
+                 "Engine core initialization failed")
 
 
 def root_cause(log: str) -> str | None:

@@ -616,10 +616,14 @@ def test_budget_counts_the_measurements_queued_before_an_engine_of_a_group(tmp_p
 def test_a_dead_engine_core_reports_its_own_exception(tmp_path, capsys):
     # vLLM's engine core prints its traceback (prefixed with its pid) long before the front
     # end raises EngineDeadError; the failure names the core's exception.
+    # As vLLM prints it: the core's logger on stdout (a header on every line), then the
+    # traceback multiprocessing writes to stderr.
     body = (_result_line({"kind": "engine"})
             + "core = '(EngineCore pid=77) '\n"
-            + "print(core + 'ERROR [core.py:1] EngineCore encountered a fatal error.', "
-              "file=sys.stderr)\n"
+            + "log = core + 'ERROR 12-04 14:15:01 [core.py:1330] '\n"
+            + "print(log + 'EngineCore encountered a fatal error.')\n"
+            + "print(log + 'torch.OutOfMemoryError: CUDA out of memory. Tried 2.00 GiB', "
+              "flush=True)\n"
             + "print(core + 'Traceback (most recent call last):', file=sys.stderr)\n"
             + "print(core + 'torch.OutOfMemoryError: CUDA out of memory. Tried 2.00 GiB', "
               "file=sys.stderr, flush=True)\n"
@@ -642,6 +646,16 @@ def test_root_cause_skips_the_dead_engine_consequence_and_plain_text():
     # The last cause wins (an exception handled during start-up came earlier).
     log = "ValueError: handled at start-up\nx\nRuntimeError: requests finished early\n"
     assert vllm_engine.root_cause(log) == "RuntimeError: requests finished early"
+    # A core that fails to start: the front end's RuntimeError is the consequence.
+    start_up = ("(EngineCore pid=3) ERROR 12-04 14:15:01 [core.py:1] triton.runtime.errors."
+                "OutOfResources: out of resource: shared memory\n"
+                "RuntimeError: Engine core initialization failed. See root cause above. "
+                "Failed core proc(s): {}\n")
+    assert vllm_engine.root_cause(start_up) == (
+        "triton.runtime.errors.OutOfResources: out of resource: shared memory")
+    # A long message keeps its beginning: the exception's name.
+    long = "torch.OutOfMemoryError: CUDA out of memory. " + "x" * 600
+    assert vllm_engine.root_cause(long).startswith("torch.OutOfMemoryError")
     assert vllm_engine.cause_context(log, before=1) == "x\nRuntimeError: requests finished early"
 
 
