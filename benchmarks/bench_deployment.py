@@ -62,8 +62,7 @@ An engine's ``max_num_seqs`` is the largest batch its cache can hold at the shor
 (``largest_batch``, a multiple of 8): vLLM captures CUDA graphs for batch sizes up to twice
 that (four times with MTP) instead of up to 512 (at DP1/TP8 with ``fp8``, 25 sizes instead of
 51; the capture took 3.7 of the 6.3 minutes five engines needed to start together on the
-H200), and a batch pads to
-the same graph size as with vLLM's default limit.
+H200), and a batch pads to the same graph size as with vLLM's default limit.
 
 Per (configuration, KV format) one engine; per context the batch that fills the KV budget,
 decode steps timed after the prefill with the engine core's timestamps (``bench_e2e``'s
