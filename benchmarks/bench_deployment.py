@@ -40,7 +40,9 @@ the expert load above does not hold (a test shows it).  ``--routing uniform`` (t
 sets vLLM's routing simulator (``VLLM_MOE_ROUTING_SIMULATION_STRATEGY=uniform_random``): each
 token picks top-k experts uniformly at random (with replacement, so a token's 8 picks may
 repeat one), the balanced load DeepSeek's bias-based balancing aims at; ``--routing weights``
-keeps the router.  Results before the option existed are ``weights``.
+keeps the router.  Results before the option existed are ``weights``.  A row counts only if
+the engine logged the simulator's warning (vLLM prints it once, from the engine core, at the
+first MoE forward; seen on the H200 with vLLM 0.26.0, piecewise and FULL CUDA graphs).
 
 KV budget: what a real deployment of the full 61-layer model leaves a rank per layer
 (``kv_budget``): the H200's memory times vLLM's default ``gpu_memory_utilization`` (0.9), less
