@@ -91,6 +91,7 @@ import dataclasses
 import itertools
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -419,9 +420,10 @@ def engine_runs(kvs: list[str], mtp: bool, mtp_only: bool) -> list[tuple[str, bo
 
 
 def engine_launch(rank: Rank, kv: str, mtp: bool, position: int, group_size: int, args,
-                  tmp: Path):
+                  tmp: Path, on_rows=None):
     """The launch (``run_engines_together``) of one engine of ``rank``: its proxy model, its
-    KV budget, progress lines; returns the engine's rows."""
+    KV budget, progress lines; returns the engine's rows, and hands them to ``on_rows`` first
+    (so that they are saved as soon as the engine ends, not after its group)."""
     from vllm_snapmla.testing import write_tiny_deepseek_v3
 
     def run(go_file, on_up) -> list[dict]:
@@ -478,6 +480,8 @@ def engine_launch(rank: Rank, kv: str, mtp: bool, position: int, group_size: int
             if row["context"] not in reported:   # the engine died or timed out first
                 say(f"{label} context {row['context']}: {row.get('error')}")
         say(f"{label} engine done ({time.monotonic() - start:.0f} s)")
+        if on_rows:
+            on_rows(rows)
         return rows
     return run
 
@@ -540,17 +544,23 @@ def main(argv=None) -> None:
     out = Path(args.out)
     header = describe(run_info("benchmarks.bench_deployment", argv))
     rows: list[dict] = []
+    lock = threading.Lock()
+
+    def save(engine_rows: list[dict]) -> None:
+        """Each engine's rows into the outputs once it ends: an interrupted run keeps them."""
+        with lock:
+            rows.extend(engine_rows)
+            write_outputs(rows, out, header, budget)
+
     with tempfile.TemporaryDirectory(prefix="bench-deployment-") as tmp:
         for name in args.configs:
             rank = CONFIGS[name]
             runs = engine_runs(args.kv, args.mtp, args.mtp_only)
             for first in range(0, len(runs), args.concurrent_starts):
                 group = runs[first:first + args.concurrent_starts]
-                launches = [engine_launch(rank, kv, mtp, position, len(group), args, Path(tmp))
-                            for position, (kv, mtp) in enumerate(group)]
-                for engine_rows in run_engines_together(launches, Path(tmp)):
-                    rows.extend(engine_rows)
-                write_outputs(rows, out, header, budget)
+                run_engines_together(
+                    [engine_launch(rank, kv, mtp, position, len(group), args, Path(tmp), save)
+                     for position, (kv, mtp) in enumerate(group)], Path(tmp))
     print(f"wrote {out}/deployment.md, deployment.csv, deployment.png")
 
 

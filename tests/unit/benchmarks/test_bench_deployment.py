@@ -3,6 +3,7 @@ proxy models' routing and shards, vLLM's acceptance of the FP8 block-quantized p
 report writer."""
 
 import csv
+import os
 from pathlib import Path
 
 import pytest
@@ -180,7 +181,7 @@ def test_main_runs_a_configurations_engines_in_groups(tmp_path, monkeypatch, con
 
     from benchmarks import bench_e2e, vllm_engine
 
-    specs, live, most_live = [], [0], [0]
+    specs, live, most_live, saved_before = [], [0], [0], {}
     lock = threading.Lock()
 
     def fake_engine(spec, timeout, on_result, startup_timeout=None):
@@ -191,6 +192,11 @@ def test_main_runs_a_configurations_engines_in_groups(tmp_path, monkeypatch, con
         vllm_engine.wait_for_go(spec.get("go_file"), poll_s=0.005)
         with lock:
             most_live[0] = max(most_live[0], live[0])
+            # What is saved when this engine starts measuring: the engines before it.
+            saved = tmp_path / "deployment.csv"
+            with open(saved) if saved.exists() else open(os.devnull) as f:
+                saved_before[spec["kv"]] = {r["kv"] for r in csv.DictReader(
+                    line for line in f if not line.startswith("#"))}
         rows = []
         for context in spec["contexts"]:
             result = {"context": context, "batch": 4, "decode_tok_s": 100.0, "tpot_ms": 40.0,
@@ -217,6 +223,9 @@ def test_main_runs_a_configurations_engines_in_groups(tmp_path, monkeypatch, con
         rows = list(csv.DictReader(line for line in f if not line.startswith("#")))
     assert {r["kv"] for r in rows} == set(dep.KV_SETTINGS)
     assert all(float(r["speedup_vs_auto"]) == pytest.approx(1.0) for r in rows)
+    # Each engine's rows are saved when it ends, also inside a group.
+    assert saved_before == {"auto": set(), "fp8_snapmla": {"auto"},
+                            "fp8": {"auto", "fp8_snapmla"}}
     # Balanced routing by default, and max_num_seqs no larger than the cache can use.
     assert all(s["env"] == {"VLLM_MOE_ROUTING_SIMULATION_STRATEGY": "uniform_random"}
                for s in specs)
