@@ -1,9 +1,9 @@
-"""fp8_snapmla against vLLM's BF16 and FP8 caches through vLLM,, over the workloads users run.
+"""fp8_snapmla against vLLM's BF16 and FP8 caches through vLLM, over the workloads users run.
 
     python -m benchmarks.bench_matrix --out out/matrix [--dry-run] [--budget-s 480]
         [--kv auto fp8_snapmla fp8] [--heads 16 128] [--contexts 512 2048 8192 32768 131072]
         [--batches 1 8 64 fill] [--max-model-len wide tight] [--modes graph eager]
-        [--serve | --serve-only] [--concurrent-starts N]
+        [--serve | --serve-only] [--concurrent-starts N] [--switch-interval MS]
     python -m benchmarks.bench_matrix --out out/matrix --replot      # no GPU: redraw md/png
 
 The model is bench_e2e's: DeepSeek-V3.1's attention shapes with 4 dense layers and vLLM's dummy
@@ -43,6 +43,12 @@ capture (a minute or more each) overlap, and lets them measure one at a time, in
 all N are up: while one measures, the others sit idle with their memory held, and nothing
 starts.  Each asks vLLM for 0.8/N of the GPU's memory to be free at its start.
 
+``--switch-interval MS`` sets Python's GIL switch interval in each engine-core process
+(``sys.setswitchinterval`` through ``LLM.collective_rpc``, checked by reading it back), for the
+question of the engine core's threads waiting for the GIL (benchmarks/RESULTS.md): with
+``fp8_snapmla`` a 0.2 ms interval removed a wait that Python's default 5 ms leaves.  Rows carry
+the value, and a folder holds one value only.
+
 Every engine has the same KV-cache bytes (``--kv-cache-gib``, default 4 GiB: for 4 layers that is
 the token capacity DeepSeek-V3.1's 61 layers have in about 61 GiB, a TP8 rank's share), so
 fp8_snapmla holds 1.756x the BF16 tokens.  ``--max-batched-tokens`` is passed to vLLM (default
@@ -76,6 +82,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import random
 import sys
 import tempfile
@@ -88,10 +95,10 @@ from pathlib import Path
 from benchmarks.provenance import describe, run_info
 from benchmarks.vllm_engine import (
     BLOCK_SIZE, DEEPSEEK_V31_ATTENTION, ENGINE_OVERHEAD_GIB, KV_BYTES_PER_TOKEN, SETTLE_STEPS,
-    batch_to_fill, build_llm, child_main, concurrent_memory_problem, concurrent_start_spec,
-    core_timestamp, engine_log_facts, estimated_kv_blocks, merge_by_key, model_config, number,
-    random_prompts, read_csv, run_child, run_engines_together, summarize_windows,
-    timed_decode_windows, wait_for_go, warm_tokens, warm_up, write_csv)
+    apply_switch_interval, batch_to_fill, build_llm, child_main, concurrent_memory_problem,
+    concurrent_start_spec, core_timestamp, engine_log_facts, estimated_kv_blocks, merge_by_key,
+    model_config, number, random_prompts, read_csv, run_child, run_engines_together,
+    summarize_windows, timed_decode_windows, wait_for_go, warm_tokens, warm_up, write_csv)
 from vllm_snapmla.testing import write_tiny_deepseek_v3
 
 KV_SETTINGS = ("auto", "fp8_snapmla", "fp8")
@@ -122,11 +129,13 @@ MATRIX_FIELDS = [
     "heads", "max_model_len", "mode", "context", "batch", "kv", "status", "reason",
     "batch_size", "max_model_len_tokens", "table_width", "max_tokens", "kv_cache_tokens",
     "backend", "prefill_steps", "lock_step", "timer", "spread_pct", "timing_ok", "decode_tok_s",
-    "tpot_ms", "vs_bf16", "tpot_vs_bf16", "cell_s", "estimated_s", "date", "commit"]
+    "tpot_ms", "vs_bf16", "tpot_vs_bf16", "cell_s", "estimated_s", "switch_interval_ms", "date",
+    "commit"]
 SERVE_FIELDS = [
     "heads", "mode", "kv", "status", "reason", "requests", "completed", "rate", "seed",
     "prompt_tokens", "output_tokens", "duration_s", "output_tok_s", "vs_bf16", "ttft_p50_ms",
-    "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "kv_cache_tokens", "backend", "date", "commit"]
+    "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "kv_cache_tokens", "backend",
+    "switch_interval_ms", "date", "commit"]
 
 
 # --- planning (pure; unit-tested on CPU) ---------------------------------------------------
@@ -438,6 +447,10 @@ def run_engine(spec: dict):
 
     settings = Settings(**spec["settings"])
     started = time.monotonic()
+    switch_interval = spec.get("switch_interval_s")
+    if switch_interval:
+        # apply_switch_interval sends a function to the engine core.
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     llm = build_llm(spec["model"], spec["kv"], spec["max_model_len_tokens"],
                     settings.kv_cache_gib, settings.max_batch,
                     enforce_eager=spec["mode"] == "eager",
@@ -447,6 +460,8 @@ def run_engine(spec: dict):
     cache = config.cache_config
     max_batched_tokens = config.scheduler_config.max_num_batched_tokens
     generator = torch.Generator().manual_seed(0)
+    if switch_interval:
+        apply_switch_interval(llm, switch_interval)
     warm_up(llm, generator)
     # Block 0 is vLLM's null block: a batch sized on all blocks could be preempted.
     usable = cache.num_gpu_blocks - 1
@@ -736,10 +751,11 @@ def plot_matrix(rows: list[dict], path: Path, title: str) -> list[str]:
 
 
 def write_outputs(out: Path, info: dict | None, matrix_rows=(), serve_rows=(),
-                  plot: bool = True) -> tuple[list[dict], list[dict]]:
+                  plot: bool = True, switch_interval_ms: str = "") -> tuple[list[dict], list[dict]]:
     """Merge the new rows into ``out``'s matrix.csv and serve.csv and rewrite them with their
     tables (and matrix.png with ``plot``).  ``info`` (this run's ``run_info``) is added to the
-    runs in the headers; None (--replot) keeps them.  Returns all rows."""
+    runs in the headers; None (--replot) keeps them.  New rows are stamped with the run's date,
+    commit and ``--switch-interval`` ("" for Python's default).  Returns all rows."""
     out.mkdir(parents=True, exist_ok=True)
     results = []
     for name, fields, new, key, ratios, table in (
@@ -751,7 +767,8 @@ def write_outputs(out: Path, info: dict | None, matrix_rows=(), serve_rows=(),
             continue
         if info is not None and new and describe(info) not in runs:
             runs.append(describe(info))
-        stamp = {"date": info["date"], "commit": info["commit"]} if info else {}
+        stamp = ({"date": info["date"], "commit": info["commit"],
+                  "switch_interval_ms": switch_interval_ms} if info else {})
         rows = ratios(merge_rows(old, [{**stamp, **r} for r in new], key))
         write_csv(rows, out / f"{name}.csv", fields, runs)
         (out / f"{name}.md").write_text(table(rows, runs))
@@ -761,6 +778,20 @@ def write_outputs(out: Path, info: dict | None, matrix_rows=(), serve_rows=(),
                 title[i:i + 160] for i in range(0, len(title), 160)))
         results.append(rows)
     return results[0], results[1]
+
+
+def switch_interval_problem(out: Path, switch_ms: str) -> str | None:
+    """Why this run's ``--switch-interval`` (``switch_ms``, "" for Python's default) must not
+    merge into ``out``: it holds rows measured with another; None if it may."""
+    for name in ("matrix", "serve"):
+        _, rows = read_csv(out / f"{name}.csv")
+        other = {r.get("switch_interval_ms") or "" for r in rows} - {switch_ms}
+        if other:
+            held = ", ".join(sorted(f"{v} ms" if v else "Python's default" for v in other))
+            asked = f"{switch_ms} ms" if switch_ms else "Python's default"
+            return (f"{out / name}.csv holds results measured with the GIL switch interval at "
+                    f"{held}; this run's ({asked}) needs another --out")
+    return None
 
 
 # --- the sweep -------------------------------------------------------------------------------
@@ -853,6 +884,10 @@ def main(argv=None) -> None:
                              "capture overlap), then let them measure one at a time; 1: one "
                              "engine after the other")
     parser.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
+    parser.add_argument("--switch-interval", type=float, metavar="MS",
+                        help="Python's GIL switch interval in each engine-core process, in ms "
+                             "(sys.setswitchinterval; Python's default is 5): for experiments "
+                             "on the engine core's threads; results go to an --out of their own")
     parser.add_argument("--replot", action="store_true",
                         help="no GPU: redraw matrix.md/png and serve.md from --out's CSVs")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -874,6 +909,12 @@ def main(argv=None) -> None:
         parser.error(problem)
     if args.kv_cache_gib <= 0:
         parser.error("--kv-cache-gib must be positive: the cells are planned on it")
+    if args.switch_interval is not None and args.switch_interval <= 0:
+        parser.error("--switch-interval must be positive")
+    switch_ms = "" if args.switch_interval is None else f"{args.switch_interval:g}"
+    problem = switch_interval_problem(out, switch_ms)
+    if problem:
+        parser.error(problem)
     low, high = args.serve_prompt_range
     if not 1 <= low <= high or not 1 <= args.serve_output_range[0] <= args.serve_output_range[1]:
         parser.error("--serve-*-range wants LOW HIGH with 1 <= LOW <= HIGH")
@@ -910,7 +951,7 @@ def main(argv=None) -> None:
               f"{' + serve' if engine.serve else ''}, ~{seconds:.0f} s", flush=True)
     if args.dry_run:
         return
-    write_outputs(out, info, skipped)
+    write_outputs(out, info, skipped, switch_interval_ms=switch_ms)
 
     write_lock = threading.Lock()   # result handlers run on the children's reader threads
 
@@ -931,7 +972,8 @@ def main(argv=None) -> None:
                     row = next(r for r in matrix if (r["context"], r["batch"])
                                == (result["context"], result["batch"]))
                     with write_lock:
-                        rows, _ = write_outputs(out, info, [row], plot=False)
+                        rows, _ = write_outputs(out, info, [row], plot=False,
+                                                switch_interval_ms=switch_ms)
                     bf16 = next((r for r in rows if matrix_key(r)
                                  == matrix_key({**row, "kv": BASELINE_KV})), None)
                     print(_cell_line(row, bf16), flush=True)
@@ -948,6 +990,8 @@ def main(argv=None) -> None:
             spec = {"model": models[engine.heads], "kv": engine.kv, "heads": engine.heads,
                     "mode": engine.mode, "max_model_len_tokens": engine.max_model_len_tokens,
                     "cells": engine.cells, "settings": asdict(settings), "deadline": deadline,
+                    "switch_interval_s": (args.switch_interval / 1000
+                                          if args.switch_interval else None),
                     "serve": ({"workload": workload, "seed": args.serve_seed}
                               if engine.serve else None)}
             spec.update(concurrent_start_spec(go_file, group_size))
@@ -981,7 +1025,8 @@ def main(argv=None) -> None:
                                   "reason": reason} for c, b in engine.cells]
                         + ([{"kind": "serve", "status": "skipped", "reason": reason}]
                            if engine.serve else []), None, {})
-                    write_outputs(out, info, matrix, serve_rows, plot=False)
+                    write_outputs(out, info, matrix, serve_rows, plot=False,
+                                  switch_interval_ms=switch_ms)
                     continue
                 print(f"[{i}/{len(engines)}] {engine.describe()}: {len(engine.cells)} cells"
                       f"{' + serve' if engine.serve else ''}, ~{seconds:.0f} s "
@@ -997,7 +1042,7 @@ def main(argv=None) -> None:
                 matrix, serve_rows = engine_rows(engine, results, failure, engine_log_facts(log))
                 for row in serve_rows:
                     row.update(rate=args.serve_rate, seed=args.serve_seed)
-                write_outputs(out, info, matrix, serve_rows)
+                write_outputs(out, info, matrix, serve_rows, switch_interval_ms=switch_ms)
                 if failure:
                     print(f"    [{i}] engine failed: {failure}", flush=True)
     matrix, serve_rows = write_outputs(out, None)

@@ -256,6 +256,24 @@ def warm_up(llm, generator, vocab: int = DEEPSEEK_V31_ATTENTION["vocab_size"]) -
                  SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
 
 
+def set_switch_interval(worker, seconds: float) -> tuple[int, float]:
+    """For ``LLM.collective_rpc``: Python's GIL switch interval (``sys.setswitchinterval``) of
+    the process running ``worker`` (vLLM's engine core) set to ``seconds``; returns that
+    process's pid and the interval it now has."""
+    sys.setswitchinterval(seconds)
+    return os.getpid(), sys.getswitchinterval()
+
+
+def apply_switch_interval(llm, seconds: float) -> None:
+    """Set the GIL switch interval in every process of ``llm`` that runs a worker (a callable
+    through ``collective_rpc`` needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 set before the engine
+    starts).  Raises RuntimeError if a process does not report the interval back."""
+    for pid, interval in llm.collective_rpc(set_switch_interval, args=(seconds,)):
+        if abs(interval - seconds) > 1e-9:
+            raise RuntimeError(f"engine process {pid} has switch interval {interval} s, "
+                               f"not {seconds} s")
+
+
 def child_main(run) -> None:
     """Body of a benchmark's ``--child``: the spec from stdin, each result of ``run(spec)`` to
     stdout as it comes."""

@@ -4,6 +4,7 @@ batching driver and its statistics against a stand-in engine, and the CSV merge,
 maps and --replot."""
 
 import math
+import os
 import random
 import subprocess
 import sys
@@ -507,8 +508,11 @@ def test_main_gives_grouped_engines_a_go_file_and_a_memory_share(tmp_path, monke
     monkeypatch.setattr(bm, "run_child", fake_run_child)
     bm.main(["--out", str(tmp_path), "--kv", "auto", "fp8_snapmla", "--heads", "16",
              "--contexts", "512", "--batches", "1", "--max-model-len", "wide", "--modes",
-             "eager", "--concurrent-starts", str(concurrent)])
+             "eager", "--concurrent-starts", str(concurrent)]
+            + (["--switch-interval", "0.2"] if concurrent == 2 else []))
     assert sorted(s["kv"] for s in specs) == ["auto", "fp8_snapmla"]
+    # The engine core's GIL switch interval only when asked for, in seconds.
+    assert all(s["switch_interval_s"] == (0.0002 if concurrent == 2 else None) for s in specs)
     if concurrent == 1:
         assert [s["kv"] for s in specs] == ["auto", "fp8_snapmla"]
         assert all("go_file" not in s and "gpu_memory_utilization" not in s for s in specs)
@@ -521,6 +525,7 @@ def test_main_gives_grouped_engines_a_go_file_and_a_memory_share(tmp_path, monke
         rows = [r for r in csv.DictReader(line for line in f if not line.startswith("#"))]
     ours = next(r for r in rows if r["kv"] == "fp8_snapmla")
     assert ours["status"] == "ok" and float(ours["vs_bf16"]) == pytest.approx(1.5)
+    assert {r["switch_interval_ms"] for r in rows} == {"0.2" if concurrent == 2 else ""}
 
 
 def test_waiting_engine_exits_when_the_go_folder_is_gone_or_after_its_limit(tmp_path):
@@ -673,3 +678,39 @@ def test_engine_log_facts_read_the_routing_simulator():
     facts = vllm_engine.engine_log_facts(log)
     assert facts["simulated_routing"] == "uniform_random" and facts["backend"] == "FLASHMLA"
     assert vllm_engine.engine_log_facts("nothing")["simulated_routing"] == ""
+
+
+def test_switch_interval_is_set_and_checked_in_the_engine_process():
+    before = sys.getswitchinterval()
+    try:
+        pid, interval = vllm_engine.set_switch_interval(None, 0.0002)
+        assert pid == os.getpid() and interval == pytest.approx(0.0002)
+    finally:
+        sys.setswitchinterval(before)
+
+    class FakeLLM:
+        def __init__(self, reported):
+            self.reported = reported
+
+        def collective_rpc(self, method, args=()):
+            assert method is vllm_engine.set_switch_interval and args == (0.0002,)
+            return [(123, self.reported)]
+
+    vllm_engine.apply_switch_interval(FakeLLM(0.0002), 0.0002)
+    with pytest.raises(RuntimeError, match="engine process 123 has switch interval 0.005"):
+        vllm_engine.apply_switch_interval(FakeLLM(0.005), 0.0002)
+
+
+def test_runs_with_another_switch_interval_need_their_own_folder(tmp_path):
+    serve = [{"heads": 16, "mode": "graph", "kv": "auto", "status": "ok", "requests": 4,
+              "completed": 4, "output_tok_s": 100.0}]
+    _, rows = bm.write_outputs(tmp_path, INFO, serve_rows=serve, switch_interval_ms="0.2")
+    assert rows[0]["switch_interval_ms"] == "0.2"
+    assert bm.switch_interval_problem(tmp_path, "0.2") is None
+    problem = bm.switch_interval_problem(tmp_path, "")
+    assert "0.2 ms" in problem and "Python's default" in problem
+    assert bm.switch_interval_problem(tmp_path / "empty", "0.5") is None
+    with pytest.raises(SystemExit):
+        bm.main(["--out", str(tmp_path), "--dry-run", "--heads", "16", "--contexts", "512"])
+    bm.main(["--out", str(tmp_path), "--dry-run", "--heads", "16", "--contexts", "512",
+             "--switch-interval", "0.2"])
