@@ -780,6 +780,19 @@ def write_outputs(out: Path, info: dict | None, matrix_rows=(), serve_rows=(),
     return results[0], results[1]
 
 
+def switch_interval_arg_problem(ms: float) -> str | None:
+    """Why ``--switch-interval ms`` cannot be set exactly, or None.  CPython keeps the interval
+    in whole microseconds (2.5 µs becomes 2, under 1 µs becomes 0), and the engine's check that
+    the interval took effect would fail only after the engine had started."""
+    if not math.isfinite(ms) or ms <= 0:
+        return f"--switch-interval must be a positive number of ms, not {ms:g}"
+    microseconds = ms * 1000
+    if microseconds < 1 or abs(microseconds - round(microseconds)) > 1e-6:
+        return (f"--switch-interval {ms:g} ms: Python keeps the interval in whole microseconds "
+                f"(at least 0.001 ms)")
+    return None
+
+
 def switch_interval_problem(out: Path, switch_ms: str) -> str | None:
     """Why this run's ``--switch-interval`` (``switch_ms``, "" for Python's default) must not
     merge into ``out``: it holds rows measured with another; None if it may."""
@@ -909,8 +922,10 @@ def main(argv=None) -> None:
         parser.error(problem)
     if args.kv_cache_gib <= 0:
         parser.error("--kv-cache-gib must be positive: the cells are planned on it")
-    if args.switch_interval is not None and args.switch_interval <= 0:
-        parser.error("--switch-interval must be positive")
+    if args.switch_interval is not None:
+        problem = switch_interval_arg_problem(args.switch_interval)
+        if problem:
+            parser.error(problem)
     switch_ms = "" if args.switch_interval is None else f"{args.switch_interval:g}"
     problem = switch_interval_problem(out, switch_ms)
     if problem:

@@ -268,8 +268,12 @@ def apply_switch_interval(llm, seconds: float) -> None:
     """Set the GIL switch interval in every process of ``llm`` that runs a worker (a callable
     through ``collective_rpc`` needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 set before the engine
     starts).  Raises RuntimeError if a process does not report the interval back."""
-    for pid, interval in llm.collective_rpc(set_switch_interval, args=(seconds,)):
-        if abs(interval - seconds) > 1e-9:
+    reports = llm.collective_rpc(set_switch_interval, args=(seconds,))
+    if not reports:
+        raise RuntimeError("no engine process reported its switch interval")
+    for pid, interval in reports:
+        # CPython keeps the interval in whole microseconds.
+        if round(interval * 1e6) != round(seconds * 1e6):
             raise RuntimeError(f"engine process {pid} has switch interval {interval} s, "
                                f"not {seconds} s")
 

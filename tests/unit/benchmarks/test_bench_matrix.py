@@ -697,11 +697,33 @@ def test_switch_interval_is_set_and_checked_in_the_engine_process():
             return [(123, self.reported)]
 
     vllm_engine.apply_switch_interval(FakeLLM(0.0002), 0.0002)
+    # CPython's microsecond rounding of 0.2 ms is not a mismatch.
+    vllm_engine.apply_switch_interval(FakeLLM(0.00019999999999999998), 0.0002)
     with pytest.raises(RuntimeError, match="engine process 123 has switch interval 0.005"):
         vllm_engine.apply_switch_interval(FakeLLM(0.005), 0.0002)
+    with pytest.raises(RuntimeError, match="engine process 123 has switch interval 0.000199"):
+        vllm_engine.apply_switch_interval(FakeLLM(0.000199), 0.0002)
+
+    class SilentLLM:
+        def collective_rpc(self, method, args=()):
+            return []
+
+    with pytest.raises(RuntimeError, match="no engine process reported"):
+        vllm_engine.apply_switch_interval(SilentLLM(), 0.0002)
 
 
-def test_runs_with_another_switch_interval_need_their_own_folder(tmp_path):
+@pytest.mark.parametrize("ms", ["0", "-1", "nan", "inf", "0.0005", "0.0025"])
+def test_switch_interval_python_cannot_hold_is_refused_before_any_engine(ms, capsys):
+    with pytest.raises(SystemExit):
+        bm.main(["--out", "unused", "--dry-run", "--heads", "16", "--contexts", "512",
+                 "--switch-interval", ms])
+    assert "--switch-interval" in capsys.readouterr().err
+    assert bm.switch_interval_arg_problem(0.001) is None
+    assert bm.switch_interval_arg_problem(0.2) is None
+    assert bm.switch_interval_arg_problem(5) is None
+
+
+def test_runs_with_another_switch_interval_need_their_own_folder(tmp_path, capsys):
     serve = [{"heads": 16, "mode": "graph", "kv": "auto", "status": "ok", "requests": 4,
               "completed": 4, "output_tok_s": 100.0}]
     _, rows = bm.write_outputs(tmp_path, INFO, serve_rows=serve, switch_interval_ms="0.2")
@@ -712,5 +734,6 @@ def test_runs_with_another_switch_interval_need_their_own_folder(tmp_path):
     assert bm.switch_interval_problem(tmp_path / "empty", "0.5") is None
     with pytest.raises(SystemExit):
         bm.main(["--out", str(tmp_path), "--dry-run", "--heads", "16", "--contexts", "512"])
+    assert "0.2 ms" in capsys.readouterr().err
     bm.main(["--out", str(tmp_path), "--dry-run", "--heads", "16", "--contexts", "512",
              "--switch-interval", "0.2"])
