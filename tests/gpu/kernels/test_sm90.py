@@ -281,3 +281,58 @@ def test_rejects_bad_inputs_of_the_fused_op():
         sm90.decode_sm90(q, qp, cache, bt, sl, float("nan"))
     with pytest.raises(ValueError, match="block_table"):
         sm90.decode_sm90(q, qp, cache, bt[:, :0], sl, SCALE)
+
+
+# --- the chain of launches in one decode call, queued as vLLM queues it ---------------------
+
+def _chained_decodes(q0, qp, cache, table, lengths, steps):
+    """``steps`` fused decodes queued without a host sync, each one's query built on the GPU
+    from the previous one's output and each with its own lengths: a launch that read its input
+    before the launch writing it had finished would see the previous step's data."""
+    outs, q = [], q0
+    for sl in lengths[:steps]:
+        out, lse = sm90.decode_sm90(q, qp, cache, table, sl, SCALE)
+        outs.append((out, lse))
+        q = q0 + 4 * out
+    return outs
+
+
+@pytest.mark.parametrize("H, s_q", [(16, 1), (128, 1), (16, 2)])
+def test_queued_chain_equals_calls_one_at_a_time(H, s_q):
+    """Eight decodes whose queries depend on the previous output, queued back to back (eager)
+    and replayed from one CUDA graph, give bit for bit what the same calls give with a host sync
+    after each: the query quantization, planner, decode and combine of one call, and the calls
+    one after the other, each see their producer's finished output."""
+    steps = 8
+    q0, qp, cache, bt, sl = _case([20000] * 4, H, s_q, seed=100 + H + s_q)
+    wide = _widen(bt, 2560)
+    gen = torch.Generator().manual_seed(H + s_q)
+    lengths = [torch.randint(1, 20001, (4,), generator=gen, dtype=torch.int32).cuda()
+               for _ in range(steps)]
+    lengths[1][:] = torch.tensor([20000, 1, 64, 3000])          # one long and three short runs
+    torch.cuda.synchronize()
+
+    expected, q = [], q0
+    for sl_k in lengths:
+        out, lse = sm90.decode_sm90(q, qp, cache, wide, sl_k, SCALE)
+        torch.cuda.synchronize()
+        expected.append((out.clone(), lse.clone()))
+        q = q0 + 4 * out
+        torch.cuda.synchronize()
+
+    queued = _chained_decodes(q0, qp, cache, wide, lengths, steps)
+    torch.cuda.synchronize()
+    for k, ((out, lse), (e_out, e_lse)) in enumerate(zip(queued, expected)):
+        assert torch.equal(out, e_out) and torch.equal(lse, e_lse), f"eager, step {k}"
+
+    _chained_decodes(q0, qp, cache, wide, lengths, steps)       # warm-up before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _chained_decodes(q0, qp, cache, wide, lengths, steps)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        for k, ((out, lse), (e_out, e_lse)) in enumerate(zip(captured, expected)):
+            assert torch.equal(out, e_out) and torch.equal(lse, e_lse), f"graph, step {k}"
+    # The first step's result is also right, not only repeatable.
+    _check(*expected[0], q0, qp, cache, bt, lengths[0], check_exact=False)
