@@ -25,7 +25,7 @@ __global__ void __launch_bounds__(32 * kCombineRowsPerBlock) combine_kernel(cons
   const int chunk = p.pages_per_split != nullptr ? *p.pages_per_split : 0;
   const int runs =
       split_range(p.seq_lens[b], p.table_pages, chunk, p.max_splits, 0).num_splits;
-  if (runs == 1 && !p.single_runs_in_partials) return;   // the decode kernel wrote it directly
+  if (runs == 1) return;   // the decode kernel wrote it directly
 
   const int64_t first = (static_cast<int64_t>(b) * p.max_splits) * p.num_rows + row;
   float m = -INFINITY;

@@ -6,8 +6,9 @@
 // A decode launch has a fixed grid of `max_splits` splits per (request, row block): fixed, so
 // that a CUDA graph captured once replays for any lengths.  Which of them work is decided on the
 // GPU per call: the planner (one warp, fused into the query quantization's launch) writes
-// `pages_per_split` from the batch's longest request, and each request's pages are cut into runs
-// of that many pages (more only where `max_splits` runs would not cover it).  Splits past a
+// `pages_per_split` from the batch's lengths (a cost model that counts every request's runs,
+// below), and each request's pages are cut into runs of that many pages (more only where
+// `max_splits` runs would not cover it).  Splits past a
 // request's last run have nothing to do and return at once; a request with one run writes its
 // final output directly and the combine leaves it alone.
 #pragma once
@@ -78,8 +79,8 @@ struct SplitPlanParams {
 // Inputs of the combine: partial outputs [batch, max_splits, num_rows, 512] (fp32, normalized
 // within their split) and their natural-log LSEs [batch, max_splits, num_rows] (-inf: the split
 // saw nothing and wrote no output).  Writes out[batch, num_rows, 512] (bf16) and
-// lse[batch, num_heads, s_q] for every request with more than one run, or for every request when
-// `single_runs_in_partials` (the Triton kernel writes even one-run requests as partials).
+// lse[batch, num_heads, s_q] for every request with more than one run (a request with one run
+// was written directly by the decode kernel).
 struct CombineParams {
   const float* part_out;
   const float* part_lse;
@@ -93,7 +94,6 @@ struct CombineParams {
   int num_heads;
   int s_q;
   int num_rows;                     // s_q x num_heads
-  bool single_runs_in_partials;
 };
 
 // The planner alone (one warp); the decode ops fuse it into launch_quantize_q instead.

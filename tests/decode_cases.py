@@ -81,6 +81,9 @@ BAD_ARGUMENTS = {
                           "block_table"),
     "block_table 1-D": (lambda c: c.replace(block_table=c.block_table[0]), ValueError,
                         "block_table"),
+    # Every other column of a table twice as wide: the same ids, read with a column stride of 2.
+    "block_table column-strided": (lambda c: c.replace(
+        block_table=c.block_table.repeat_interleave(2, dim=1)[:, ::2]), ValueError, "block_table"),
     "kv_cache rows 600 wide": (lambda c: c.replace(kv_cache=c.kv_cache[..., :600]), ValueError,
                                "kv_cache"),
     "kv_cache bf16": (lambda c: c.replace(kv_cache=c.kv_cache.view(torch.bfloat16)), ValueError,
@@ -115,6 +118,24 @@ def _set_block(value_of, page_of):
     return change
 
 
+def _past_int32(c, b, value):
+    """``value`` + 2^32: an int64 index that wraps onto ``value`` when narrowed to int32."""
+    return value + 2**32
+
+
+def _set_len_int64(c, b):
+    lens = c.seq_lens.clone().long()
+    lens[b] = _past_int32(c, b, int(lens[b]))
+    return c.replace(seq_lens=lens)
+
+
+def _set_block_int64(c, b):
+    table = c.block_table.clone().long()
+    page = _last_live_page(c, b)
+    table[b, page] = _past_int32(c, b, int(table[b, page]))
+    return c.replace(block_table=table)
+
+
 def _last_live_page(c, b):
     return (int(c.seq_lens[b]) - 1) // fmt.PAGE_SIZE
 
@@ -128,6 +149,9 @@ BAD_INDICES = {
     "block id -1": (_set_block(lambda c: -1, _last_live_page), r"block_table\[{b}, "),
     "block id past the cache": (_set_block(lambda c: c.kv_cache.shape[0] + 5, _last_live_page),
                                 r"block_table\[{b}, "),
+    # int64 values that a narrowing to int32 would wrap onto the request's own valid ones.
+    "seq_len 2^32 past its own (int64)": (_set_len_int64, r"seq_lens\[{b}\]"),
+    "block id 2^32 past its own (int64)": (_set_block_int64, r"block_table\[{b}, "),
 }
 
 

@@ -95,6 +95,13 @@ def index_tensor(name: str, t, dims: int | None = None) -> torch.Tensor:
     return t
 
 
+def unit_column_stride(name: str, table: torch.Tensor) -> None:
+    """The kernels read a table row's ids as consecutive elements."""
+    if table.shape[1] > 1 and table.stride(1) != 1:
+        raise ValueError(f"{name} must have unit column stride (a row's ids consecutive), got "
+                         f"strides {tuple(table.stride())}")
+
+
 def cache(kv_cache) -> torch.Tensor:
     tensor("kv_cache", kv_cache)
     if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 3 or tuple(kv_cache.shape[1:]) != (

@@ -182,12 +182,6 @@ def _use_sm90(device: torch.device) -> bool:
     raise ValueError(f"SNAPMLA_DECODE_KERNEL={choice!r}; expected one of {DECODE_KERNELS}")
 
 
-def decode_kernel(device: torch.device):
-    """The CUDA decode kernel that takes a quantized query (``quantize_q``'s outputs) on
-    ``device``: ``sm90.snapmla_decode_sm90`` or ``triton_decode.snapmla_decode``."""
-    return sm90.snapmla_decode_sm90 if _use_sm90(device) else triton_decode.snapmla_decode
-
-
 def _check_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale,
                   validate: bool | None) -> float:
     """The whole contract of ``decode``; returns the scale as a float."""
@@ -196,6 +190,7 @@ def _check_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale,
     _checks.same_leading("q_nope", q_nope, "q_pe", q_pe)
     _checks.cache(kv_cache)
     _checks.index_tensor("block_table", block_table, dims=2)
+    _checks.unit_column_stride("block_table", block_table)
     _checks.index_tensor("seq_lens", seq_lens, dims=1)
     _checks.same_device(q_nope.device, q_pe=q_pe, kv_cache=kv_cache, block_table=block_table,
                         seq_lens=seq_lens)
@@ -249,7 +244,7 @@ def decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
         if _use_sm90(q_nope.device):
             return sm90.decode_sm90(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, causal)
         q8, q_scale, qpe = quantize_q(q_nope, q_pe)
-        return triton_decode.snapmla_decode(q8, q_scale, qpe, kv_cache, block_table,
-                                            seq_lens.to(torch.int32), scale, causal)
+        return triton_decode.snapmla_decode(q8, q_scale, qpe, kv_cache, block_table, seq_lens,
+                                            scale, causal)
     out, lse = reference.decode(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, causal)
     return out.to(torch.bfloat16), lse.float()

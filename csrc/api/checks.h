@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <string>
 
 #include <ATen/core/Tensor.h>
@@ -72,7 +73,16 @@ inline void check_cache(const char* op, const at::Tensor& kv_cache, const at::De
                     "] byte arrays starting 16-byte aligned, got strides ", kv_cache.strides());
 }
 
-// An index tensor as contiguous int32 (vLLM's metadata is int32; int64 is narrowed).
+// Indices as int32, as the kernels read them (vLLM's metadata is int32).  int64 values outside
+// int32's range saturate instead of wrapping, so they stay outside every valid range (the
+// kernels give NaN for them) rather than landing on another valid id or length.
+inline at::Tensor saturated_int32(const at::Tensor& t) {
+  if (t.scalar_type() == at::kInt) return t;
+  return t.clamp(std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max())
+      .to(at::kInt);
+}
+
+// An index tensor as contiguous int32 (saturated_int32).
 inline at::Tensor int32_indices(const char* op, const char* name, const at::Tensor& t, int64_t dim,
                          const at::Device& device) {
   check_cuda(op, name, t, device);
@@ -80,7 +90,7 @@ inline at::Tensor int32_indices(const char* op, const char* name, const at::Tens
                    " must be int32 or int64, got ", t.scalar_type());
   TORCH_CHECK_VALUE(t.dim() == dim, op, ": ", name, " must have ", dim, " dimension(s), got ",
                     shape_of(t));
-  return t.to(at::kInt).contiguous();
+  return saturated_int32(t).contiguous();
 }
 
 inline PagedRows paged(const at::Tensor& kv_cache) {

@@ -81,7 +81,7 @@ const DeviceInfo& device_info(const char* op, const at::Device& device) {
 }
 
 // The launch shape: CTAs per split index and how many run at once (one per SM for every Hopper
-// kernel), from properties torch caches per device.
+// kernel), from the device properties device_info reads once per device.
 struct LaunchShape {
   int programs;
   int slots;
@@ -126,7 +126,8 @@ std::tuple<at::Tensor, at::Tensor> check_decode_inputs(const char* op, const at:
                    block_table.scalar_type());
   // vLLM's persistent buffers may hold more rows than the batch: the first `batch` are read.
   TORCH_CHECK_VALUE(block_table.dim() == 2 && block_table.size(0) >= batch &&
-                        block_table.size(1) >= 1 && block_table.stride(1) == 1,
+                        block_table.size(1) >= 1 &&
+                        (block_table.size(1) == 1 || block_table.stride(1) == 1),
                     op, ": block_table must be [>= ", batch,
                     ", max_blocks >= 1] with unit column stride, got ", shape_of(block_table),
                     " strides ", block_table.strides());
@@ -139,8 +140,8 @@ std::tuple<at::Tensor, at::Tensor> check_decode_inputs(const char* op, const at:
   TORCH_CHECK_VALUE(num_splits >= 0 && num_splits <= 65535, op,
                     ": num_splits must be 0 (planned on the GPU) or in [1, 65535], got ",
                     num_splits);
-  return {block_table.narrow(0, 0, batch).to(at::kInt),
-          seq_lens.narrow(0, 0, batch).to(at::kInt).contiguous()};
+  return {saturated_int32(block_table.narrow(0, 0, batch)),
+          saturated_int32(seq_lens.narrow(0, 0, batch)).contiguous()};
 }
 
 // The decode and, where some request may take several runs, the combine.  `q8`, `q_scale`,
@@ -208,7 +209,6 @@ std::tuple<at::Tensor, at::Tensor> run_decode(const char* op, const at::Tensor& 
     c.num_heads = p.num_heads;
     c.s_q = p.s_q;
     c.num_rows = p.num_rows;
-    c.single_runs_in_partials = false;
     check_launch(op, launch_combine(c, stream));
   }
   return {out, lse};
@@ -330,6 +330,8 @@ std::tuple<at::Tensor, at::Tensor> decode_sm90_quantized(
                     causal, d.shape, d.schedule, pages_per_split);
 }
 
+bool has_sm90a_code() { return sm90::has_sm90a_code(); }
+
 void split_plan(const at::Tensor& seq_lens, at::Tensor& pages_per_split, int64_t table_pages,
                 int64_t batch, int64_t programs, int64_t slots, int64_t max_splits) {
   constexpr const char* op = "split_plan";
@@ -356,8 +358,7 @@ void split_plan(const at::Tensor& seq_lens, at::Tensor& pages_per_split, int64_t
 
 void combine_splits(const at::Tensor& part_out, const at::Tensor& part_lse,
                     const at::Tensor& seq_lens, const std::optional<at::Tensor>& pages_per_split,
-                    int64_t table_pages, at::Tensor& out, at::Tensor& lse,
-                    bool single_runs_in_partials) {
+                    int64_t table_pages, at::Tensor& out, at::Tensor& lse) {
   constexpr const char* op = "combine_splits";
   const at::Device device = part_out.device();
   check_cuda(op, "part_out", part_out, device);
@@ -403,7 +404,6 @@ void combine_splits(const at::Tensor& part_out, const at::Tensor& part_lse,
   c.num_heads = static_cast<int>(out.size(2));
   c.s_q = static_cast<int>(out.size(1));
   c.num_rows = static_cast<int>(rows);
-  c.single_runs_in_partials = single_runs_in_partials;
   check_launch(op, launch_combine(c, c10::cuda::getCurrentCUDAStream()));
 }
 

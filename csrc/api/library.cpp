@@ -27,8 +27,7 @@ void quantize_q_meta(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tens
 void split_plan_meta(const at::Tensor&, at::Tensor&, int64_t, int64_t, int64_t, int64_t,
                      int64_t) {}
 void combine_splits_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                         const std::optional<at::Tensor>&, int64_t, at::Tensor&, at::Tensor&,
-                         bool) {}
+                         const std::optional<at::Tensor>&, int64_t, at::Tensor&, at::Tensor&) {}
 
 std::tuple<at::Tensor, at::Tensor> decode_outputs_meta(const at::Tensor& q) {
   const int64_t batch = q.size(0), s_q = q.size(1), heads = q.size(2);
@@ -53,6 +52,8 @@ std::tuple<at::Tensor, at::Tensor> decode_sm90_quantized_meta(
 }  // namespace snapmla::api
 
 TORCH_LIBRARY(_snapmla_C, m) {
+  // No tensor arguments: one kernel for every dispatch key.
+  m.def("has_sm90a_code() -> bool", &snapmla::api::has_sm90a_code);
   m.def("quantize_kv(Tensor kv_c, Tensor k_pe, Tensor(a!) out) -> ()");
   m.def("append_kv(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
   m.def(
@@ -74,7 +75,7 @@ TORCH_LIBRARY(_snapmla_C, m) {
       "int programs, int slots, int max_splits) -> ()");
   m.def(
       "combine_splits(Tensor part_out, Tensor part_lse, Tensor seq_lens, Tensor? pages_per_split, "
-      "int table_pages, Tensor(a!) out, Tensor(b!) lse, bool single_runs_in_partials) -> ()");
+      "int table_pages, Tensor(a!) out, Tensor(b!) lse) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(_snapmla_C, CUDA, m) {

@@ -33,11 +33,13 @@ std::tuple<at::Tensor, at::Tensor> decode_sm90_quantized(
     const at::Tensor& q8, const at::Tensor& q_scale, const at::Tensor& q_pe_scaled,
     const at::Tensor& kv_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
     double softmax_scale, bool causal, int64_t num_splits, int64_t schedule);
+// Whether decode_sm90 can run on the current CUDA device (an sm_90 GPU and sm_90a code in this
+// build); false without a GPU.
+bool has_sm90a_code();
 void split_plan(const at::Tensor& seq_lens, at::Tensor& pages_per_split, int64_t table_pages,
                 int64_t batch, int64_t programs, int64_t slots, int64_t max_splits);
 void combine_splits(const at::Tensor& part_out, const at::Tensor& part_lse,
                     const at::Tensor& seq_lens, const std::optional<at::Tensor>& pages_per_split,
-                    int64_t table_pages, at::Tensor& out, at::Tensor& lse,
-                    bool single_runs_in_partials);
+                    int64_t table_pages, at::Tensor& out, at::Tensor& lse);
 
 }  // namespace snapmla::api

@@ -40,7 +40,7 @@ static_assert(kProducerRegs + 2 * kConsumerRegs <= 3 * kLaunchRegs,
 // 224/256).  Alternatives: 128 columns in WG1 spill 50 LDL/STL (WG2's 192-register O), three
 // QK accumulators in WG1 39; 160 columns in 32-column pieces with three QK accumulators (13)
 // timed within 2% of this on the H200 (`git show cb04609:benchmarks/RESULTS.md`, the split-roles
-// measurements of 2026-12-01).
+// measurements).
 constexpr int kQkWarpgroupCols = 192;
 constexpr int kQkPieceCols = 64;          // WG1's PV pieces (m64n32 or m64n64 WGMMAs)
 constexpr int kSplitQkParts = 2;
@@ -151,7 +151,8 @@ struct NarrowConfig {
   // (32 columns): the tensor core's reduced-precision accumulation then spans one instruction's
   // 32 terms.  The 32-row form promotes every kQkPromoteCols (64) like the 64-row kernel: half
   // the FP32 adds, 4-5% faster, and the same LSE error as split-roles on sharp softmaxes
-  // (5.0-6.5e-3 at q_std 8, benchmarks/narrow_accuracy.py; RESULTS.md twenty-second run).
+  // (5.0-6.5e-3 at q_std 8, benchmarks/narrow_accuracy.py; benchmarks/RESULTS.md, "Accuracy
+  // of the decode kernels").
   static constexpr int kQkPromoteCols = kRows == 32 ? sm90::kQkPromoteCols : kWgmmaK8;
   static constexpr int kQkChunks = kKvLoraRank / kQkPromoteCols;               // 16 or 8
   static constexpr int kQkParts = kRows == 16 ? 4 : 3;   // QK chunks in flight (kAcc each)

@@ -40,9 +40,20 @@ bool page_map(CUtensorMap* map, const uint8_t* kv_cache, int64_t num_blocks, int
                         oob_fill) == CUDA_SUCCESS;
 }
 
-// What a launch needs of its kernel, checked and set once per device and kernel: the kernel
-// body exists only in sm_90a code (compute_89 PTX JIT-compiled for an sm_90 GPU would run an
-// empty kernel), and it takes more than 48 KB of dynamic shared memory.
+// Whether the current device runs `kKernel` from sm_90a code: the kernel body exists only there
+// (compute_89 PTX JIT-compiled for an sm_90 GPU would run the trapping stub).
+template <auto kKernel>
+bool has_sm90a_binary() {
+  cudaFuncAttributes attr;
+  if (cudaFuncGetAttributes(&attr, kKernel) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return attr.ptxVersion >= 90 && attr.binaryVersion == 90;
+}
+
+// What a launch needs of its kernel, checked and set once per device and kernel: sm_90a code
+// (has_sm90a_binary), and more than 48 KB of dynamic shared memory.
 // One instantiation per kernel (the four share a function type, so the kernel is a template
 // argument, not a parameter).
 template <auto kKernel>
@@ -50,10 +61,7 @@ const char* prepare_once(int smem_bytes, int device) {
   constexpr int kMaxDevices = 64;
   static bool ready[kMaxDevices] = {};
   if (device >= 0 && device < kMaxDevices && ready[device]) return nullptr;
-  cudaFuncAttributes attr;
-  if (cudaFuncGetAttributes(&attr, kKernel) != cudaSuccess || attr.ptxVersion < 90 ||
-      attr.binaryVersion != 90) {
-    cudaGetLastError();
+  if (!has_sm90a_binary<kKernel>()) {
     return "decode_sm90: this build has no sm_90a code (build with SNAPMLA_ARCHS containing 90a)";
   }
   if (cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) !=
@@ -75,6 +83,11 @@ const char* launch(dim3 grid, int threads, int smem_bytes, int device,
 }
 
 }  // namespace
+
+bool has_sm90a_code() {
+  // The four kernels are built for the same targets: one stands for all.
+  return has_sm90a_binary<decode_kernel<kScheduleSplitRoles>>();
+}
 
 const char* launch_decode_sm90(const DecodeParams& params, const uint8_t* kv_cache,
                                int64_t num_blocks, int64_t block_stride, int batch,

@@ -37,6 +37,10 @@ struct DecodeParams {
   int schedule;                   // host-side choice of the kernel: kSchedule* of config.h
 };
 
+// Whether this build runs the decode kernels on the current device (an sm_90 GPU and a build
+// with sm_90a code).
+bool has_sm90a_code();
+
 // Launches the decode of `batch` requests over `kv_cache` (uint8 [num_blocks, 64, 656], blocks
 // `block_stride` bytes apart).  Returns nullptr on success, else a description of the failure
 // (a device that is not sm_90, a build without sm_90a code, a CUDA error).

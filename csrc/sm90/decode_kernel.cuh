@@ -13,8 +13,8 @@
 // Per page and row the math is exactly the Triton kernel's (vllm_snapmla/kernels/triton_decode.py) and
 // reference.decode_quantized's: see docs/format.md "Decode".
 //
-// Device code exists only for sm_90a (WGMMA, TMA and setmaxnreg); other targets compile an empty
-// kernel and the host launcher refuses them.
+// Device code exists only for sm_90a (WGMMA, TMA and setmaxnreg); other targets compile a stub
+// that traps, and the host launcher refuses them.
 #pragma once
 
 #include <cuda.h>
@@ -46,7 +46,7 @@ namespace device {
 // different 16-byte bank groups of the 128-byte swizzle; the 8 rows of each ldmatrix matrix are
 // 8 consecutive tokens, which the swizzle spreads likewise (simulated:
 // tests/unit/kernels/test_vt_layout.py).  Per thread and 256-column half: 8 ldmatrix.x4, 32 permutes,
-// 8 stmatrix.x4, against 32 loads, 64 permutes and 32 stores of 4-byte words before.
+// 8 stmatrix.x4, where a build with 4-byte word loads and stores took 32, 64 and 32.
 struct VtMap {
   uint32_t load;     // byte offset of lane's ldmatrix row (matrix l / 8, row l % 8) in the half's
                      // first content tile at step q = 0; step q XORs 32 (q % 4), adds 8 KB (q / 4)

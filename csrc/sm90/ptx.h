@@ -40,7 +40,7 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
 // Waits for the completion of the barrier phase with the given parity.  The suspend-time hint
 // lets the thread sleep until the phase completes instead of polling: without it the producer's
 // polling of the empty barrier took about 2,200 issue slots per page from the consumer warps
-// sharing its scheduler (Nsight Compute, 2026-12-01).
+// sharing its scheduler (Nsight Compute).
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   constexpr uint32_t kSuspendNs = 1000000;
   uint32_t done;
@@ -294,20 +294,6 @@ __device__ __forceinline__ void wgmma_m64n64k16_bf16(float (&d)[32], uint64_t de
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
       : SNAPMLA_ACC32(d)
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-
-// D[64x128 fp32] (+)= A[64x32 e4m3, registers] . B[128x32 e4m3, K-major shared memory]^T.
-__device__ __forceinline__ void wgmma_m64n128k32_e4m3_rs(float (&d)[64], const uint32_t (&a)[4],
-                                                    uint64_t desc_b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
-      : SNAPMLA_ACC64(d)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
 }
 
 // D[64x32 fp32] (+)= A[64x32 e4m3, registers] . B[32x32 e4m3, K-major shared memory]^T.

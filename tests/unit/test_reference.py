@@ -212,7 +212,7 @@ def test_decode_kernel_choice_is_checked(monkeypatch):
     for value, error in (("flashmla", ValueError), ("sm90", RuntimeError)):
         monkeypatch.setenv("SNAPMLA_DECODE_KERNEL", value)
         with pytest.raises(error, match="SNAPMLA_DECODE_KERNEL"):
-            ops.decode_kernel(cpu)
-    for value in ("triton", "auto"):   # auto: no sm_90 GPU here
+            ops._use_sm90(cpu)
+    for value in ("triton", "auto"):   # auto: no sm_90 GPU here, so the Triton kernel
         monkeypatch.setenv("SNAPMLA_DECODE_KERNEL", value)
-        assert ops.decode_kernel(cpu).__module__ == "vllm_snapmla.kernels.triton_decode"
+        assert ops._use_sm90(cpu) is False

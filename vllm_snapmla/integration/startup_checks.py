@@ -7,8 +7,10 @@ process (``patches/backend_selection.py``), and again by ``SnapMLAImpl`` in each
 from __future__ import annotations
 
 from vllm_snapmla import format as fmt
-from vllm_snapmla.integration.patches._common import KV_CACHE_DTYPE, SNAPMLA_BACKEND_PATH
 
+KV_CACHE_DTYPE = fmt.KV_CACHE_DTYPE
+# Where vLLM's CUSTOM attention backend points when it is ours.
+SNAPMLA_BACKEND_PATH = "vllm_snapmla.integration.backend.SnapMLABackend"
 MIN_CAPABILITY = (8, 9)   # native e4m3 (Ada, Hopper, Blackwell)
 
 

@@ -24,15 +24,18 @@ from vllm_snapmla._native import native, require_native
 
 SCHEDULES = {"free": 0, "split-roles": 1, "narrow": 2}
 NARROW_MAX_ROWS = 32
-DEFAULT_SCHEDULE = "split-roles"
 
 
 def available(device: torch.device | int | None = None) -> bool:
-    """True when the extension has the Hopper ops and ``device`` (default: current) is sm_90."""
+    """True when ``device`` (default: current) is an sm_90 GPU and the extension was built with
+    sm_90a code for it (``SNAPMLA_ARCHS`` containing ``90a``)."""
     ops = native()
-    if ops is None or not hasattr(ops, "decode_sm90") or not torch.cuda.is_available():
+    if ops is None or not hasattr(ops, "has_sm90a_code") or not torch.cuda.is_available():
         return False
-    return torch.cuda.get_device_capability(device) == (9, 0)
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return False
+    with torch.cuda.device(device):
+        return bool(ops.has_sm90a_code())
 
 
 def _schedule_id(schedule: str | None) -> int:
@@ -82,7 +85,3 @@ def schedule_variant(schedule: str):
         return snapmla_decode_sm90(*args, schedule=schedule, **kwargs)
     decode.__name__ = f"snapmla_decode_sm90[{schedule}]"
     return decode
-
-
-snapmla_decode_sm90_free = schedule_variant("free")
-snapmla_decode_sm90_split_roles = schedule_variant("split-roles")

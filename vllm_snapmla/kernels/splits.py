@@ -86,22 +86,21 @@ def plan(seq_lens: torch.Tensor, table_pages: int, batch: int, programs: int, sl
 
 def combine(part_out: torch.Tensor, part_lse: torch.Tensor, seq_lens: torch.Tensor,
             pages_per_split: torch.Tensor | None, table_pages: int, out: torch.Tensor,
-            lse: torch.Tensor, single_runs_in_partials: bool) -> None:
+            lse: torch.Tensor) -> None:
     """Merge the splits' partials ``[B, max_splits, rows, 512]`` into ``out [B, s_q, H, 512]``
-    (bf16) and ``lse [B, H, s_q]`` by LSE, for every request cut into several runs (every
-    request with ``single_runs_in_partials``).  Splits with LSE -inf wrote no output; a NaN
+    (bf16) and ``lse [B, H, s_q]`` by LSE, for every request cut into several runs (the decode
+    kernel wrote a request of one run directly).  Splits with LSE -inf wrote no output; a NaN
     LSE makes the request's rows NaN."""
     if part_out.is_cuda:
         require_native("the split-KV combine").combine_splits(
-            part_out, part_lse, seq_lens, pages_per_split, table_pages, out, lse,
-            single_runs_in_partials)
+            part_out, part_lse, seq_lens, pages_per_split, table_pages, out, lse)
         return
     B, max_splits, rows, _ = part_out.shape
     s_q, H = out.shape[1], out.shape[2]
     chunk = int(pages_per_split[0]) if pages_per_split is not None else 0
     for b in range(B):
         runs = split_range(int(seq_lens[b]), table_pages, chunk, max_splits, 0)[2]
-        if runs == 1 and not single_runs_in_partials:
+        if runs == 1:
             continue
         lses = part_lse[b, :runs].double()                       # [runs, rows]
         m = torch.where(lses.isnan(), float("-inf"), lses).max(0).values   # as fmaxf: NaN skipped

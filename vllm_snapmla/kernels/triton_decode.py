@@ -259,15 +259,25 @@ def _device_limits(device_index: int) -> tuple[int, int]:
     return props.multi_processor_count, props.shared_memory_per_block_optin
 
 
+def _int32_lengths(seq_lens: torch.Tensor) -> torch.Tensor:
+    """``seq_lens`` as the contiguous int32 the kernel, the planner and the combine read.  An
+    int64 length outside int32's range saturates, so it stays invalid (NaN for its request)
+    instead of wrapping onto a valid length; block ids need no narrowing (loaded as they are)."""
+    if seq_lens.dtype != torch.int32:
+        seq_lens = seq_lens.clamp(-2**31, 2**31 - 1).to(torch.int32)
+    return seq_lens.contiguous()
+
+
 def snapmla_decode(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: torch.Tensor,
                    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                    softmax_scale: float, causal: bool = True, num_splits: int | None = None):
     """SnapMLA decode from a quantized query (``vllm_snapmla.ops.quantize_q``).
 
     ``q8`` e4m3 ``[B,s_q,H,512]``, ``q_scale`` fp32 ``[B,s_q,H]``, ``q_pe_scaled`` bf16
-    ``[B,s_q,H,64]``; ``kv_cache`` uint8 ``[num_blocks,64,656]``; ``block_table`` int32
-    ``[>=B,max_blocks]``; ``seq_lens`` int32 ``[>=B]``.  Returns ``out`` bf16 ``[B,s_q,H,512]`` and
-    ``lse`` fp32 ``[B,H,s_q]`` (natural log; -inf and zero output for rows that see no token).
+    ``[B,s_q,H,64]``; ``kv_cache`` uint8 ``[num_blocks,64,656]``; ``block_table`` int32 or
+    int64 ``[>=B,max_blocks]`` with unit column stride; ``seq_lens`` int32 or int64 ``[>=B]``.
+    Returns ``out`` bf16 ``[B,s_q,H,512]`` and ``lse`` fp32 ``[B,H,s_q]`` (natural log; -inf and
+    zero output for rows that see no token).
     ``num_splits`` None lets the planner choose on the GPU from the real lengths
     (``kernels/splits.py``); an int cuts every request into that many equal runs.
     """
@@ -282,7 +292,10 @@ def snapmla_decode(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: torch.T
         raise ValueError("kv_cache must hold contiguous 656-byte rows in 16-byte aligned blocks")
     if q8.stride(-1) != 1 or q_pe_scaled.stride(-1) != 1:
         raise ValueError("q8 and q_pe_scaled must be contiguous in their last dimension")
-    seq_lens = seq_lens[:B]
+    if block_table.dim() != 2 or (block_table.shape[1] > 1 and block_table.stride(1) != 1):
+        raise ValueError("block_table must be [>=B, max_blocks] with unit column stride, got "
+                         f"shape {tuple(block_table.shape)} strides {tuple(block_table.stride())}")
+    seq_lens = _int32_lengths(seq_lens[:B])
     num_sms, shared_mem = _device_limits(q8.device.index if q8.device.index is not None
                                          else torch.cuda.current_device()) \
         if q8.is_cuda else (1, _HOPPER_SHARED_MEM)
@@ -321,5 +334,5 @@ def snapmla_decode(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: torch.T
         num_stages=cfg.num_stages)
     if max_splits > 1:
         splits.combine(part, part_lse, seq_lens, pages_per_split, block_table.shape[1], out,
-                       lse, single_runs_in_partials=False)
+                       lse)
     return out, lse

@@ -1,6 +1,8 @@
 """Argument checks of ``vllm_snapmla.kernels.sm90`` that run in Python, before any GPU work
 (the op's own checks, in ``csrc/api/decode_ops.cpp``, are tested in ``tests/gpu``)."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -22,9 +24,43 @@ def test_unknown_schedule_is_refused():
         sm90.snapmla_decode_sm90(*_inputs(), 0.1, schedule="fast")
 
 
-def test_schedule_variants_are_fixed_partials():
-    assert sm90.DEFAULT_SCHEDULE in sm90.SCHEDULES
+def test_schedule_variants_are_fixed_partials(monkeypatch):
     with pytest.raises(ValueError, match="schedule must be one of"):
         sm90.schedule_variant("fast")
-    assert sm90.snapmla_decode_sm90_split_roles.__name__ == "snapmla_decode_sm90[split-roles]"
     assert set(sm90.SCHEDULES) == {"free", "split-roles", "narrow"}
+    seen = {}
+    monkeypatch.setattr(sm90, "snapmla_decode_sm90",
+                        lambda *args, **kwargs: seen.update(kwargs) or "ran")
+    free = sm90.schedule_variant("free")
+    assert free.__name__ == "snapmla_decode_sm90[free]"
+    assert free(*_inputs(), 0.1) == "ran" and seen["schedule"] == "free"
+
+
+class _FakeOps:
+    def __init__(self, has_code):
+        self.has_code = has_code
+
+    def has_sm90a_code(self):
+        return self.has_code
+
+
+@pytest.mark.parametrize("capability, has_code, expected", [
+    ((9, 0), True, True),
+    ((9, 0), False, False),    # an sm_90 GPU, a build without 90a: the Triton kernel serves it
+    ((8, 9), True, False),
+    ((10, 0), True, False),
+])
+def test_available_needs_an_sm90_gpu_and_sm90a_code(monkeypatch, capability, has_code, expected):
+    monkeypatch.setattr(sm90, "native", lambda: _FakeOps(has_code))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    assert sm90.available(0) is expected
+
+
+def test_available_without_the_extension_or_a_gpu(monkeypatch):
+    monkeypatch.setattr(sm90, "native", lambda: None)
+    assert sm90.available() is False
+    monkeypatch.setattr(sm90, "native", lambda: _FakeOps(True))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert sm90.available() is False

@@ -121,6 +121,37 @@ def _interpreted_cases():
             "expected_nan_rows": nan_rows.sum().item(),
             "rel": ((out.double() - r_out)[ok].norm() / r_out[ok].norm()).item(),
         })
+    # Index tensors as callers may pass them: int64 values 2^32 past a valid one (NaN for that
+    # request, not the valid value they would wrap to), a strided seq_lens view (read as its
+    # values), and a column-strided table (refused).
+    cache, bt, _ = build_cache([70, 130, 200], gen=gen)
+    sl = torch.tensor([70, 130, 200], dtype=torch.int32)
+    q = torch.randn(3, 1, 8, 512, generator=gen).bfloat16()
+    qp = torch.randn(3, 1, 8, 64, generator=gen).bfloat16()
+    q8, qs, qpe = ref.quantize_q(q, qp)
+    base_out, base_lse = snapmla_decode(q8, qs, qpe, cache, bt, sl, 0.1)
+    wide_lens = sl.long()
+    wide_lens[1] += 2**32
+    wide_table = bt.long()
+    wide_table[2, 3] += 2**32
+    strided_lens = torch.stack([sl, sl.flip(0)], 1)[:, 0]
+    checks = {}
+    for name, table, lens, nan_request in [("int64 length", bt, wide_lens, 1),
+                                           ("int64 block id", wide_table, sl, 2),
+                                           ("strided lengths", bt, strided_lens, None)]:
+        out, lse = snapmla_decode(q8, qs, qpe, cache, table, lens, 0.1)
+        others = [b for b in range(3) if b != nan_request]
+        checks[name] = (torch.equal(out[others], base_out[others])
+                        and torch.equal(lse[others], base_lse[others])
+                        and (nan_request is None
+                             or bool(out[nan_request].isnan().all()
+                                     and lse[nan_request].isnan().all())))
+    try:
+        snapmla_decode(q8, qs, qpe, cache, bt.repeat_interleave(2, 1)[:, ::2], sl, 0.1)
+        checks["column-strided table refused"] = False
+    except ValueError as e:
+        checks["column-strided table refused"] = "unit column stride" in str(e)
+    results.append({"case": ["indices"], "checks": checks})
     print(json.dumps(results))
 
 
@@ -133,6 +164,9 @@ def test_interpreted_kernel_matches_reference():
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert child.returncode == 0, child.stderr[-4000:]
     for r in json.loads(child.stdout.strip().splitlines()[-1]):
+        if r["case"][0] == "indices":
+            assert all(r["checks"].values()), r
+            continue
         if r["case"][0] == "nan":
             # Request 0: one head; requests 1-4: every head (16 + ... rows of 8 heads).
             assert r["same_nan_rows"] and r["expected_nan_rows"] == 1 + 4 * 8, r

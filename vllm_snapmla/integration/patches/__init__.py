@@ -4,7 +4,9 @@ vLLM 0.26.0 has no registry for new KV-cache dtypes (the dtype set is a closed `
 matched on strings in several modules), so we patch the few private names involved.  Each module
 starts with its record: what it changes, why, how it is checked, and when it can go.  The hook
 numbers (H1..H15) name the places in vLLM 0.26.0 that the plugin touches; H6-H8, H10, H11 and
-H13 need no patch (``integration/backend.py`` overrides and a start-up refusal).
+H13 need no patch (``integration/backend.py`` overrides and a start-up refusal), and H15
+(``context_merge_bound``) corrects the metadata the backend's builder returns rather than
+patching vLLM, though it reads vLLM's private prefill metadata.
 
 Every patch is idempotent (a wrapper carries the function it wraps), and ``self_check`` verifies
 the result right after patching, so a vLLM that moved these names fails loudly at start-up.

@@ -7,7 +7,6 @@ import typing
 from vllm_snapmla import format as fmt
 
 KV_CACHE_DTYPE = fmt.KV_CACHE_DTYPE
-SNAPMLA_BACKEND_PATH = "vllm_snapmla.integration.backend.SnapMLABackend"
 LOGGER_NAME = "vllm.snapmla"   # inside vLLM's logger tree, so vLLM's handlers print it
 # A wrapper carries the function it wraps under this attribute: a second apply is a no-op.
 _WRAPPED = "__snapmla_wrapped__"

@@ -18,10 +18,10 @@ from vllm_snapmla.integration import startup_checks
 from vllm_snapmla.integration.patches._common import (
     KV_CACHE_DTYPE,
     LOGGER_NAME,
-    SNAPMLA_BACKEND_PATH,
     is_ours,
     mark_wrapper,
 )
+from vllm_snapmla.integration.startup_checks import SNAPMLA_BACKEND_PATH
 
 
 def apply() -> None:
