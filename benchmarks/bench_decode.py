@@ -97,6 +97,9 @@ SHAPES = [
 QUICK_SHAPES = [(32, 128, 4096, 1), (8, 128, 65536, 1), (64, 16, 32768, 1), (32, 128, 16384, 2)]
 
 BYTES_PER_TOKEN = {"flashmla-bf16": 2 * fmt.HEAD_SIZE, "flashmla-fp8": fmt.HEAD_SIZE}
+# Relative error against BF16 FlashMLA above which a backend's result counts as wrong (the FP8
+# paths measure 2.7-3.6e-2 on the benchmark's N(0, 1) inputs).
+MAX_RELERR = 0.1
 
 
 def parse_shape(text: str) -> tuple[int, int, int, int]:
@@ -344,15 +347,16 @@ def _read_csv(path):
     return rows
 
 
-def _measure(name, fn, fresh, rep, warmup, eager, calls):
+def _measure(fn, fresh, rep, warmup, eager, calls):
     """The times of one backend (see the module docstring); ``fresh``: for FlashMLA, the call
-    with fresh metadata, whose excess over ``fn`` is the metadata's."""
+    with fresh metadata, whose excess over ``fn`` is the metadata's (two separate timings: a
+    difference below zero is their noise and reads 0)."""
     times = dict(us=_time(fn, rep, warmup, eager), host_us=_host_us(fn, calls),
                  eager_us=_eager_us(fn, calls))
     if fresh is not None:
-        times["metadata_us"] = _time(fresh, rep, warmup, eager) - times["us"]
-        times["metadata_host_us"] = _host_us(fresh, calls) - times["host_us"]
-        times["metadata_eager_us"] = _eager_us(fresh, calls) - times["eager_us"]
+        times["metadata_us"] = max(0.0, _time(fresh, rep, warmup, eager) - times["us"])
+        times["metadata_host_us"] = max(0.0, _host_us(fresh, calls) - times["host_us"])
+        times["metadata_eager_us"] = max(0.0, _eager_us(fresh, calls) - times["eager_us"])
     return times
 
 
@@ -383,8 +387,10 @@ def main():
     wanted = set(args.backends.split(",")) if args.backends else known
     if wanted - known:
         parser.error(f"unknown backends {sorted(wanted - known)}; known: {sorted(known)}")
-    shapes = args.shapes or [shape for shape in (QUICK_SHAPES if args.quick else SHAPES)
-                             if not args.heads or shape[1] in args.heads]
+    shapes = [shape for shape in args.shapes or (QUICK_SHAPES if args.quick else SHAPES)
+              if not args.heads or shape[1] in args.heads]
+    if not shapes:
+        parser.error(f"no shape has --heads {args.heads}")
     too_narrow = [s for s in shapes if args.table_width
                   and math.ceil(s[2] / fmt.PAGE_SIZE) > args.table_width]
     if too_narrow:
@@ -429,7 +435,18 @@ def main():
                 base_out = out
             relerr = ((out - base_out).norm() / base_out.norm()).item() if base_out is not None \
                 else float("nan")
-            measured = _measure(name, fn, with_metadata.get(name), rep, warmup, args.eager, calls)
+            if base_out is not None and not relerr <= MAX_RELERR:
+                # FP8 paths sit at 2.7-3.6e-2 of BF16 FlashMLA on these inputs: a time for a
+                # wrong result would only mislead.
+                print(f"  {name:24s} wrong result on this shape (relerr {relerr:.1e} against "
+                      f"flashmla-bf16): not timed", flush=True)
+                continue
+            try:
+                measured = _measure(fn, with_metadata.get(name), rep, warmup, args.eager, calls)
+            except (RuntimeError, ValueError, AssertionError) as e:   # e.g. graph capture
+                print(f"  {name:24s} failed while timed: {str(e).splitlines()[0][:120]}",
+                      flush=True)
+                continue
             us = measured["us"]
             times[name] = us
             nbytes = inp["tokens"] * BYTES_PER_TOKEN.get(name, fmt.BYTES_PER_TOKEN)

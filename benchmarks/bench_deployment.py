@@ -470,8 +470,8 @@ def engine_launch(rank: Rank, kv: str, mtp: bool, position: int, group_size: int
                 # Not what --routing asked for: no number rather than a mislabelled one.
                 row["error"] = (f"engine log shows routing simulator "
                                 f"'{row.get('simulated_routing', '')}', expected '{wanted}'")
-                for name in ("decode_tok_s", "tpot_ms", "output_tok_s", "window_ms",
-                             "spread_pct", "tokens_per_step"):
+                for name in ("decode_tok_s", "tpot_ms", "window_ms", "spread_pct",
+                             "tokens_per_step"):
                     row[name] = ""
                 say(f"{label} context {row['context']}: {row['error']}")
             if row.get("decode_tok_s"):

@@ -49,8 +49,9 @@ from pathlib import Path
 
 from benchmarks.vllm_engine import (
     DEEPSEEK_V31_ATTENTION, SETTLE_STEPS, batch_to_fill, build_llm, child_main,
-    engine_log_facts, merge_by_key, model_config, number, random_prompts, read_csv, run_child,
-    summarize_windows, timed_decode_windows, wait_for_go, warm_tokens, warm_up, write_csv)
+    engine_log_facts, merge_by_key, model_config, not_lock_step, number, random_prompts,
+    read_csv, run_child, summarize_windows, timed_decode_windows, wait_for_go, warm_tokens,
+    warm_up, write_csv)
 from vllm_snapmla.testing import write_tiny_deepseek_v3
 
 KV_SETTINGS = ("auto", "fp8_snapmla", "fp8")
@@ -74,13 +75,16 @@ def _key(row: dict) -> tuple[int, int, str]:
 
 def add_relative_columns(rows: list[dict]) -> list[dict]:
     """Fill ``speedup_vs_bf16`` and ``capacity_vs_bf16`` against the ``auto`` row of the same
-    (heads, context); empty where that row or the value is missing."""
+    (heads, context); empty where that row or the value is missing, and no speedup where either
+    row was not lock-step."""
     base = {_key(r)[:2]: r for r in rows if r["kv"] == BASELINE_KV and not r.get("error")}
     for row in rows:
         ref = base.get(_key(row)[:2])
         for column, field in (("speedup_vs_bf16", "decode_tok_s"),
                               ("capacity_vs_bf16", "kv_cache_tokens")):
             ours, theirs = number(row.get(field)), number(ref.get(field)) if ref else None
+            if column == "speedup_vs_bf16" and ref and (not_lock_step(row) or not_lock_step(ref)):
+                ours = None
             row[column] = round(ours / theirs, 3) if ours and theirs else ""
     return rows
 
@@ -237,11 +241,10 @@ def run_engine(spec: dict):
                 llm.llm_engine, random_prompts(gen_ids, batch, context, vocab), params, gen, windows,
                 id_prefix=f"bench-e2e-{context}", window_tokens=gained)
             summary = summarize_windows(batch, seconds)
-            # Tokens per request and step (1 without speculative decoding); output tok/s counts
-            # every token, decode_tok_s one per request and step.
+            # Tokens per request and step (1 without speculative decoding; decode_tok_s counts
+            # one per request and step).
             per_step = sum(gained) / (batch * gen * windows)
-            summary.update(tokens_per_step=round(per_step, 4),
-                           output_tok_s=round(summary["decode_tok_s"] * per_step, 1))
+            summary.update(tokens_per_step=round(per_step, 4))
         except (RuntimeError, ValueError) as exc:   # this context fails; the next ones run
             yield {**result, "error": f"{type(exc).__name__}: {exc}"[:300]}
             continue

@@ -97,7 +97,7 @@ from benchmarks.vllm_engine import (
     BLOCK_SIZE, DEEPSEEK_V31_ATTENTION, ENGINE_OVERHEAD_GIB, KV_BYTES_PER_TOKEN, SETTLE_STEPS,
     apply_switch_interval, batch_to_fill, build_llm, child_main, concurrent_memory_problem,
     concurrent_start_spec, core_timestamp, engine_log_facts, estimated_kv_blocks, merge_by_key,
-    model_config, number, random_prompts, read_csv, run_child, run_engines_together,
+    model_config, not_lock_step, number, random_prompts, read_csv, run_child, run_engines_together,
     summarize_windows, timed_decode_windows, wait_for_go, warm_tokens, warm_up, write_csv)
 from vllm_snapmla.testing import write_tiny_deepseek_v3
 
@@ -570,11 +570,14 @@ def merge_rows(old: list[dict], new: list[dict], key=None) -> list[dict]:
 
 def add_ratios(rows: list[dict]) -> list[dict]:
     """``vs_bf16`` (decode tok/s over BF16's) and ``tpot_vs_bf16`` (TPOT over BF16's) against the
-    ``auto`` row of the same cell; empty where either is not ``ok``."""
+    ``auto`` row of the same cell; empty where either is not ``ok`` or was not lock-step (its
+    B / step would overstate the throughput)."""
     base = {matrix_key(r)[:5]: r for r in rows
             if r["kv"] == BASELINE_KV and r.get("status") == "ok"}
     for row in rows:
         ref = base.get(matrix_key(row)[:5]) if row.get("status") == "ok" else None
+        if ref and (not_lock_step(row) or not_lock_step(ref)):
+            ref = None
         for column, value in (("vs_bf16", "decode_tok_s"), ("tpot_vs_bf16", "tpot_ms")):
             ours, theirs = number(row.get(value)), number(ref.get(value)) if ref else None
             row[column] = round(ours / theirs, 3) if ours and theirs else ""
@@ -881,7 +884,8 @@ def main(argv=None) -> None:
                         help="decode steps per timed window")
     parser.add_argument("--windows", type=int, default=Settings.windows)
     parser.add_argument("--kv-cache-gib", type=float, default=Settings.kv_cache_gib,
-                        help="KV-cache bytes of every engine (0: 90%% of the GPU)")
+                        help="KV-cache GiB of every engine, the same for every KV format "
+                             "(positive: the cells are planned on it)")
     parser.add_argument("--max-batch", type=int, default=Settings.max_batch)
     parser.add_argument("--max-batched-tokens", type=int, default=Settings.max_batched_tokens)
     parser.add_argument("--max-prefill-tokens", type=int, default=Settings.max_prefill_tokens)

@@ -62,12 +62,32 @@ def _vllm_version() -> str:
         return "unknown"
 
 
+def display_path(path) -> str:
+    """An absolute ``path`` as a record shows it: relative to the repository when inside it,
+    else ``.../<its name>``, so that results name no machine's folders."""
+    resolved = Path(path).resolve()
+    try:
+        return str(resolved.relative_to(REPO_ROOT))
+    except ValueError:
+        return f".../{resolved.name}"
+
+
+def _display_arg(arg: str) -> str:
+    """A command-line argument with an absolute path in it (``/x/y`` or ``--opt=/x/y``) shown
+    by ``display_path``."""
+    option, eq, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+    if not value.startswith("/"):
+        return arg
+    return f"{option}{eq}{display_path(value)}"
+
+
 def run_info(module: str, argv: list[str] | None = None) -> dict:
-    """date (UTC), commit, gpu, vllm and command of this run of ``python -m <module> argv``."""
+    """date (UTC), commit, gpu, vllm and command of this run of ``python -m <module> argv``
+    (absolute paths in it shown by ``display_path``)."""
     argv = sys.argv[1:] if argv is None else argv
     return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "commit": _git_commit(), "gpu": _gpu_name(), "vllm": _vllm_version(),
-            "command": shlex.join(["python", "-m", module, *argv])}
+            "command": shlex.join(["python", "-m", module, *map(_display_arg, argv)])}
 
 
 def describe(info: dict) -> str:

@@ -248,6 +248,12 @@ def random_prompts(generator, batch: int, length: int,
             for ids in torch.randint(2, vocab, (batch, length), generator=generator).tolist()]
 
 
+def not_lock_step(row: dict) -> bool:
+    """The timed steps were not one token per request each (``decode_tok_s`` = B / step then
+    overstates the throughput), as a fresh row or one read back from a CSV says it."""
+    return str(row.get("lock_step")) == "False"
+
+
 def warm_up(llm, generator, vocab: int = DEEPSEEK_V31_ATTENTION["vocab_size"]) -> None:
     """A few short requests, so that the first measured cell does not pay for first-use costs."""
     from vllm import SamplingParams

@@ -44,6 +44,7 @@ import time
 
 import numpy as np
 
+from benchmarks.provenance import display_path
 from eval.common import (markdown_cell, mean_se_cell, paired_delta, paired_text,
                          parse_kv_pairs, script_command, script_env, tiny_engine_settings)
 
@@ -454,7 +455,7 @@ def write_report(rows: list[dict], stats: dict, opts, failed: list[str]) -> str:
                         f"fp8_snapmla − fp8 {paired_text(mean, se, docs, 'files')})")
     ppl, nxt = stats[PPL_TASK], stats[NEXT_TASK]
     train_log_path = opts.model / "train_log.json"
-    model_line = f"model `{opts.model}`"
+    model_line = f"model `{display_path(opts.model)}`"
     if train_log_path.exists():
         tl = json.loads(train_log_path.read_text())
         model_line += (f": {tl['parameters'] / 1e6:.1f}M parameters, {tl['steps']} steps, "

@@ -39,6 +39,7 @@ import time
 
 import numpy as np
 
+from benchmarks.provenance import display_path
 from eval.common import (EXTRA_SETTINGS, markdown_cell, mean_se_cell, paired_delta,
                          paired_text, script_command, script_env, tiny_engine_settings)
 
@@ -269,7 +270,7 @@ def write_report(out: pathlib.Path, rows: list[dict], args, train_log: dict | No
                         f"{'PASS' if s <= f8 else 'FAIL'} ({s:.4f} vs {f8:.4f}; NLL per token "
                         f"fp8_snapmla − fp8 "
                         f"{paired_text(d, se, len(by_run['fp8']['window_nll']), 'windows')})")
-    model_line = f"model `{args.model}`"
+    model_line = f"model `{display_path(args.model)}`"
     if train_log:
         model_line += (f": {train_log['parameters'] / 1e6:.1f}M parameters, "
                        f"{train_log['steps']} steps, held-out loss "

@@ -1,9 +1,10 @@
 """One sm90 decode launch per schedule on random data, for Nsight Compute.
 
-    ncu --clock-control none --kernel-name regex:decode_kernel python3 -m tools.profile_sm90
+    ncu --clock-control none --kernel-name regex:'decode(_narrow)?_kernel' python3 -m tools.profile_sm90
     python3 -m tools.profile_sm90 --time [--distinct-blocks 64]
 
 --time prints each schedule's median time (CUDA events around 50 CUDA-graph replays) instead.
+The narrow schedule runs only where a request has at most NARROW_MAX_ROWS (32) query rows.
 --distinct-blocks K points every block-table entry at one of K cache blocks, so the pages come
 from L2 rather than HBM: if the time per page drops, the kernel waits on its loads.
 """
@@ -19,14 +20,17 @@ from vllm_snapmla.kernels import sm90
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="32,128,16384,1", help="B,H,N,s_q")
-    parser.add_argument("--schedules", default=",".join(sm90.SCHEDULES))
+    parser.add_argument("--schedules", default="",
+                        help="comma-separated (default: every schedule the shape allows)")
     parser.add_argument("--time", action="store_true", help="print median times, no profiling")
     parser.add_argument("--distinct-blocks", type=int, default=0,
                         help="cache blocks the block table cycles over (0: all distinct)")
     args = parser.parse_args()
     B, H, N, s_q = (int(x) for x in args.shape.split(","))
+    schedules = [s for s in args.schedules.split(",") if s] or [
+        s for s in sm90.SCHEDULES if s != "narrow" or s_q * H <= sm90.NARROW_MAX_ROWS]
     gen = torch.Generator(device="cuda").manual_seed(0)
-    pages = N // fmt.PAGE_SIZE
+    pages = -(-N // fmt.PAGE_SIZE)   # every request's N tokens fit its table row
     nb = B * pages
     kv = torch.randn(nb * fmt.PAGE_SIZE, fmt.KV_LORA_RANK, device="cuda", generator=gen)
     pe = torch.randn(nb * fmt.PAGE_SIZE, fmt.ROPE_DIM, device="cuda", generator=gen)
@@ -38,7 +42,7 @@ def main():
     q = torch.randn(B, s_q, H, fmt.KV_LORA_RANK, device="cuda", generator=gen).bfloat16()
     q_pe = torch.randn(B, s_q, H, fmt.ROPE_DIM, device="cuda", generator=gen).bfloat16()
     q8, qs, qpe = ops.quantize_q(q, q_pe)
-    for schedule in args.schedules.split(","):
+    for schedule in schedules:
         def launch():
             return sm90.snapmla_decode_sm90(q8, qs, qpe, cache, block_table, seq_lens,
                                             fmt.HEAD_SIZE ** -0.5, schedule=schedule)
@@ -46,13 +50,13 @@ def main():
         if args.time:
             # CUDA-graph replays, as in benchmarks/bench_decode.py: timed as eager calls, the
             # Python side of each launch left the GPU idle inside the events (medians varied 2x
-            # between repeats on 2026-12-02).
+            # between repeats).
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 launch()
             # Warm up for ~0.5 s first: timed from idle, the GPU's clocks were still ramping up
-            # (3x slower medians on 2026-12-01).
+            # (3x slower medians).
             start_s = time.perf_counter()
             while time.perf_counter() - start_s < 0.5:
                 graph.replay()

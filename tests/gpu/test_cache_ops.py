@@ -10,8 +10,11 @@ import torch
 
 from vllm_snapmla import format as fmt
 from vllm_snapmla import ops, reference
+from vllm_snapmla._native import native
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(native() is None,
+                                 reason="native extension not built (SNAPMLA_SKIP_BUILD=1)")]
 
 FLOAT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 CUDA = "cuda"

@@ -221,12 +221,19 @@ def test_ops_decode_from_bf16_query(kernel, H, monkeypatch):
     if kernel == "sm90" and not _sm90_available():
         pytest.skip("needs an sm_90 GPU and the decode_sm90 op")
     monkeypatch.setenv("SNAPMLA_DECODE_KERNEL", kernel)
+    from vllm_snapmla.kernels import sm90, triton_decode
+    ran = []
+    for module, name in ((sm90, "decode_sm90"), (triton_decode, "snapmla_decode")):
+        def spy(*args, _kernel=getattr(module, name), _name=name, **kwargs):
+            ran.append(_name)
+            return _kernel(*args, **kwargs)
+        monkeypatch.setattr(module, name, spy)
     q, qp, cache, bt, sl = _case(RAGGED, H, 2, seed=13)
     out, lse = ops.decode(q, qp, cache, bt, sl, SCALE)
     _check(out, lse, q, qp, cache, bt, sl)
-    expect = "sm90" if kernel == "sm90" or (kernel == "auto" and _sm90_available()) \
-        else "triton"
-    assert ops._use_sm90(q.device) == (expect == "sm90")
+    expect = "decode_sm90" if kernel == "sm90" or (kernel == "auto" and _sm90_available()) \
+        else "snapmla_decode"
+    assert ran == [expect]
 
 
 def test_cuda_graph_replay_with_new_lengths(decode):

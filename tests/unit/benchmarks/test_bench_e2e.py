@@ -150,6 +150,15 @@ def test_relative_columns_compare_with_bf16_of_the_same_shape():
     lone = bench.add_relative_columns([
         _row(16, 8192, "auto", 0, 0, error="timed out"), _row(16, 8192, "fp8", 5.0, 7)])
     assert lone[1]["speedup_vs_bf16"] == "" and lone[1]["capacity_vs_bf16"] == ""
+    # A side that was not lock-step (its B / step overstates the throughput): no speedup, also
+    # when read back from a CSV; the capacity ratio stays.
+    for flag in (False, "False"):
+        pair = bench.add_relative_columns([_row(16, 8192, "auto", 4.0, 7, lock_step=flag),
+                                           _row(16, 8192, "fp8", 5.0, 14)])
+        assert pair[1]["speedup_vs_bf16"] == "" and pair[1]["capacity_vs_bf16"] == 2.0
+        pair = bench.add_relative_columns([_row(16, 8192, "auto", 4.0, 7),
+                                           _row(16, 8192, "fp8", 5.0, 14, lock_step=flag)])
+        assert pair[1]["speedup_vs_bf16"] == "" and pair[0]["speedup_vs_bf16"] == 1.0
 
 
 def test_outputs_merge_across_runs_and_survive_failures(tmp_path):

@@ -340,6 +340,16 @@ def test_outputs_merge_runs_replace_cells_and_compute_ratios(tmp_path):
     assert table.count("x** ▼") == 4   # the four cells at 512 tokens
 
 
+def test_no_ratio_where_a_side_was_not_lock_step():
+    for flag in (False, "False"):   # a fresh row, or one read back from the CSV
+        rows = bm.add_ratios([_cell("auto", 100.0, lock_step=flag), _cell("fp8_snapmla", 150.0)])
+        assert rows[1]["vs_bf16"] == "" and rows[1]["tpot_vs_bf16"] == ""
+        rows = bm.add_ratios([_cell("auto", 100.0), _cell("fp8_snapmla", 150.0, lock_step=flag)])
+        assert rows[1]["vs_bf16"] == "" and rows[0]["vs_bf16"] == 1.0
+    rows = bm.add_ratios([_cell("auto", 100.0), _cell("fp8_snapmla", 150.0)])
+    assert rows[1]["vs_bf16"] == 1.5
+
+
 def test_heat_maps_have_a_panel_per_heads_table_and_mode(tmp_path):
     pytest.importorskip("matplotlib")
     rows = bm.add_ratios(_sweep() + [_cell("auto", 50.0, heads=128, mml="tight")])

@@ -37,3 +37,13 @@ def test_commit_outside_a_repository_is_unknown(tmp_path, monkeypatch):
     monkeypatch.setattr(provenance, "REPO_ROOT", tmp_path)
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
     assert provenance._git_commit() == "unknown"
+
+
+def test_commands_name_no_folders_outside_the_repository():
+    root = provenance.REPO_ROOT
+    info = provenance.run_info("benchmarks.bench_x", [
+        "--out", "/root/res/deployment", f"--model={root / 'eval' / 'results'}", "--heads", "16",
+        "relative/out", "--data=/srv/data.txt"])
+    assert info["command"] == ("python -m benchmarks.bench_x --out .../deployment "
+                               "--model=eval/results --heads 16 relative/out "
+                               "--data=.../data.txt")

@@ -1,4 +1,4 @@
-"""What the sm_90a decode kernel compiles to, checked on the built extension (no GPU needed).
+"""What the sm_90a decode kernels compile to, checked on the built extension (no GPU needed).
 
 Register spills turned up three times while tuning the kernel (each time from a change that looked
 harmless); in its main loop they would add local-memory traffic to every page.  So the SASS of
@@ -42,14 +42,17 @@ def _dump(option: str, what: str) -> str:
 
 
 _NO_KERNEL = "the extension has no sm_90a decode kernel (SNAPMLA_ARCHS without 90a)"
+# The 64-row decode_kernel<schedule> and the narrow decode_narrow_kernel<rows>.
+_DECODE_KERNEL = re.compile(r"decode(_narrow)?_kernel")
 
 
 @pytest.fixture(scope="module")
 def launch_registers() -> dict[str, int]:
-    """Registers per thread each sm_90a ``decode_kernel`` launches with (``cuobjdump -res-usage``)."""
+    """Registers per thread each sm_90a decode kernel launches with (``cuobjdump -res-usage``)."""
     usage = _dump("-res-usage", "resource usage")
     found = {name: int(regs) for name, regs in
-             re.findall(r"Function (\S*decode_kernel\S*):\s*REG:(\d+)", usage)}
+             re.findall(r"Function (\S*decode\S*_kernel\S*):\s*REG:(\d+)", usage)
+             if _DECODE_KERNEL.search(name)}
     if not found:
         pytest.skip(_NO_KERNEL)
     return found
@@ -57,11 +60,11 @@ def launch_registers() -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def decode_kernels() -> dict[str, str]:
-    """SASS text of each sm_90a ``decode_kernel`` instantiation, by mangled name."""
+    """SASS text of each sm_90a decode kernel instantiation, by mangled name."""
     sass = _dump("-sass", "SASS")
     kernels = {}
     for name, body in re.findall(r"Function : (\S+)\n(.*?)(?=\n\s*Function : |\Z)", sass, re.S):
-        if "decode_kernel" in name:
+        if _DECODE_KERNEL.search(name):
             kernels[name] = body
     if not kernels:
         pytest.skip(_NO_KERNEL)
@@ -69,8 +72,11 @@ def decode_kernels() -> dict[str, str]:
 
 
 def test_every_variant_is_built(decode_kernels):
-    # the 64-row kernel's free and split-roles schedules
-    assert len(decode_kernels) == 2, sorted(decode_kernels)
+    # the 64-row kernel's free and split-roles schedules, the narrow kernel's 16 and 32 rows
+    kinds = sorted(re.search(r"(decode(?:_narrow)?_kernel)ILi(\d+)E", name).groups()
+                   for name in decode_kernels)
+    assert kinds == [("decode_kernel", "0"), ("decode_kernel", "1"),
+                     ("decode_narrow_kernel", "16"), ("decode_narrow_kernel", "32")], kinds
 
 
 def test_no_register_spills(decode_kernels):
@@ -94,10 +100,30 @@ def test_tensor_core_instructions(decode_kernels):
         # Then the V^T build of a 256-column half, 8 ldmatrix.x4.trans and 8 stmatrix.x4, in
         # two paths (full and partial pages): once in the free schedule, in each of WG2's two
         # loop copies in split-roles.
+        if "narrow" in name:
+            continue   # test_narrow_tensor_core_instructions
         if "ILi1E" in name:
             expected = (2 * 10 * 2, 2 * (16 + 3 * 2), 0, 2 * 4, 2 * 16, 2 * 16)
         else:
             expected = (32, 8, 0, 4, 16, 16)
+        assert counts == expected, (name, counts)
+
+
+def test_narrow_tensor_core_instructions(decode_kernels):
+    for name, body in decode_kernels.items():
+        if "narrow" not in name:
+            continue
+        rows = int(re.search(r"narrow_kernelILi(\d+)E", name).group(1))
+        counts = tuple(len(re.findall(pattern, body)) for pattern in (
+            rf"QGMMA\.64x{rows}x32\.F32\.E4M3\.E4M3", rf"HGMMA\.64x{rows}x16\.F32\.BF16",
+            r"[QH]GMMA\.64x(?!{rows}x)".replace("{rows}", str(rows)),
+            r"LDSM\.16\.MT88\.4", r"STSM\.16\.M88\.4"))
+        # Per page, with N = the rows (S^T = K Q^T): content QK 512 / 32 FP8 steps and PV 8
+        # M tiles of O^T x 2 k-steps of 32 tokens, all m64nNk32 e4m3 (16 + 16); RoPE QK 64 / 16
+        # BF16 steps; no WGMMA of another N.  V^T comes from registers: the 32-row form
+        # transposes with one ldmatrix.x4.trans per M tile and k-step (16), the 16-row form with
+        # plain loads and byte transposes (0); neither writes V^T back (no stmatrix).
+        expected = (16 + 16, 4, 0, 16 if rows == 32 else 0, 0)
         assert counts == expected, (name, counts)
 
 

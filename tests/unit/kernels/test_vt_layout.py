@@ -1,4 +1,4 @@
-"""The sm_90a kernel's V^T build (csrc/sm90/decode/snapmla_decode_sm90.cuh, ``build_vt``),
+"""The sm_90a kernel's V^T build (csrc/sm90/decode_kernel.cuh, ``build_vt``),
 simulated lane by lane: ldmatrix.x4.trans, the byte permutes and stmatrix.x4 with ``VtMap``'s
 addresses and selectors must write the V^T layout the PV WGMMA reads (K-major rows of 64 tokens
 in the permuted A order, 128-byte swizzle, two page buffers), zeros for empty slots, nothing
