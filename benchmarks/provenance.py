@@ -4,6 +4,7 @@ version and command line.  Everything here works without a GPU and without vLLM 
 from __future__ import annotations
 
 import datetime
+import os
 import shlex
 import subprocess
 import sys
@@ -63,22 +64,26 @@ def _vllm_version() -> str:
 
 
 def display_path(path) -> str:
-    """An absolute ``path`` as a record shows it: relative to the repository when inside it,
-    else ``.../<its name>``, so that results name no machine's folders."""
-    resolved = Path(path).resolve()
-    try:
-        return str(resolved.relative_to(REPO_ROOT))
-    except ValueError:
-        return f".../{resolved.name}"
+    """An absolute ``path`` as a record shows it: relative to the repository when inside it
+    (also through a symlink), else its last folder and name (``.../<parent>/<name>``; just
+    ``.../<name>`` right under the root), so that results name no machine's folders."""
+    absolute = Path(os.path.abspath(path))
+    for candidate in (absolute, absolute.resolve()):
+        try:
+            return str(candidate.relative_to(REPO_ROOT))
+        except ValueError:
+            pass
+    tail = absolute.parts[-2:] if len(absolute.parts) > 3 else absolute.parts[-1:]
+    return ".../" + "/".join(tail)
 
 
 def _display_arg(arg: str) -> str:
-    """A command-line argument with an absolute path in it (``/x/y`` or ``--opt=/x/y``) shown
-    by ``display_path``."""
-    option, eq, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+    """A command-line argument with an absolute path as its value (``/x/y``, ``--opt=/x/y``,
+    ``KEY=/x/y``) shown by ``display_path``."""
+    key, eq, value = arg.partition("=") if "=" in arg else ("", "", arg)
     if not value.startswith("/"):
         return arg
-    return f"{option}{eq}{display_path(value)}"
+    return f"{key}{eq}{display_path(value)}"
 
 
 def run_info(module: str, argv: list[str] | None = None) -> dict:

@@ -83,6 +83,10 @@ class GatherSources(NamedTuple):
     block_ok: torch.Tensor
 
 
+def _fits_int32(x: torch.Tensor) -> torch.Tensor:
+    return (x >= -2**31) & (x < 2**31)
+
+
 def gather_sources(block_table: torch.Tensor, cu_seq_lens: torch.Tensor,
                    token_to_seq: torch.Tensor, num_tokens: int,
                    seq_starts: torch.Tensor | None, num_blocks: int,
@@ -90,7 +94,9 @@ def gather_sources(block_table: torch.Tensor, cu_seq_lens: torch.Tensor,
     """Request, position and block of tokens ``t < num_tokens`` of a gather: request
     ``token_to_seq[t]`` (one with a table row, a ``cu_seq_lens`` pair and a start), position
     ``seq_starts[b] + t - cu_seq_lens[b]`` inside its table row, block from the table inside the
-    cache of ``num_blocks`` blocks (``csrc/api/cache_ops.cpp`` applies the same rule)."""
+    cache of ``num_blocks`` blocks (``csrc/api/cache_ops.cpp`` applies the same rule).  Indices
+    are int32 on CUDA: a request whose ``cu_seq_lens`` or start lies outside int32 has no valid
+    position."""
     n = int(num_tokens)
     table = block_table.to(device).long()
     cu = cu_seq_lens.to(device).long()
@@ -101,9 +107,12 @@ def gather_sources(block_table: torch.Tensor, cu_seq_lens: torch.Tensor,
     seq_ok = (seq >= 0) & (seq < num_seqs)
     b = torch.where(seq_ok, seq, 0)
     pos = torch.arange(n, device=device) - cu[b] if num_seqs > 0 else torch.zeros_like(b)
+    fits = _fits_int32(cu[b]) if num_seqs > 0 else torch.ones_like(seq_ok)
     if seq_starts is not None and num_seqs > 0:
-        pos = pos + seq_starts.to(device).long()[b]
-    pos_ok = seq_ok & (pos >= 0) & (pos < table.shape[1] * fmt.PAGE_SIZE)
+        start = seq_starts.to(device).long()[b]
+        pos = pos + start
+        fits = fits & _fits_int32(start)
+    pos_ok = seq_ok & fits & (pos >= 0) & (pos < table.shape[1] * fmt.PAGE_SIZE)
     page = torch.where(pos_ok, pos, 0) // fmt.PAGE_SIZE
     block = table[b, page] if num_seqs > 0 else torch.zeros_like(b)
     block_ok = pos_ok & (block >= 0) & (block < num_blocks)

@@ -98,11 +98,16 @@ void gather_kv(const at::Tensor& kv_cache, at::Tensor& dst, const at::Tensor& bl
                         num_tokens <= token_to_seq.numel(),
                     op, ": num_tokens=", num_tokens, " must be within dst (", dst.size(0),
                     " rows) and token_to_seq (", token_to_seq.numel(), " entries)");
-  const at::Tensor table = int32_indices(op, "block_table", block_table, 2, device);
-  const at::Tensor cu = int32_indices(op, "cu_seq_lens", cu_seq_lens, 1, device);
-  const at::Tensor t2s = int32_indices(op, "token_to_seq", token_to_seq, 1, device);
+  // Indices past int32 (narrowed_int32): a block past the cache, a request past the batch, and
+  // for the position token - cu_seq_lens + seq_starts a start past int32's top and a
+  // cumulative length past its bottom, which put the position past the table even together.
+  const at::Tensor table = int32_indices(op, "block_table", block_table, 2, device, kInt32Max);
+  const at::Tensor cu = int32_indices(op, "cu_seq_lens", cu_seq_lens, 1, device, kInt32Min);
+  const at::Tensor t2s = int32_indices(op, "token_to_seq", token_to_seq, 1, device, kInt32Max);
   std::optional<at::Tensor> starts;
-  if (seq_starts.has_value()) starts = int32_indices(op, "seq_starts", *seq_starts, 1, device);
+  if (seq_starts.has_value()) {
+    starts = int32_indices(op, "seq_starts", *seq_starts, 1, device, kInt32Max);
+  }
   if (num_tokens == 0) return;
   // Requests token_to_seq may name: those with a table row, a cu_seq_lens pair and a start.
   int64_t num_seqs = std::min(table.size(0), cu.size(0) - 1);

@@ -73,24 +73,28 @@ inline void check_cache(const char* op, const at::Tensor& kv_cache, const at::De
                     "] byte arrays starting 16-byte aligned, got strides ", kv_cache.strides());
 }
 
-// Indices as int32, as the kernels read them (vLLM's metadata is int32).  int64 values outside
-// int32's range saturate instead of wrapping, so they stay outside every valid range (the
-// kernels give NaN for them) rather than landing on another valid id or length.
-inline at::Tensor saturated_int32(const at::Tensor& t) {
+// Indices as int32, as the kernels read them (vLLM's metadata is int32).  An int64 value
+// outside int32's range becomes `out_of_range` instead of wrapping onto another value: the
+// caller picks one that no valid index can be and that no other index can cancel (gather_kv's
+// position is token - cu_seq_lens + seq_starts), so the kernels give NaN for it.
+constexpr int32_t kInt32Max = std::numeric_limits<int32_t>::max();
+constexpr int32_t kInt32Min = std::numeric_limits<int32_t>::min();
+
+inline at::Tensor narrowed_int32(const at::Tensor& t, int32_t out_of_range) {
   if (t.scalar_type() == at::kInt) return t;
-  return t.clamp(std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max())
-      .to(at::kInt);
+  const at::Tensor fits = t.ge(kInt32Min).logical_and(t.le(kInt32Max));
+  return t.masked_fill(fits.logical_not(), out_of_range).to(at::kInt);
 }
 
-// An index tensor as contiguous int32 (saturated_int32).
+// An index tensor as contiguous int32 (narrowed_int32).
 inline at::Tensor int32_indices(const char* op, const char* name, const at::Tensor& t, int64_t dim,
-                         const at::Device& device) {
+                         const at::Device& device, int32_t out_of_range) {
   check_cuda(op, name, t, device);
   TORCH_CHECK_TYPE(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, op, ": ", name,
                    " must be int32 or int64, got ", t.scalar_type());
   TORCH_CHECK_VALUE(t.dim() == dim, op, ": ", name, " must have ", dim, " dimension(s), got ",
                     shape_of(t));
-  return saturated_int32(t).contiguous();
+  return narrowed_int32(t, out_of_range).contiguous();
 }
 
 inline PagedRows paged(const at::Tensor& kv_cache) {

@@ -140,8 +140,9 @@ std::tuple<at::Tensor, at::Tensor> check_decode_inputs(const char* op, const at:
   TORCH_CHECK_VALUE(num_splits >= 0 && num_splits <= 65535, op,
                     ": num_splits must be 0 (planned on the GPU) or in [1, 65535], got ",
                     num_splits);
-  return {saturated_int32(block_table.narrow(0, 0, batch)),
-          saturated_int32(seq_lens.narrow(0, 0, batch)).contiguous()};
+  // Past int32: a block id past the cache, a length past the table.
+  return {narrowed_int32(block_table.narrow(0, 0, batch), kInt32Max),
+          narrowed_int32(seq_lens.narrow(0, 0, batch), kInt32Max).contiguous()};
 }
 
 // The decode and, where some request may take several runs, the combine.  `q8`, `q_scale`,

@@ -842,8 +842,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   named_barrier_sync(1, 256);
   RowState rows;
   cs.init_rows(rows, seq_len, valid);
+  // The last page's live tokens (unused without pages; max(num_iters, 1) keeps an invalid
+  // length near INT_MAX from overflowing the subtraction then).
   const PageRing ring{smem_base, full_bar, empty_bar, first_page, num_iters,
-                      min(seq_len - (first_page + num_iters - 1) * kPageSize, kPageSize)};
+                      min(seq_len - (first_page + max(num_iters, 1) - 1) * kPageSize, kPageSize)};
 
   // Each role accumulates O, in the current sigma_P domain, for its output columns.
   if constexpr (kSchedule == kScheduleFree) {

@@ -147,6 +147,44 @@ def test_gather_bad_indices_give_nan_rows():
                       bad_t2s.cuda(), 80, validate=True)
 
 
+def test_gather_int64_indices_past_int32_give_nan_rows():
+    """int64 indices 2^32 past valid ones would wrap onto them if narrowed: NaN rows instead,
+    also where two of them would cancel in the position token - cu_seq_lens + seq_starts."""
+    cache, bt, _ = build_cache([70, 10, 20])
+    cu = torch.tensor([0, 70, 80, 100], dtype=torch.int32)
+    t2s = torch.tensor([0] * 70 + [1] * 10 + [2] * 20, dtype=torch.int32)
+    starts = torch.zeros(3, dtype=torch.int32)
+    dst = lambda: torch.empty(100, 576, device="cuda")  # noqa: E731
+    args = lambda *t: [x.cuda() for x in t]              # noqa: E731
+    base = ops.gather_kv(cache.cuda(), dst(), *args(bt, cu, t2s), 100, seq_starts=starts.cuda())
+    bad_bt, bad_cu, bad_t2s, bad_starts = bt.long(), cu.long(), t2s.long(), starts.long()
+    bad_bt[0, 1] += 2**32            # tokens 64-69 of request 0
+    bad_t2s[75] += 2**32             # token 75 names request 1 + 2^32
+    bad_cu[2] += 2**32               # request 2 (tokens 80-99): cu and start both 2^32 past,
+    bad_starts[2] += 2**32           # which cancel in the position if both saturate alike
+    got = ops.gather_kv(cache.cuda(), dst(), *args(bad_bt, bad_cu, bad_t2s), 100,
+                        seq_starts=bad_starts.cuda())
+    nan_rows = torch.zeros(100, dtype=torch.bool)
+    nan_rows[64:70] = nan_rows[75] = nan_rows[80:] = True
+    assert torch.equal(got.isnan().all(-1).cpu(), nan_rows)
+    assert not got[~nan_rows.cuda()].isnan().any()
+    torch.testing.assert_close(got[~nan_rows.cuda()], base[~nan_rows.cuda()], rtol=0, atol=0)
+
+
+def test_one_column_table_may_have_any_stride(kernel):
+    """A one-column table's column stride is never used: any stride reads like a contiguous
+    table (wider tables with a column stride are refused, see BAD_ARGUMENTS)."""
+    case = decode_case([40, 7], 16, 1, 0, spare_columns=0)
+    on_gpu = case.to("cuda")
+    assert on_gpu.block_table.shape[1] == 1
+    strided = on_gpu.block_table.repeat(1, 2)[:, ::2]
+    assert strided.shape == on_gpu.block_table.shape and strided.stride(1) == 2
+    out, lse = ops.decode(*on_gpu.args())
+    s_out, s_lse = ops.decode(*on_gpu.replace(block_table=strided).args())
+    assert torch.equal(out, s_out) and torch.equal(lse, s_lse)
+    _assert_matches_reference(out, lse, case)
+
+
 def test_append_skips_slots_past_the_cache():
     cache = torch.zeros(2, fmt.PAGE_SIZE, fmt.BYTES_PER_TOKEN, dtype=torch.uint8, device="cuda")
     kv_c = torch.randn(4, 512, device="cuda")

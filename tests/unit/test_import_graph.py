@@ -17,17 +17,39 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _module_level_statements(body):
+    """The statements that run at import: the module's own, and those inside its top-level
+    ``if``/``try``/``with`` blocks (function and class bodies are lazy on purpose)."""
+    for node in body:
+        yield node
+        if isinstance(node, (ast.If, ast.Try, ast.With)):
+            for block in ("body", "orelse", "finalbody"):
+                yield from _module_level_statements(getattr(node, block, []))
+            for handler in getattr(node, "handlers", []):
+                yield from _module_level_statements(handler.body)
+
+
 def _top_level_imports(path: Path) -> set[str]:
-    """Modules of the package imported at module level (not inside functions: those are lazy
-    on purpose), ``from package import module`` resolved to the module where it is one."""
+    """Modules of the package imported at module level, ``from package import module`` resolved
+    to the module where it is one.  ``from package import name`` of a package's own attribute
+    is an edge to the package (marked ``attr:``): it needs the package's ``__init__`` run to its
+    end, also from inside the package."""
     found = set()
-    for node in ast.parse(path.read_text()).body:
+    module = _module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in _module_level_statements(ast.parse(path.read_text()).body):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.startswith("vllm_snapmla")}
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("vllm_snapmla"):
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:   # relative: from the package, up level - 1 packages
+                parts = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            if not base.startswith("vllm_snapmla"):
+                continue
             for alias in node.names:
-                candidate = f"{node.module}.{alias.name}"
-                found.add(candidate if _exists(candidate) else node.module)
+                candidate = f"{base}.{alias.name}"
+                found.add(candidate if _exists(candidate) else f"attr:{base}")
     return found
 
 
@@ -52,7 +74,7 @@ def test_imports_follow_the_layers():
     for module, imports in _graph().items():
         here = _layer(module)
         for target in imports:
-            there = _layer(target)
+            there = _layer(target.removeprefix("attr:"))
             if here is not None and there is not None and there < here:
                 wrong.append(f"{module} imports {target}")
     assert not wrong, wrong
@@ -70,6 +92,17 @@ def test_no_import_cycle():
             return
         path.append(module)
         for target in sorted(graph.get(module, ())):
+            if target.startswith("attr:"):
+                # An attribute of a package: its __init__ must have finished, even when this
+                # module is inside it.
+                target = target.removeprefix("attr:")
+                parts = target.split(".")
+                for i in range(2, len(parts)):
+                    prefix = ".".join(parts[:i])
+                    if not (module == prefix or module.startswith(prefix + ".")):
+                        visit(prefix)
+                visit(target)
+                continue
             # Importing a submodule first imports its packages (those above this module are
             # already being imported: a package importing its own submodules is no cycle).
             parts = target.split(".")

@@ -216,6 +216,19 @@ def test_gather_contract():
         ops.gather_kv(cache, dst, bt, cu, t2s, 81)
     with pytest.raises(TypeError, match="cu_seq_lens must be int32 or int64"):
         ops.gather_kv(cache, dst, bt, cu.float(), t2s, 80)
+    # int64 offsets past int32 (what CUDA reads), even where cu_seq_lens and seq_starts would
+    # cancel in the position: an error when checked, NaN rows for that request otherwise.
+    starts = torch.zeros(2, dtype=torch.int64)
+    wide_cu, wide_starts = cu.long(), starts.clone()
+    wide_cu[1] += 2**32
+    wide_starts[1] += 2**32
+    with pytest.raises(ValueError, match=r"cu_seq_lens\[1\] = 4294967366 does not fit int32"):
+        ops.gather_kv(cache, dst, bt, wide_cu, t2s, 80, seq_starts=wide_starts)
+    with pytest.raises(ValueError, match=r"seq_starts\[1\] = 4294967296 does not fit int32"):
+        ops.gather_kv(cache, dst, bt, cu, t2s, 80, seq_starts=wide_starts)
+    out = ops.gather_kv(cache, torch.empty(80, 576), bt, wide_cu, t2s, 80, seq_starts=wide_starts,
+                        validate=False)
+    assert out[70:].isnan().all() and torch.equal(out[:70], dst[:70])
 
 
 def test_quantize_q_contract():

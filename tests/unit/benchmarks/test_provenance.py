@@ -44,6 +44,11 @@ def test_commands_name_no_folders_outside_the_repository():
     info = provenance.run_info("benchmarks.bench_x", [
         "--out", "/root/res/deployment", f"--model={root / 'eval' / 'results'}", "--heads", "16",
         "relative/out", "--data=/srv/data.txt"])
-    assert info["command"] == ("python -m benchmarks.bench_x --out .../deployment "
+    assert info["command"] == ("python -m benchmarks.bench_x --out .../res/deployment "
                                "--model=eval/results --heads 16 relative/out "
                                "--data=.../data.txt")
+    assert provenance.display_path("/tiny-mla") == ".../tiny-mla"
+    assert provenance.display_path("/root/tiny-mla") == ".../tiny-mla"
+    assert provenance.display_path("/root/sweep/rope1000/model") == ".../rope1000/model"
+    assert provenance.display_path(root) == "."
+    assert provenance._display_arg("KEY=/root/a/b") == "KEY=.../a/b"
