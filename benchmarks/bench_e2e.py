@@ -80,12 +80,12 @@ def add_relative_columns(rows: list[dict]) -> list[dict]:
     base = {_key(r)[:2]: r for r in rows if r["kv"] == BASELINE_KV and not r.get("error")}
     for row in rows:
         ref = base.get(_key(row)[:2])
+        lock_step = not (ref and (not_lock_step(row) or not_lock_step(ref)))
         for column, field in (("speedup_vs_bf16", "decode_tok_s"),
                               ("capacity_vs_bf16", "kv_cache_tokens")):
             ours, theirs = number(row.get(field)), number(ref.get(field)) if ref else None
-            if column == "speedup_vs_bf16" and ref and (not_lock_step(row) or not_lock_step(ref)):
-                ours = None
-            row[column] = round(ours / theirs, 3) if ours and theirs else ""
+            usable = ours and theirs and (lock_step or column == "capacity_vs_bf16")
+            row[column] = round(ours / theirs, 3) if usable else ""
     return rows
 
 

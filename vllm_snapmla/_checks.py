@@ -181,9 +181,11 @@ def gather_indices(block_table: torch.Tensor, cu_seq_lens: torch.Tensor,
                    seq_starts: torch.Tensor | None, num_blocks: int) -> None:
     """Every token names a request with a table row, a position inside it and a cache block."""
     for name, values in (("cu_seq_lens", cu_seq_lens), ("seq_starts", seq_starts)):
-        flat = values.long().cpu() if values is not None else None
-        bad = ~((flat >= -2**31) & (flat < 2**31)) if flat is not None else None
-        if bad is not None and bad.any():
+        if values is None:
+            continue
+        flat = values.long().cpu()
+        bad = ~reference.fits_int32(flat)
+        if bad.any():
             i = _first(bad)
             raise ValueError(f"{name}[{i}] = {int(flat[i])} does not fit int32 (the CUDA kernels "
                              "read int32 indices)")

@@ -83,7 +83,8 @@ class GatherSources(NamedTuple):
     block_ok: torch.Tensor
 
 
-def _fits_int32(x: torch.Tensor) -> torch.Tensor:
+def fits_int32(x: torch.Tensor) -> torch.Tensor:
+    """Which values an int32 index (what the CUDA kernels read) can hold."""
     return (x >= -2**31) & (x < 2**31)
 
 
@@ -107,11 +108,11 @@ def gather_sources(block_table: torch.Tensor, cu_seq_lens: torch.Tensor,
     seq_ok = (seq >= 0) & (seq < num_seqs)
     b = torch.where(seq_ok, seq, 0)
     pos = torch.arange(n, device=device) - cu[b] if num_seqs > 0 else torch.zeros_like(b)
-    fits = _fits_int32(cu[b]) if num_seqs > 0 else torch.ones_like(seq_ok)
+    fits = fits_int32(cu[b]) if num_seqs > 0 else torch.ones_like(seq_ok)
     if seq_starts is not None and num_seqs > 0:
         start = seq_starts.to(device).long()[b]
         pos = pos + start
-        fits = fits & _fits_int32(start)
+        fits = fits & fits_int32(start)
     pos_ok = seq_ok & fits & (pos >= 0) & (pos < table.shape[1] * fmt.PAGE_SIZE)
     page = torch.where(pos_ok, pos, 0) // fmt.PAGE_SIZE
     block = table[b, page] if num_seqs > 0 else torch.zeros_like(b)

@@ -843,9 +843,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   RowState rows;
   cs.init_rows(rows, seq_len, valid);
   // The last page's live tokens.  Never read without pages (num_iters 0: an empty or invalid
-  // request, whose length may then be near INT_MAX and this difference wrap).  Guarding it
-  // (`max(num_iters, 1)`) moved the split-roles kernel's page addressing off the uniform
-  // datapath (UIMAD 41 -> 8, IMAD 211 -> 232 in its SASS), so it stays unguarded.
+  // request, whose length may then be near INT_MAX and this difference wrap).  Guarding it with
+  // max(num_iters, 1) moved the split-roles kernel's page addressing off the uniform datapath,
+  // so it stays unguarded.
   const PageRing ring{smem_base, full_bar, empty_bar, first_page, num_iters,
                       min(seq_len - (first_page + num_iters - 1) * kPageSize, kPageSize)};
 

@@ -92,23 +92,16 @@ def test_no_import_cycle():
             return
         path.append(module)
         for target in sorted(graph.get(module, ())):
-            if target.startswith("attr:"):
-                # An attribute of a package: its __init__ must have finished, even when this
-                # module is inside it.
-                target = target.removeprefix("attr:")
-                parts = target.split(".")
-                for i in range(2, len(parts)):
-                    prefix = ".".join(parts[:i])
-                    if not (module == prefix or module.startswith(prefix + ".")):
-                        visit(prefix)
-                visit(target)
-                continue
-            # Importing a submodule first imports its packages (those above this module are
-            # already being imported: a package importing its own submodules is no cycle).
+            # Importing a submodule first imports its packages.  Those above this module are
+            # already being imported (a package importing its own submodules is no cycle),
+            # except a package whose attribute is imported: its __init__ must have finished.
+            attribute = target.startswith("attr:")
+            target = target.removeprefix("attr:")
             parts = target.split(".")
             for i in range(2, len(parts) + 1):
                 prefix = ".".join(parts[:i])
-                if not (module == prefix or module.startswith(prefix + ".")):
+                if (attribute and prefix == target) or not (
+                        module == prefix or module.startswith(prefix + ".")):
                     visit(prefix)
         path.pop()
         done.add(module)
