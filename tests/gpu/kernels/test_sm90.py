@@ -293,8 +293,16 @@ def _chained_decodes(q0, qp, cache, table, lengths, steps):
     for sl in lengths[:steps]:
         out, lse = sm90.decode_sm90(q, qp, cache, table, sl, SCALE)
         outs.append((out, lse))
-        q = q0 + 4 * out
+        q = _next_query(q0, out)
     return outs
+
+
+def _next_query(q0, out):
+    """The next step's query: ``q0`` moved by a tenth of the output.  The output is a mix of the
+    cached rows, which are also the keys, so a larger share sharpens the logits step by step: with
+    4x the output the log-sum-exp reached ~250 (19 at the first step) and the reference tolerance,
+    set for logits of that first scale, no longer held; with 0.1x it stays under 30."""
+    return q0 + 0.1 * out
 
 
 @pytest.mark.parametrize("H, s_q", [(16, 1), (128, 1), (16, 2)])
@@ -320,10 +328,8 @@ def test_queued_chain_equals_calls_one_at_a_time(H, s_q):
         torch.cuda.synchronize()
         expected.append((out.clone(), lse.clone()))
         queries.append(q)
-        q = q0 + 4 * out
+        q = _next_query(q0, out)
         torch.cuda.synchronize()
-    for (out, lse), q_k, sl_k in zip(expected, queries, lengths):
-        _check(out, lse, q_k, qp, cache, bt, sl_k, check_exact=False)
 
     queued = _chained_decodes(q0, qp, cache, wide, lengths, steps)
     torch.cuda.synchronize()
@@ -339,3 +345,6 @@ def test_queued_chain_equals_calls_one_at_a_time(H, s_q):
         torch.cuda.synchronize()
         for k, ((out, lse), (e_out, e_lse)) in enumerate(zip(captured, expected)):
             assert torch.equal(out, e_out) and torch.equal(lse, e_lse), f"graph, step {k}"
+    # Last, so that a tolerance miss cannot hide the result of the exactness checks above.
+    for (out, lse), q_k, sl_k in zip(expected, queries, lengths):
+        _check(out, lse, q_k, qp, cache, bt, sl_k, check_exact=False)
