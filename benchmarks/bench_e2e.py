@@ -34,7 +34,10 @@ below what the attention kernels alone need.
 
 Results go to ``--out``: ``results.csv`` (merged with earlier runs into the same folder, so a
 sweep can be split over several commands), ``results.md`` (table) and ``results.png`` (decode
-tok/s and speedup vs BF16 against context, per head count).
+tok/s and speedup vs BF16 against context, per head count).  Each row names its run (date,
+commit, GPU, vLLM, command, listed on top), and a ratio is only taken against ``auto`` of the
+same run: a row measured by another command, maybe with another KV budget, commit or GPU,
+gets none.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.provenance import describe, run_info
 from benchmarks.vllm_engine import (
     DEEPSEEK_V31_ATTENTION, SETTLE_STEPS, batch_to_fill, build_llm, child_main,
     engine_log_facts, merge_by_key, model_config, not_lock_step, number, random_prompts,
@@ -60,7 +64,7 @@ HEADS = (128, 16)
 CONTEXTS = (16384, 32768, 65536, 131072)
 QUICK = {"heads": (128,), "contexts": (16384, 65536), "gen_tokens": 128, "kv_cache_gib": 4.0}
 
-CSV_FIELDS = ["heads", "context", "kv", "backend", "batch", "gen_tokens", "windows",
+CSV_FIELDS = ["run", "heads", "context", "kv", "backend", "batch", "gen_tokens", "windows",
               "max_tokens", "prefill_steps", "lock_step", "timer", "spread_pct", "window_ms",
               "timing_ok",
               "kv_cache_tokens", "log_kv_cache_tokens", "capacity_vs_bf16", "decode_tok_s",
@@ -73,13 +77,19 @@ def _key(row: dict) -> tuple[int, int, str]:
     return int(row["heads"]), int(row["context"]), row["kv"]
 
 
+def _pair_key(row: dict) -> tuple:
+    """What a row and its BF16 row share: shape and run (rows recorded before the ``run``
+    column have none, and pair among themselves)."""
+    return (*_key(row)[:2], str(row.get("run") or ""))
+
+
 def add_relative_columns(rows: list[dict]) -> list[dict]:
     """Fill ``speedup_vs_bf16`` and ``capacity_vs_bf16`` against the ``auto`` row of the same
-    (heads, context); empty where that row or the value is missing, and no speedup where either
-    row was not lock-step."""
-    base = {_key(r)[:2]: r for r in rows if r["kv"] == BASELINE_KV and not r.get("error")}
+    (heads, context) and run; empty where that row or the value is missing, and no speedup where
+    either row was not lock-step."""
+    base = {_pair_key(r): r for r in rows if r["kv"] == BASELINE_KV and not r.get("error")}
     for row in rows:
-        ref = base.get(_key(row)[:2])
+        ref = base.get(_pair_key(row))
         lock_step = not (ref and (not_lock_step(row) or not_lock_step(ref)))
         for column, field in (("speedup_vs_bf16", "decode_tok_s"),
                               ("capacity_vs_bf16", "kv_cache_tokens")):
@@ -102,22 +112,25 @@ def _fmt(value, digits: int = 0) -> str:
     return f"{value:,.{digits}f}"
 
 
-def format_table(rows: list[dict]) -> str:
-    """Markdown table of the rows (as in h200-baselines.md)."""
-    lines = [("| H | context | KV | backend | B | prefill steps | lock-step | timing (spread) | "
-              "KV capacity (tokens) | capacity vs BF16 | decode tok/s | TPOT ms | vs BF16 |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+def format_table(rows: list[dict], runs: list[str] = ()) -> str:
+    """Markdown table of the rows, under the list of ``runs`` the ``run`` column numbers."""
+    lines = [f"run {i}: {text}" for i, text in enumerate(runs, 1)] + ([""] if runs else [])
+    lines += [("| run | H | context | KV | backend | B | prefill steps | lock-step | "
+               "timing (spread) | KV capacity (tokens) | capacity vs BF16 (same run) | "
+               "decode tok/s | TPOT ms | vs BF16 (same run) |"),
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("error"):
-            lines.append(f"| {r['heads']} | {r['context']} | {r['kv']} | failed: "
-                         f"{str(r['error'])[:80]} | | | | | | | | | |")
+            lines.append(f"| {r.get('run') or '-'} | {r['heads']} | {r['context']} | {r['kv']} "
+                         f"| failed: {str(r['error'])[:80]} | | | | | | | | | |")
             continue
         lock_step = {"True": "yes", "False": "**no**"}.get(str(r.get("lock_step")), "-")
         timing = {"True": "ok", "False": "**noisy**"}.get(str(r.get("timing_ok")), "-")
         spread = number(r.get("spread_pct"))
         timing += f" ({spread:.1f}%)" if spread is not None else ""
         lines.append(
-            f"| {r['heads']} | {r['context']} | {r['kv']} | {r.get('backend') or '-'} | "
+            f"| {r.get('run') or '-'} | {r['heads']} | {r['context']} | {r['kv']} | "
+            f"{r.get('backend') or '-'} | "
             f"{r['batch']} | {r.get('prefill_steps') or '-'} | {lock_step} | {timing} | "
             f"{_fmt(r['kv_cache_tokens'])} | {_fmt(r['capacity_vs_bf16'], 3)} | "
             f"{_fmt(r['decode_tok_s'])} | {_fmt(r['tpot_ms'], 2)} | "
@@ -168,12 +181,17 @@ def plot(rows: list[dict], path: Path) -> bool:
     return True
 
 
-def write_outputs(rows: list[dict], out: Path) -> list[dict]:
-    """Merge ``rows`` into ``out/results.csv`` and rewrite the table and plot; returns all rows."""
+def write_outputs(rows: list[dict], out: Path, header: str) -> list[dict]:
+    """Merge ``rows``, the rows of the run ``header`` describes, into ``out/results.csv`` and
+    rewrite the table and plot; returns all rows."""
     out.mkdir(parents=True, exist_ok=True)
-    rows = add_relative_columns(merge_rows(read_csv(out / "results.csv")[1], rows))
-    write_csv(rows, out / "results.csv", CSV_FIELDS)
-    (out / "results.md").write_text(format_table(rows))
+    runs, old = read_csv(out / "results.csv")
+    if header not in runs:
+        runs.append(header)
+    run = runs.index(header) + 1
+    rows = add_relative_columns(merge_rows(old, [{**r, "run": run} for r in rows]))
+    write_csv(rows, out / "results.csv", CSV_FIELDS, comments=runs)
+    (out / "results.md").write_text(format_table(rows, runs))
     plot(rows, out / "results.png")
     return rows
 
@@ -337,6 +355,7 @@ def main(argv=None) -> None:
     kv_gib = args.kv_cache_gib if args.kv_cache_gib is not None else quick.get("kv_cache_gib",
                                                                                24.0)
     out = Path(args.out)
+    header = describe(run_info("benchmarks.bench_e2e", argv))
     engines = [(h, kv) for h in heads for kv in args.kv]
     print(f"{len(engines)} engines x {len(contexts)} contexts, T={gen}, KV budget "
           f"{f'{kv_gib} GiB' if kv_gib else '90% of the GPU'}, results in {out}", flush=True)
@@ -352,8 +371,10 @@ def main(argv=None) -> None:
                     "windows": args.windows}
             rows += run_in_subprocess(spec, args.timeout * len(contexts),
                                       on_result=functools.partial(print_progress, start=start))
-            write_outputs(rows, out)   # after every engine: a cut-short sweep keeps its rows
-    print("\n" + format_table(write_outputs(rows, out)))
+            # After every engine: a cut-short sweep keeps its rows.
+            write_outputs(rows, out, header)
+    write_outputs(rows, out, header)
+    print("\n" + (out / "results.md").read_text())
     if not (out / "results.png").exists():
         print("(no results.png: matplotlib is not installed; pip install matplotlib)")
 

@@ -97,6 +97,14 @@ BAD_ARGUMENTS = {
                           "softmax_scale"),
     "softmax_scale a string": (lambda c: c.replace(softmax_scale="0.1"), TypeError,
                                "softmax_scale"),
+    # A bool or a tensor would pass as a number through the native op's float argument.
+    "softmax_scale a bool": (lambda c: c.replace(softmax_scale=True), TypeError,
+                             "softmax_scale"),
+    "softmax_scale a tensor": (lambda c: c.replace(
+        softmax_scale=torch.tensor(0.1, device=c.q_nope.device)), TypeError, "softmax_scale"),
+    "q_pe in another dtype": (lambda c: c.replace(q_pe=c.q_pe.to(
+        torch.float16 if c.q_nope.dtype != torch.float16 else torch.bfloat16)), TypeError,
+                              "q_pe"),
 }
 
 

@@ -32,8 +32,11 @@ def data_checks_on(validate: bool | None, *tensors: torch.Tensor) -> bool:
     ``enforce_eager`` checks every step), ``validate=True`` refuses."""
     on_gpu = any(t.is_cuda for t in tensors)
     if validate is None:
-        if os.environ.get("SNAPMLA_VALIDATE", "0") in ("", "0"):
+        flag = os.environ.get("SNAPMLA_VALIDATE", "0")
+        if flag in ("", "0"):
             return not on_gpu
+        if flag != "1":   # "false" or "off" must not silently turn the checks on
+            raise ValueError(f"SNAPMLA_VALIDATE={flag!r}; expected 1 (on) or 0 (off)")
         return not (on_gpu and torch.cuda.is_current_stream_capturing())
     if validate and on_gpu and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("validate=True reads the indices on the host, which cannot happen "
@@ -84,6 +87,12 @@ def same_leading(a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor) -> 
     if a.shape[:-1] != b.shape[:-1]:
         raise ValueError(f"{b_name} must have the leading shape of {a_name} "
                          f"{list(a.shape[:-1])} (no broadcasting), got {_shape(b)}")
+
+
+def same_dtype(a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor) -> None:
+    """The native ops read both halves of a query in one dtype."""
+    if a.dtype != b.dtype:
+        raise TypeError(f"{b_name} must have the dtype of {a_name} ({a.dtype}), got {b.dtype}")
 
 
 def index_tensor(name: str, t, dims: int | None = None) -> torch.Tensor:

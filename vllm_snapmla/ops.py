@@ -147,12 +147,14 @@ def quantize_q(q_nope: torch.Tensor, q_pe: torch.Tensor):
     _checks.float_rows("q_nope", q_nope, fmt.KV_LORA_RANK)
     _checks.float_rows("q_pe", q_pe, fmt.ROPE_DIM)
     _checks.same_leading("q_nope", q_nope, "q_pe", q_pe)
+    _checks.same_dtype("q_nope", q_nope, "q_pe", q_pe)
     _checks.same_device(q_nope.device, q_pe=q_pe)
     if q_nope.is_cuda:
-        lead = q_nope.shape[:-1]
-        q8 = torch.empty(*lead, fmt.KV_LORA_RANK, dtype=torch.float8_e4m3fn, device=q_nope.device)
-        scale = torch.empty(*lead, dtype=torch.float32, device=q_nope.device)
-        qpe = torch.empty(*lead, fmt.ROPE_DIM, dtype=torch.bfloat16, device=q_nope.device)
+        lead = tuple(q_nope.shape[:-1])   # () for one row
+        q8 = torch.empty((*lead, fmt.KV_LORA_RANK), dtype=torch.float8_e4m3fn,
+                         device=q_nope.device)
+        scale = torch.empty(lead, dtype=torch.float32, device=q_nope.device)
+        qpe = torch.empty((*lead, fmt.ROPE_DIM), dtype=torch.bfloat16, device=q_nope.device)
         _require_native("quantize_q").quantize_q(q_nope, q_pe, q8, scale, qpe)
         return q8, scale, qpe
     return reference.quantize_q(q_nope, q_pe)
@@ -188,6 +190,7 @@ def _check_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale,
     _checks.float_rows("q_nope", q_nope, fmt.KV_LORA_RANK, dims=4)
     _checks.float_rows("q_pe", q_pe, fmt.ROPE_DIM, dims=4)
     _checks.same_leading("q_nope", q_nope, "q_pe", q_pe)
+    _checks.same_dtype("q_nope", q_nope, "q_pe", q_pe)
     _checks.cache(kv_cache)
     _checks.index_tensor("block_table", block_table, dims=2)
     _checks.unit_column_stride("block_table", block_table)
@@ -232,10 +235,12 @@ def decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
     if (isinstance(q_nope, torch.Tensor) and q_nope.is_cuda and not validate
             and _use_sm90(q_nope.device) and not _checks.data_checks_on(validate, q_nope)):
         # vLLM's path: one op call, whose C++ layer checks shapes, dtypes and devices.  On an
-        # error, the Python contract names the argument where it can.
+        # error, the Python contract names the argument where it can.  The scale is checked
+        # here: the op's float argument would take a bool or a tensor (read on the host).
+        scale = _checks.softmax_scale(softmax_scale)
         try:
-            return sm90.decode_sm90(q_nope, q_pe, kv_cache, block_table, seq_lens,
-                                    softmax_scale, causal)
+            return sm90.decode_sm90(q_nope, q_pe, kv_cache, block_table, seq_lens, scale,
+                                    causal)
         except (RuntimeError, TypeError, ValueError):
             _check_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, False)
             raise
@@ -243,8 +248,10 @@ def decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
     if q_nope.is_cuda:
         if _use_sm90(q_nope.device):
             return sm90.decode_sm90(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, causal)
-        q8, q_scale, qpe = quantize_q(q_nope, q_pe)
-        return triton_decode.snapmla_decode(q8, q_scale, qpe, kv_cache, block_table, seq_lens,
-                                            scale, causal)
+        # Triton launches on the current device; the native ops guard their own.
+        with torch.cuda.device(q_nope.device):
+            q8, q_scale, qpe = quantize_q(q_nope, q_pe)
+            return triton_decode.snapmla_decode(q8, q_scale, qpe, kv_cache, block_table,
+                                                seq_lens, scale, causal)
     out, lse = reference.decode(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, causal)
     return out.to(torch.bfloat16), lse.float()

@@ -289,6 +289,16 @@ def test_empty_inputs():
     assert q8.shape == (0, 4, 512) and s.shape == (0, 4) and qpe.shape == (0, 4, 64)
 
 
+def test_quantize_q_of_one_row_without_a_batch():
+    """``[512]`` and ``[64]``: the leading shape is empty, as on the CPU path."""
+    q, qp = torch.randn(fmt.KV_LORA_RANK), torch.randn(fmt.ROPE_DIM)
+    q8, s, qpe = ops.quantize_q(q.to(CUDA), qp.to(CUDA))
+    w8, ws, wpe = reference.quantize_q(q, qp)
+    assert q8.shape == (512,) and s.shape == () and qpe.shape == (64,)
+    assert torch.equal(as_bytes(q8.cpu()), as_bytes(w8)) and torch.equal(s.cpu(), ws)
+    assert torch.equal(as_bytes(qpe.cpu()), as_bytes(wpe))
+
+
 # --- input checks of the native ops themselves (ops.py checks some of these first) -----------
 
 def _kv(T=4, dtype=torch.bfloat16, device=CUDA):

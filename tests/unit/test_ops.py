@@ -236,8 +236,12 @@ def test_quantize_q_contract():
         ops.quantize_q(torch.randn(2, 16, 512), torch.randn(1, 16, 64))
     with pytest.raises(ValueError, match=r"q_pe must be \[\.\.\., 64\]"):
         ops.quantize_q(torch.randn(2, 16, 512), torch.randn(2, 16, 32))
+    with pytest.raises(TypeError, match="q_pe must have the dtype of q_nope"):
+        ops.quantize_q(torch.randn(2, 16, 512), torch.randn(2, 16, 64).bfloat16())
     q8, s, qpe = ops.quantize_q(torch.full((1, 512), float("nan")), torch.randn(1, 64))
     assert s.isnan().all()
+    q8, s, qpe = ops.quantize_q(torch.randn(512), torch.randn(64))    # one row, no batch
+    assert q8.shape == (512,) and s.shape == () and qpe.shape == (64,)
 
 
 def test_validation_can_be_forced_and_skipped(monkeypatch):
@@ -249,6 +253,10 @@ def test_validation_can_be_forced_and_skipped(monkeypatch):
     monkeypatch.setenv("SNAPMLA_VALIDATE", "1")
     with pytest.raises(ValueError):
         ops.decode(*bad.args(), validate=None)
+    # A value other than 0 or 1 ("false", "off") is an error, not a silent "on".
+    monkeypatch.setenv("SNAPMLA_VALIDATE", "false")
+    with pytest.raises(ValueError, match="SNAPMLA_VALIDATE='false'"):
+        ops.decode(*case.args(), validate=None)
 
 
 def test_inf_propagates_like_nan():

@@ -164,8 +164,8 @@ def test_relative_columns_compare_with_bf16_of_the_same_shape():
 def test_outputs_merge_across_runs_and_survive_failures(tmp_path):
     rng = random.Random(4)
     first = _sweep(rng)
-    bench.write_outputs(first[:6], tmp_path)          # H=128 in one command
-    rows = bench.write_outputs(first[6:], tmp_path)   # H=16 in the next
+    bench.write_outputs(first[:6], tmp_path, "run A")          # H=128 in one command
+    rows = bench.write_outputs(first[6:], tmp_path, "run B")   # H=16 in the next
     assert len(rows) == 12
     assert [bench._key(r) for r in rows] == sorted(
         (bench._key(r) for r in rows),
@@ -173,19 +173,39 @@ def test_outputs_merge_across_runs_and_survive_failures(tmp_path):
     # Re-running one setting replaces its row; a failure is recorded, not dropped.
     failed = {"heads": 16, "context": 65536, "kv": "fp8", "gen_tokens": 513,
               "error": "exit 1: CUDA out of memory"}
-    rows = bench.write_outputs([failed], tmp_path)
+    rows = bench.write_outputs([failed], tmp_path, "run B")
     assert len(rows) == 12
     comments, on_disk = engine_lib.read_csv(tmp_path / "results.csv")
-    assert comments == []
+    assert comments == ["run A", "run B"]
     assert [bench._key(r) for r in on_disk] == [bench._key(r) for r in rows]
     by_key = {bench._key(r): r for r in on_disk}
     assert by_key[(16, 65536, "fp8")]["error"].startswith("exit 1")
     assert float(by_key[(128, 16384, "fp8_snapmla")]["speedup_vs_bf16"]) == pytest.approx(1.5)
     table = (tmp_path / "results.md").read_text().splitlines()
-    assert len(table) == 2 + 12
+    assert table[:3] == ["run 1: run A", "run 2: run B", ""]
+    assert len(table) == 3 + 2 + 12
     assert any("failed: exit 1: CUDA out of memory" in line for line in table)
-    snap_line = next(line for line in table if "| 128 | 16384 | fp8_snapmla |" in line)
+    snap_line = next(line for line in table if "| 1 | 128 | 16384 | fp8_snapmla |" in line)
     assert "1.50" in snap_line and "1.756" in snap_line
+
+
+def test_ratios_only_against_bf16_of_the_same_run(tmp_path):
+    """A setting measured by another command (here with a 6x smaller KV budget) gets no ratio
+    against the folder's BF16 row; rerun together, it does."""
+    bench.write_outputs([_row(128, 16384, "auto", 100.0, 24_000)], tmp_path, "24 GiB run")
+    rows = bench.write_outputs([_row(128, 16384, "fp8_snapmla", 50.0, 7_000)], tmp_path,
+                               "4 GiB run")
+    snap = next(r for r in rows if r["kv"] == "fp8_snapmla")
+    assert snap["run"] == 2 and snap["speedup_vs_bf16"] == "" and snap["capacity_vs_bf16"] == ""
+    rows = bench.write_outputs([_row(128, 16384, "auto", 40.0, 4_000),
+                                _row(128, 16384, "fp8_snapmla", 50.0, 7_000)], tmp_path,
+                               "4 GiB run")
+    snap = next(r for r in rows if r["kv"] == "fp8_snapmla")
+    assert snap["speedup_vs_bf16"] == 1.25 and snap["capacity_vs_bf16"] == 1.75
+    # Rows recorded before the run column pair among themselves.
+    old = bench.add_relative_columns([_row(16, 8192, "auto", 4.0, 7),
+                                      _row(16, 8192, "fp8", 5.0, 14)])
+    assert old[1]["speedup_vs_bf16"] == 1.25
 
 
 def test_plot_writes_a_png(tmp_path):
