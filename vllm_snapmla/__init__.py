@@ -19,7 +19,8 @@ def register() -> None:
         return
     import vllm
 
-    if vllm.__version__ != SUPPORTED_VLLM_VERSION:
+    # A local build tag (0.26.0+cu130, a vendor's rebuild) is the same vLLM source.
+    if vllm.__version__.split("+")[0] != SUPPORTED_VLLM_VERSION:
         raise RuntimeError(
             f"vllm-snapmla {__version__} patches private internals of vLLM "
             f"{SUPPORTED_VLLM_VERSION}, but vLLM {vllm.__version__} is installed. Install "

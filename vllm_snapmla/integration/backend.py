@@ -70,8 +70,10 @@ class SnapMLABackend(MLACommonBackend):
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
                            head_size: int, cache_dtype_str: str = "auto") -> tuple[int, ...]:
-        width = fmt.BYTES_PER_TOKEN if cache_dtype_str == KV_CACHE_DTYPE else head_size
-        return (num_blocks, block_size, width)
+        # Always the 656-byte row: only fp8_snapmla layers select this backend, but the V2
+        # model runner passes the model's dtype, not the layer's ("auto" for a drafter that
+        # alone uses fp8_snapmla, attn_utils._reshape_kv_cache).
+        return (num_blocks, block_size, fmt.BYTES_PER_TOKEN)
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:

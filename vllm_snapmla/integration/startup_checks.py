@@ -32,9 +32,17 @@ def is_snapmla_backend_choice(backend) -> bool:
 
 
 def wrong_backend_message(name: str, how: str) -> str:
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    custom = AttentionBackendEnum.CUSTOM
+    advice = f"Drop {how} (SnapMLA is selected automatically for {KV_CACHE_DTYPE})"
+    if custom.is_overridden() and custom.get_path() == SNAPMLA_BACKEND_PATH:
+        advice += " or pass --attention-backend CUSTOM"
+    elif name == custom.name:
+        # Another plugin registered the one CUSTOM slot first (patches/backend_selection.py).
+        name += f" (registered to {custom.get_path()} by another plugin)"
     return (f"--kv-cache-dtype {KV_CACHE_DTYPE} is served only by the SnapMLA attention "
-            f"backend, but {how} requested {name}. Drop {how} (SnapMLA is selected "
-            f"automatically for {KV_CACHE_DTYPE}) or pass --attention-backend CUSTOM.")
+            f"backend, but {how} requested {name}. {advice}.")
 
 
 def _model_problems(model_config, fix: str | None = None) -> list[str]:
@@ -109,11 +117,54 @@ def speculative_problems(vllm_config) -> list[str]:
         return [(f"the {spec.method} drafter attends non-causally, which the SnapMLA decode "
                  f"kernels do not do, and its attention would use {KV_CACHE_DTYPE} ({where}). "
                  f"{fix}")]
+    problems = []
+    chosen = spec.attention_backend
+    if chosen is not None and not is_snapmla_backend_choice(chosen):
+        # Otherwise the worker refuses it while loading the drafter.
+        problems.append(f"the {spec.method} drafter's attention would use {KV_CACHE_DTYPE} "
+                        f"({where}), but " + wrong_backend_message(
+                            chosen.name, "speculative_config.attention_backend"))
     draft = spec.draft_model_config
     if draft is None or vllm_config.model_config is None:
-        return []
-    return [f"the {spec.method} drafter's attention layers would use {KV_CACHE_DTYPE} "
-            f"({where}): {why}" for why in _model_problems(draft, fix)]
+        return problems
+    return problems + [f"the {spec.method} drafter's attention layers would use "
+                       f"{KV_CACHE_DTYPE} ({where}): {why}" for why in _model_problems(draft, fix)]
+
+
+def layer_problems(vllm_config) -> list[str]:
+    """What no attention layer on fp8_snapmla, the target's or the drafter's, can run with."""
+    import vllm.envs as envs
+
+    problems = []
+    cache_config = vllm_config.cache_config
+    if cache_config.user_specified_block_size and cache_config.block_size != fmt.PAGE_SIZE:
+        problems.append(
+            f"fp8_snapmla uses {fmt.PAGE_SIZE}-token KV blocks (its decode kernel quantizes "
+            f"attention probabilities per {fmt.PAGE_SIZE}-token block), but --block-size "
+            f"{cache_config.block_size} was given. Drop --block-size or pass --block-size "
+            f"{fmt.PAGE_SIZE}.")
+    if envs.VLLM_BATCH_INVARIANT:
+        problems.append(
+            "VLLM_BATCH_INVARIANT=1 asks for attention whose result does not depend on the "
+            "batch, which the SnapMLA decode does not give (how it splits a request's pages "
+            "depends on the other requests). Unset VLLM_BATCH_INVARIANT, or use "
+            "--kv-cache-dtype auto.")
+    if vllm_config.kv_transfer_config is not None:
+        problems.append(
+            "KV connectors (--kv-transfer-config: disaggregated prefill, KV offloading, "
+            f"LMCache, ...) have not been validated with {KV_CACHE_DTYPE}'s "
+            f"{fmt.BYTES_PER_TOKEN}-byte rows, and some assume {fmt.HEAD_SIZE}-byte ones. "
+            "Remove --kv-transfer-config, or use --kv-cache-dtype fp8 or auto.")
+    return problems
+
+
+def settle_block_size(cache_config) -> None:
+    """vLLM's default block size until the workers pick the backend's (16 until then) is
+    copied into the configs vLLM rebuilds in the workers for a drafter with its own KV-cache
+    dtype, as a block size given by the user, which fp8_snapmla refuses: give it 64 from the
+    start when the user gave none."""
+    if not cache_config.user_specified_block_size:
+        cache_config.block_size = fmt.PAGE_SIZE
 
 
 def check_snapmla_config(vllm_config, device_capability=None) -> None:
@@ -134,13 +185,8 @@ def check_snapmla_config(vllm_config, device_capability=None) -> None:
             f"{device_capability.major}.{device_capability.minor}. Use --kv-cache-dtype auto "
             "on this GPU.")
 
+    problems += layer_problems(vllm_config)
     cache_config = vllm_config.cache_config
-    if cache_config.user_specified_block_size and cache_config.block_size != fmt.PAGE_SIZE:
-        problems.append(
-            f"fp8_snapmla uses {fmt.PAGE_SIZE}-token KV blocks (its decode kernel quantizes "
-            f"attention probabilities per {fmt.PAGE_SIZE}-token block), but --block-size "
-            f"{cache_config.block_size} was given. Drop --block-size or pass --block-size "
-            f"{fmt.PAGE_SIZE}.")
     if cache_config.kv_cache_dtype_skip_layers:
         problems.append(
             "fp8_snapmla does not support --kv-cache-dtype-skip-layers yet (every MLA layer "

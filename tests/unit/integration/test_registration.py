@@ -93,6 +93,13 @@ def test_register_refuses_other_vllm_versions(vllm_cpu):
     assert err.value.exc_type == "RuntimeError"
     assert "vLLM 0.27.0 is installed" in err.value.message
     assert "vllm==0.26.0" in err.value.message
+    for version in ("0.26.1", "0.26.0rc1", "0.26.0.dev3"):
+        with pytest.raises(RemoteError):
+            vllm_cpu.call(_in_vllm_register_under_version, version=version)
+
+
+def test_register_accepts_a_local_build_of_the_pinned_version(vllm_cpu):
+    vllm_cpu.call(_in_vllm_register_under_version, version="0.26.0+cu130")
 
 
 def test_package_import_does_not_import_vllm():
@@ -319,6 +326,33 @@ def _in_vllm_backend_layout():
             "pcp": SnapMLABackend.supports_pcp()}
 
 
+def _in_vllm_v2_runner_shape_for_a_drafter_only(target_dtype):
+    """The V2 model runner's reshape of a drafter layer on fp8_snapmla while the model's
+    dtype is ``target_dtype`` (it passes the model's dtype to get_kv_cache_shape)."""
+    import torch
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, get_kv_quant_mode
+    from vllm.v1.worker.gpu.attn_utils import _reshape_kv_cache
+    from vllm.v1.worker.utils import AttentionGroup
+
+    from vllm_snapmla.integration.backend import SnapMLABackend
+
+    spec = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.uint8,
+                            cache_dtype_str=KV, kv_quant_mode=get_kv_quant_mode(KV))
+    group = AttentionGroup(backend=SnapMLABackend, layer_names=["draft.attn"],
+                           kv_cache_spec=spec, kv_cache_group_id=0)
+    raw = {"draft.attn": torch.zeros(10 * spec.page_size_bytes, dtype=torch.int8)}
+    out = _reshape_kv_cache([group], raw, cache_dtype=target_dtype, kernel_block_sizes=[64],
+                            shared_kv_cache_layers={})
+    return list(out["draft.attn"].shape)
+
+
+@pytest.mark.parametrize("target_dtype", ["auto", "fp8", KV])
+def test_v2_runner_gives_a_drafter_only_layer_656_byte_rows(vllm_cpu, target_dtype):
+    assert vllm_cpu.call(_in_vllm_v2_runner_shape_for_a_drafter_only,
+                         target_dtype=target_dtype) == \
+        [10, 64, 656]
+
+
 def test_backend_kv_cache_layout(vllm_cpu):
     layout = vllm_cpu.call(_in_vllm_backend_layout)
     assert layout == {"name": "SNAPMLA", "shape": [1000, 64, 656], "block dim": 0,
@@ -360,6 +394,36 @@ def _in_vllm_selection_log():
     finally:
         handler.setStream(saved_stream)
     return printed.getvalue()
+
+
+def _in_vllm_custom_slot_owned_by_another_plugin():
+    """Another plugin registered vLLM's one CUSTOM backend slot before ours."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    from tests.unit.integration.test_startup_checks import _in_vllm_startup_error
+    from vllm_snapmla.integration.patches import backend_selection
+    from vllm_snapmla.integration.startup_checks import SNAPMLA_BACKEND_PATH
+
+    custom = AttentionBackendEnum.CUSTOM
+    register_backend(custom, "other_plugin.OtherBackend")
+    try:
+        backend_selection._register_custom_backend()
+        return {"CUSTOM": custom.get_path(), "selected": _in_vllm_select(KV),
+                "with CUSTOM": _in_vllm_startup_error(attention_backend="CUSTOM")}
+    finally:
+        register_backend(custom, SNAPMLA_BACKEND_PATH)
+
+
+def test_custom_slot_owned_by_another_plugin(vllm_cpu):
+    """Ours stays out of the slot, fp8_snapmla still selects SnapMLA, and asking for CUSTOM
+    says whose it is instead of advising CUSTOM."""
+    seen = vllm_cpu.call(_in_vllm_custom_slot_owned_by_another_plugin)
+    assert seen["CUSTOM"] == "other_plugin.OtherBackend"
+    assert seen["selected"] == "vllm_snapmla.integration.backend.SnapMLABackend"
+    message = seen["with CUSTOM"]
+    assert "requested CUSTOM (registered to other_plugin.OtherBackend by another plugin)" \
+        in message
+    assert "pass --attention-backend CUSTOM" not in message
 
 
 def test_dense_mla_with_fp8_snapmla_selects_snapmla(vllm_cpu):

@@ -156,6 +156,72 @@ def test_fp8_snapmla_for_a_non_mla_drafter_only(vllm_cpu):
     assert f"would use {KV} (speculative_config.kv_cache_dtype)" in message
 
 
+def _in_vllm_draft_config(target, draft, **engine_kwargs):
+    """The block size of the front end's config, and what the worker's rebuild of the config
+    for a drafter with its own KV-cache dtype gives (``_create_draft_vllm_config``)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    from tests.unit._vllm_cpu import engine_config, tiny_model
+
+    config = engine_config(tiny_model(**WITH_MTP_LAYER), kv_cache_dtype=target,
+                           speculative_config={**MTP, "kv_cache_dtype": draft}, **engine_kwargs)
+    try:
+        draft_config = SpecDecodeBaseProposer._create_draft_vllm_config(
+            SimpleNamespace(speculative_config=config.speculative_config, vllm_config=config))
+    except ValueError as e:
+        return config.cache_config.block_size, str(e)
+    return (config.cache_config.block_size,
+            (draft_config.cache_config.cache_dtype, draft_config.cache_config.block_size))
+
+
+@pytest.mark.parametrize("target", ["auto", "fp8", KV])
+def test_a_drafter_with_its_own_fp8_snapmla_loads_in_the_worker(vllm_cpu, target):
+    """vLLM rebuilds the drafter's config in the worker with the front end's block size, as one
+    the user gave: 64 from the start, not vLLM's provisional 16."""
+    assert vllm_cpu.call(_in_vllm_draft_config, target=target, draft=KV) == [64, [KV, 64]]
+
+
+def test_a_drafter_with_fp8_snapmla_refuses_other_block_sizes_up_front(vllm_cpu):
+    message = _startup_error(vllm_cpu, kv_cache_dtype="auto", block_size=16,
+                             model_overrides=WITH_MTP_LAYER,
+                             speculative_config={**MTP, "kv_cache_dtype": KV})
+    assert "--block-size 16 was given" in message
+
+
+def test_a_drafter_on_another_attention_backend(vllm_cpu):
+    message = _startup_error(vllm_cpu, model_overrides=WITH_MTP_LAYER,
+                             speculative_config={**MTP, "attention_backend": "FLASH_ATTN"})
+    assert "speculative_config.attention_backend requested FLASH_ATTN" in message
+
+
+def _in_vllm_startup_error_with_env(env: dict, **settings):
+    import os
+
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        return _in_vllm_startup_error(**settings)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def test_batch_invariant_mode(vllm_cpu):
+    message = vllm_cpu.call(_in_vllm_startup_error_with_env, env={"VLLM_BATCH_INVARIANT": "1"})
+    assert message is not None and "VLLM_BATCH_INVARIANT=1" in message
+
+
+def test_kv_connectors(vllm_cpu):
+    message = _startup_error(vllm_cpu, kv_transfer_config={"kv_connector": "NixlConnector",
+                                                           "kv_role": "kv_both"})
+    assert "KV connectors (--kv-transfer-config" in message
+
+
 def test_decode_context_parallel(vllm_cpu):
     # "mp" named explicitly: vLLM otherwise refuses a world size above this machine's 0 GPUs.
     message = _startup_error(vllm_cpu, tensor_parallel_size=2, decode_context_parallel_size=2,

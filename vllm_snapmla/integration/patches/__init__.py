@@ -8,8 +8,9 @@ H13 need no patch (``integration/backend.py`` overrides and a start-up refusal),
 (``context_merge_bound``) corrects the metadata the backend's builder returns rather than
 patching vLLM, though it reads vLLM's private prefill metadata.
 
-Every patch is idempotent (a wrapper carries the function it wraps), and ``self_check`` verifies
-the result right after patching, so a vLLM that moved these names fails loudly at start-up.
+Every patch is idempotent (a wrapper carries the function it wraps; the others add to or set
+vLLM's tables), and ``self_check`` verifies the result right after patching, so a vLLM that
+moved these names fails loudly at start-up.
 Importing this package does not import vLLM; ``apply_all`` does.
 """
 

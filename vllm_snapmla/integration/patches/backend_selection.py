@@ -69,10 +69,17 @@ def _patch_cuda_platform() -> None:
         def check_and_update_config(cls, vllm_config) -> None:
             check_and_update(cls, vllm_config)
             cache_config = vllm_config.cache_config
-            if cache_config is not None and cache_config.cache_dtype == KV_CACHE_DTYPE:
+            if cache_config is None:
+                return
+            if cache_config.cache_dtype == KV_CACHE_DTYPE:
                 startup_checks.check_snapmla_config(vllm_config, _capability_or_none(cls))
-            elif cache_config is not None and startup_checks.draft_kv_cache_dtype(vllm_config) == KV_CACHE_DTYPE:
-                startup_checks.raise_if(startup_checks.speculative_problems(vllm_config))   # fp8_snapmla for the drafter only
+            elif startup_checks.draft_kv_cache_dtype(vllm_config) == KV_CACHE_DTYPE:
+                # fp8_snapmla for the drafter only
+                startup_checks.raise_if(startup_checks.speculative_problems(vllm_config)
+                                        + startup_checks.layer_problems(vllm_config))
+            else:
+                return
+            startup_checks.settle_block_size(cache_config)
 
         mark_wrapper(check_and_update_config, check_and_update)
         CudaPlatformBase.check_and_update_config = classmethod(check_and_update_config)

@@ -1,8 +1,9 @@
 """H5: an ``fp8_snapmla`` MLA page holds 656 bytes per token.
 
 What it changes: wraps ``MLAAttentionSpec.real_page_size_bytes`` (``vllm/v1/kv_cache_interface.
-py``) so that specs with ``cache_dtype_str == "fp8_snapmla"`` report ``block_size * 656``; every
-other spec gets the original property.
+py``) so that specs with ``cache_dtype_str == "fp8_snapmla"`` report ``storage_block_size *
+656`` (the block size: MLA specs store every token); every other spec gets the original
+property.
 Why: vLLM sizes the cache from ``head_size x dtype size`` (576 x 1 byte for FP8), which is not
 our row (512 FP8 + 4-byte scale + 128 bytes of BF16 RoPE + pad).  It must hold in the engine
 core, which plans the cache: the plugin entry point runs there too.
