@@ -50,8 +50,9 @@ question of the engine core's threads waiting for the GIL (benchmarks/RESULTS.md
 the value, and a folder holds one value only.
 
 Every engine has the same KV-cache bytes (``--kv-cache-gib``, default 4 GiB: for 4 layers that is
-the token capacity DeepSeek-V3.1's 61 layers have in about 61 GiB, a TP8 rank's share), so
-fp8_snapmla holds 1.756x the BF16 tokens.  ``--max-batched-tokens`` is passed to vLLM (default
+the token capacity DeepSeek-V3.1's 61 layers have in about 61 GiB, about 1.5x what a TP8 rank of
+an 8xH200 deployment has left, 40 GiB by ``bench_deployment --budget-only``; 2.6 GiB matches
+that), so fp8_snapmla holds 1.756x the BF16 tokens.  Only the ``fill`` cells depend on it.  ``--max-batched-tokens`` is passed to vLLM (default
 16384, vLLM's default for ``LLM`` on an H200) so that the prefill's length is known when cells
 are planned.
 
@@ -568,14 +569,21 @@ def merge_rows(old: list[dict], new: list[dict], key=None) -> list[dict]:
     return merge_by_key(old, new, key, _matrix_order if key is matrix_key else _serve_order)
 
 
+def _run_of(row: dict) -> tuple:
+    """The run a row comes from (its date and commit stamp): ratios are only taken within one,
+    never against a BF16 row another command measured, maybe with other settings or GPU."""
+    return row.get("date") or "", row.get("commit") or ""
+
+
 def add_ratios(rows: list[dict]) -> list[dict]:
     """``vs_bf16`` (decode tok/s over BF16's) and ``tpot_vs_bf16`` (TPOT over BF16's) against the
-    ``auto`` row of the same cell; empty where either is not ``ok`` or was not lock-step (its
-    B / step would overstate the throughput)."""
-    base = {matrix_key(r)[:5]: r for r in rows
+    ``auto`` row of the same cell and run; empty where either is not ``ok`` or was not lock-step
+    (its B / step would overstate the throughput)."""
+    base = {(*matrix_key(r)[:5], *_run_of(r)): r for r in rows
             if r["kv"] == BASELINE_KV and r.get("status") == "ok"}
     for row in rows:
-        ref = base.get(matrix_key(row)[:5]) if row.get("status") == "ok" else None
+        ref = (base.get((*matrix_key(row)[:5], *_run_of(row)))
+               if row.get("status") == "ok" else None)
         if ref and (not_lock_step(row) or not_lock_step(ref)):
             ref = None
         for column, value in (("vs_bf16", "decode_tok_s"), ("tpot_vs_bf16", "tpot_ms")):
@@ -589,10 +597,12 @@ def serve_key(row: dict) -> tuple:
 
 
 def add_serve_ratios(rows: list[dict]) -> list[dict]:
-    base = {serve_key(r)[:2]: r for r in rows
+    """``vs_bf16``: output tok/s over the ``auto`` row's of the same heads, mode and run."""
+    base = {(*serve_key(r)[:2], *_run_of(r)): r for r in rows
             if r["kv"] == BASELINE_KV and r.get("status") == "ok"}
     for row in rows:
-        ref = base.get(serve_key(row)[:2]) if row.get("status") == "ok" else None
+        ref = (base.get((*serve_key(row)[:2], *_run_of(row)))
+               if row.get("status") == "ok" else None)
         ours = number(row.get("output_tok_s"))
         theirs = number(ref.get("output_tok_s")) if ref else None
         row["vs_bf16"] = round(ours / theirs, 3) if ours and theirs else ""

@@ -350,6 +350,22 @@ def test_no_ratio_where_a_side_was_not_lock_step():
     assert rows[1]["vs_bf16"] == 1.5
 
 
+def test_ratios_only_within_one_run():
+    """A BF16 row another command measured (another date or commit: maybe another budget or
+    GPU) is no baseline; the matrix's and the serve rows' ratios alike."""
+    run_a = {"date": "2026-12-03 22:24 UTC", "commit": "aaa"}
+    run_b = {"date": "2026-12-04 09:10 UTC", "commit": "bbb"}
+    rows = bm.add_ratios([_cell("auto", 100.0, **run_a), _cell("fp8_snapmla", 300.0, **run_b)])
+    assert rows[1]["vs_bf16"] == "" and rows[1]["tpot_vs_bf16"] == ""
+    rows = bm.add_ratios([_cell("auto", 100.0, **run_b), _cell("fp8_snapmla", 300.0, **run_b)])
+    assert rows[1]["vs_bf16"] == 3.0
+    serve = [{"heads": 16, "mode": "graph", "kv": kv, "status": "ok", "output_tok_s": tok_s,
+              **run} for kv, tok_s, run in (("auto", 100.0, run_a), ("fp8_snapmla", 90.0, run_b))]
+    assert bm.add_serve_ratios(serve)[1]["vs_bf16"] == ""
+    serve[0].update(run_b)
+    assert bm.add_serve_ratios(serve)[1]["vs_bf16"] == 0.9
+
+
 def test_heat_maps_have_a_panel_per_heads_table_and_mode(tmp_path):
     pytest.importorskip("matplotlib")
     rows = bm.add_ratios(_sweep() + [_cell("auto", 50.0, heads=128, mml="tight")])
