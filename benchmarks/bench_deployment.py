@@ -100,7 +100,8 @@ from benchmarks.provenance import describe, run_info
 from benchmarks.vllm_engine import (BLOCK_SIZE, DEEPSEEK_V31_ATTENTION, ENGINE_OVERHEAD_GIB,
                                     KV_BYTES_PER_TOKEN, NOISE_FRACTION, concurrent_memory_problem,
                                     concurrent_start_spec, estimated_kv_blocks, merge_by_key,
-                                    number, read_csv, run_engines_together, write_csv)
+                                    not_lock_step, number, read_csv, run_engines_together,
+                                    write_csv)
 
 GIB = 2**30
 H200_MEMORY_BYTES = int(139.8 * GIB)   # what torch reports as total memory on an H200
@@ -240,16 +241,25 @@ def budget_table(reserve_gib: float) -> str:
     return "\n".join(lines)
 
 
+def _steps_overstated(row: dict) -> bool:
+    """A row without MTP whose timed steps were not one token per request each: its B / step
+    overstates the throughput (with MTP a step gives 1 + accepted tokens, and
+    ``tokens_per_step`` says how many)."""
+    return not row.get("mtp") and not_lock_step(row)
+
+
 def add_speedups(rows: list[dict]) -> list[dict]:
     """Speedup of each row's decode steps/s x B over ``auto``'s, same configuration, context,
     drafter (with MTP both sides project the same acceptance, so it cancels) and run (a row
-    measured in another call, maybe on another commit or GPU, gets none)."""
+    measured in another call, maybe on another commit or GPU, gets none); none where either
+    side's steps were not lock-step."""
     key = lambda r: (r["config"], r["context"], bool(r.get("mtp")), r.get("run"))  # noqa: E731
-    base = {key(r): r.get("decode_tok_s") for r in rows
-            if r["kv"] == "auto" and r.get("decode_tok_s")}
+    base = {key(r): r for r in rows if r["kv"] == "auto" and r.get("decode_tok_s")}
     for r in rows:
         b = base.get(key(r))
-        r["speedup_vs_auto"] = (r["decode_tok_s"] / b) if b and r.get("decode_tok_s") else ""
+        usable = (b and r.get("decode_tok_s")
+                  and not (_steps_overstated(r) or _steps_overstated(b)))
+        r["speedup_vs_auto"] = r["decode_tok_s"] / b["decode_tok_s"] if usable else ""
     return rows
 
 
@@ -306,8 +316,10 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 FIELDS = ["run", "config", "heads", "layers", "kv", "mtp", "routing", "context", "batch",
-          "decode_tok_s", "tpot_ms", "spread_pct", "window_ms", "tokens_per_step",
-          "projected_output_tok_s", "speedup_vs_auto", "kv_cache_tokens", "kv_cache_mib",
+          "decode_tok_s", "tpot_ms", "spread_pct", "window_ms", "lock_step", "timer",
+          "tokens_per_step",
+          "projected_output_tok_s", "speedup_vs_auto", "kv_cache_tokens", "max_tokens",
+          "kv_cache_mib",
           "backend", "error"]
 MTP_SPEC = {"method": "mtp", "num_speculative_tokens": 1}
 # --routing: vLLM's routing simulator (VLLM_MOE_ROUTING_SIMULATION_STRATEGY) or the router.
@@ -330,7 +342,8 @@ def largest_batch(kv: str, kv_gib: float, layers: int, contexts, limit: int) -> 
     return max(8, min(limit // 8 * 8, -(-fits // 8) * 8))
 
 
-_INTEGER_FIELDS = ("run", "heads", "layers", "context", "batch", "kv_cache_tokens")
+_INTEGER_FIELDS = ("run", "heads", "layers", "context", "batch", "kv_cache_tokens",
+                   "max_tokens")
 _FLOAT_FIELDS = ("decode_tok_s", "tpot_ms", "spread_pct", "tokens_per_step",
                  "projected_output_tok_s", "kv_cache_mib")
 
@@ -371,6 +384,15 @@ def _spread_cell(spread) -> str:
     return f"{spread:.1f}%" + (" (noisy)" if spread > 100 * NOISE_FRACTION else "")
 
 
+def _cache_used(row: dict) -> str:
+    """B x (context + max_tokens) over the KV cache's tokens, as a percentage ("" unknown)."""
+    batch, capacity = number(row.get("batch")), number(row.get("kv_cache_tokens"))
+    generated = number(row.get("max_tokens"))
+    if not (batch and capacity and generated is not None):
+        return ""
+    return f"{100 * batch * (int(row['context']) + generated) / capacity:.0f}%"
+
+
 def write_outputs(rows: list[dict], out: Path, header: str, budget: str) -> None:
     """Merge ``rows`` into ``out``'s earlier results (so each configuration can run in its own
     call) and rewrite deployment.csv, .md and .png; ``header`` joins the runs listed on top, and
@@ -385,19 +407,25 @@ def write_outputs(rows: list[dict], out: Path, header: str, budget: str) -> None
     write_csv(rows, out / "deployment.csv", FIELDS, comments=runs)
     lines = ["\n\n".join(f"run {i}: {text}" for i, text in enumerate(runs, 1)), "",
              "KV budget per rank:", "", budget, "",
+             "Throughput and step times are the proxy's (a few layers; a 61-layer rank's "
+             "steps are far longer): compare the formats through the ratios. \"cache used\" "
+             "is B x (context + generated tokens) over the cache's tokens: a batch rounded "
+             "down leaves the rest idle, and a format that rounds down less gains from it.", "",
              "| run | configuration | heads | layers | kv | routing | context | batch | "
-             "decode steps/s x B | step ms | windows apart | tokens per step | "
+             "cache used | decode steps/s x B | step ms | windows apart | tokens per step | "
              "projected output tok/s | vs auto (same run) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tok, tpot, speedup = r.get("decode_tok_s"), r.get("tpot_ms"), r["speedup_vs_auto"]
         per_step, projected = r.get("tokens_per_step"), r.get("projected_output_tok_s")
         cells = [r["run"], r["config"], r["heads"], r.get("layers", ""),
                  r["kv"] + (" + MTP" if r.get("mtp") else ""),
-                 r.get("routing", ""), r["context"], r.get("batch", ""),
+                 r.get("routing", ""), r["context"], r.get("batch", ""), _cache_used(r),
                  f"{tok:,.0f}" if tok else r.get("error", ""), f"{tpot:.2f}" if tpot else "",
                  _spread_cell(r.get("spread_pct")), f"{per_step:.3f}" if per_step else "",
-                 f"{projected:,.0f}" if projected else "", f"{speedup:.2f}x" if speedup else ""]
+                 f"{projected:,.0f}" if projected else "",
+                 f"{speedup:.2f}x" if speedup else
+                 "not lock-step" if _steps_overstated(r) and tok else ""]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     (out / "deployment.md").write_text("\n".join(lines) + "\n")
     if any(r["speedup_vs_auto"] for r in rows):

@@ -106,6 +106,37 @@ def test_report_has_speedups_per_config_and_context(tmp_path):
     assert (tmp_path / "deployment.png").stat().st_size > 0
 
 
+def test_no_speedup_where_steps_were_not_lock_step(tmp_path):
+    """A row without MTP whose timed steps were not one token per request (preemption, a
+    finished request) overstates B / step: no speedup, saying why, also read back from the
+    CSV; the lock-step flag and the timer are kept in the CSV."""
+    pytest.importorskip("matplotlib")
+
+    def row(kv, tok, lock_step=True, mtp=False):
+        return {"config": "dp1-tp8", "heads": 16, "kv": kv, "mtp": mtp, "context": 32768,
+                "batch": 8, "decode_tok_s": tok, "tpot_ms": 8 / tok * 1e3,
+                "lock_step": lock_step, "timer": "engine core", "max_tokens": 1024,
+                "kv_cache_tokens": 300_000}
+
+    rows = dep.add_speedups([row("auto", 100.0), row("fp8_snapmla", 170.0, lock_step=False)])
+    assert rows[1]["speedup_vs_auto"] == ""
+    rows = dep.add_speedups([row("auto", 100.0, lock_step="False"), row("fp8_snapmla", 170.0)])
+    assert rows[1]["speedup_vs_auto"] == ""
+    # With MTP a step gives 1 + accepted tokens: lock-step does not apply.
+    rows = dep.add_speedups([row("auto", 100.0, lock_step=False, mtp=True),
+                             row("fp8_snapmla", 170.0, lock_step=False, mtp=True)])
+    assert rows[1]["speedup_vs_auto"] == pytest.approx(1.7)
+    dep.write_outputs([row("auto", 100.0), row("fp8_snapmla", 170.0, lock_step=False)],
+                      tmp_path, "run", "budget")
+    with open(tmp_path / "deployment.csv") as f:
+        got = list(csv.DictReader(line for line in f if not line.startswith("#")))
+    assert [(r["kv"], r["lock_step"], r["timer"], r["speedup_vs_auto"]) for r in got] == [
+        ("auto", "True", "engine core", "1.0"), ("fp8_snapmla", "False", "engine core", "")]
+    table = (tmp_path / "deployment.md").read_text()
+    assert "not lock-step" in table
+    assert "| 32768 | 8 | 90% |" in table     # 8 x (32768 + 1024) of 300,000 tokens
+
+
 def test_runs_of_separate_configurations_merge(tmp_path):
     pytest.importorskip("matplotlib")
 
