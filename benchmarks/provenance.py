@@ -38,12 +38,15 @@ def _git_commit() -> str:
 
 
 def gpu_query(field: str) -> str | None:
-    """The first GPU's ``field`` as nvidia-smi reports it (numbers without units), or None.
-    nvidia-smi rather than torch: the parent process of an engine benchmark must not create a
-    CUDA context of its own on the GPU its children measure."""
+    """``field`` of the GPU the benchmark runs on (the first of ``CUDA_VISIBLE_DEVICES``, else
+    the first GPU) as nvidia-smi reports it (numbers without units), or None.  nvidia-smi
+    rather than torch: the parent process of an engine benchmark must not create a CUDA context
+    of its own on the GPU its children measure."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
     try:
         proc = subprocess.run(["nvidia-smi", f"--query-gpu={field}",
-                               "--format=csv,noheader,nounits"],
+                               "--format=csv,noheader,nounits",
+                               *(["-i", visible] if visible else [])],
                               capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired):
         return None

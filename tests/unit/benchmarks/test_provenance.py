@@ -1,5 +1,6 @@
 """benchmarks.provenance: the commit a result names says when the code differed from it."""
 
+import os
 import shutil
 import subprocess
 
@@ -52,3 +53,15 @@ def test_commands_name_no_folders_outside_the_repository():
     assert provenance.display_path("/root/sweep/rope1000/model") == ".../rope1000/model"
     assert provenance.display_path(root) == "."
     assert provenance._display_arg("KEY=/root/a/b") == "KEY=.../a/b"
+
+
+def test_gpu_query_asks_for_the_visible_gpu(tmp_path, monkeypatch):
+    """The GPU the benchmark runs on (first of CUDA_VISIBLE_DEVICES), not always GPU 0."""
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text('#!/bin/sh\necho "$@"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    assert provenance.gpu_query("name").endswith("--format=csv,noheader,nounits -i 3")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert provenance.gpu_query("name").endswith("--format=csv,noheader,nounits")
