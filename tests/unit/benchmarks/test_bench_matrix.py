@@ -364,6 +364,9 @@ def test_ratios_only_within_one_run():
     assert bm.add_serve_ratios(serve)[1]["vs_bf16"] == ""
     serve[0].update(run_b)
     assert bm.add_serve_ratios(serve)[1]["vs_bf16"] == 0.9
+    # The TPOT ratio: BF16's median over ours.
+    serve[0]["tpot_p50_ms"], serve[1]["tpot_p50_ms"] = 6.0, 4.0
+    assert bm.add_serve_ratios(serve)[1]["tpot_p50_vs_bf16"] == 1.5
 
 
 def test_heat_maps_have_a_panel_per_heads_table_and_mode(tmp_path):
