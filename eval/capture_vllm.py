@@ -179,7 +179,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=4096, help="context length per request")
     p.add_argument("--num-prompts", type=int, default=2)
     p.add_argument("--prompt-file", default=None,
-                   help="text file used (tokenized, truncated to --prompt-len) as every prompt")
+                   help="text file used (tokenized, truncated to --prompt-len) as every "
+                        "prompt: the requests then repeat one another's cases")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--llm-arg", action="append", default=[],
                    help="extra LLM(...) keyword as key=value (repeatable)")

@@ -19,6 +19,8 @@ import argparse
 import csv
 import json
 import math
+import re
+import shutil
 import subprocess
 import sys
 from collections import defaultdict
@@ -34,6 +36,7 @@ BASELINE = "auto"
 REASONING_GEN_KWARGS = {"do_sample": True, "temperature": 0.6, "top_p": 0.95,
                         "max_gen_toks": 32768}
 DEFAULT_MAX_MODEL_LEN = 40960
+THINK_END_TOKEN = "</think>"   # DeepSeek-V3.1's end of the reasoning trace
 LENGTHS_FILE = "gen_lengths.json"
 RESULTS_FILE = "results.json"
 
@@ -47,6 +50,10 @@ def model_args(model: str, kv_cache_dtype: str, tp: int = 1, dp: int = 1,
             "max_model_len": max_model_len, "dtype": "auto", "trust_remote_code": True}
     if chat_template_args:
         args["chat_template_args"] = dict(chat_template_args)
+        if chat_template_args.get("thinking") or chat_template_args.get("enable_thinking"):
+            # lm-eval scores the text after this marker; without it the answer extraction
+            # would read the reasoning trace (the first "(A)" there, say).
+            args["think_end_token"] = THINK_END_TOKEN
     args.update(extra or {})
     return args
 
@@ -181,28 +188,44 @@ def read_results(setting_dir: Path) -> dict:
     return merged
 
 
+def _of_task(name: str, lm_eval_task: str) -> bool:
+    """``name`` is the task or, for a group task (MMLU-Pro, MMLU-Redux), one of its subtasks,
+    which lm-eval names ``<group>_<subject>``."""
+    return name == lm_eval_task or name.startswith(lm_eval_task + "_")
+
+
+_TIMESTAMP = re.compile(r"_\d{4}-\d{2}-\d{2}T[\d.\-]+$")   # lm_eval's file-name suffix
+
+
 def _sample_lengths(setting_dir: Path, lm_eval_task: str, count_tokens) -> list[int]:
-    path = _latest(list(setting_dir.rglob(f"samples_{lm_eval_task}*.jsonl")))
-    if path is None:
-        return []
-    lengths, seen = [], set()
-    for line in path.read_text().splitlines():
-        entry = json.loads(line)
-        if entry["doc_id"] in seen:            # one entry per (doc, filter); count each doc once
-            continue
-        seen.add(entry["doc_id"])
-        for resp in entry["resps"]:
-            for text in (resp if isinstance(resp, list) else [resp]):
-                lengths.append(count_tokens(text))
+    newest: dict[str, Path] = {}        # the newest samples file of each (sub)task
+    for path in setting_dir.rglob("samples_*.jsonl"):
+        name = _TIMESTAMP.sub("", path.stem[len("samples_"):])
+        if _of_task(name, lm_eval_task) and (
+                name not in newest or path.stat().st_mtime > newest[name].stat().st_mtime):
+            newest[name] = path
+    lengths = []
+    for path in newest.values():
+        seen = set()
+        for line in path.read_text().splitlines():
+            entry = json.loads(line)
+            if entry["doc_id"] in seen:        # one entry per (doc, filter); count each doc once
+                continue
+            seen.add(entry["doc_id"])
+            for resp in entry["resps"]:
+                for text in (resp if isinstance(resp, list) else [resp]):
+                    lengths.append(count_tokens(text))
     return lengths
 
 
 def mean_lengths(setting_dir: Path, lm_eval_task: str, count_tokens) -> float | None:
-    """Mean generated tokens of one task: recorded token counts, else re-tokenized samples."""
+    """Mean generated tokens of one task, over all its subtasks for a group: recorded token
+    counts, else re-tokenized samples."""
     recorded = setting_dir / LENGTHS_FILE
     lengths = []
     if recorded.exists():
-        lengths = json.loads(recorded.read_text()).get(lm_eval_task, [])
+        lengths = [n for name, counts in json.loads(recorded.read_text()).items()
+                   if _of_task(name, lm_eval_task) for n in counts]
     if not lengths and count_tokens is not None:
         lengths = _sample_lengths(setting_dir, lm_eval_task, count_tokens)
     return sum(lengths) / len(lengths) if lengths else None
@@ -248,8 +271,10 @@ def _cell(value, signed=False) -> str:
     return str(value)
 
 
-def write_table(rows: list[dict], settings: list[str], out: Path) -> tuple[Path, Path]:
-    """Write ``parity.csv`` and ``parity.md`` into ``out``."""
+def write_table(rows: list[dict], settings: list[str], out: Path,
+                failed: list[str] = ()) -> tuple[Path, Path]:
+    """Write ``parity.csv`` and ``parity.md`` into ``out``; ``failed``: settings whose run
+    failed (their columns are n/a, and the table says why)."""
     cols = _columns(settings)
     csv_path, md_path = out / "parity.csv", out / "parity.md"
     with open(csv_path, "w", newline="") as f:
@@ -261,6 +286,8 @@ def write_table(rows: list[dict], settings: list[str], out: Path) -> tuple[Path,
     for row in rows:
         lines.append("| " + " | ".join(_cell(row.get(c), c.startswith("delta")) for c in cols)
                      + " |")
+    if failed:
+        lines += ["", f"**Failed in this run, no results:** {', '.join(failed)} (see the log)."]
     lines += ["", "Scores in percent; len = mean generated tokens per sample (paper Table 2).",
               "Not in lm-eval 0.4.13, not run: " + ", ".join(NOT_IN_LM_EVAL) + "."]
     md_path.write_text("\n".join(lines) + "\n")
@@ -317,6 +344,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if BASELINE not in opts.kv:
         p.error(f"--kv must include the baseline '{BASELINE}'")
     opts.gen_kwargs = parse_kv_pairs(opts.gen_kwargs)
+    max_gen = opts.gen_kwargs.get("max_gen_toks")
+    if max_gen is not None and int(max_gen) >= opts.max_model_len:
+        # lm-eval would cut every prompt to nothing to make room for the generation.
+        p.error(f"max_gen_toks={max_gen} leaves no room for the prompt in --max-model-len "
+                f"{opts.max_model_len}")
     if opts.limit is not None and opts.limit >= 1:
         opts.limit = int(opts.limit)
     opts.out = Path(opts.out)
@@ -339,10 +371,12 @@ def main(argv=None) -> int:
         env = script_env()
         for setting in opts.kv:
             print(f"[parity] kv_cache_dtype={setting}", flush=True)
+            # An earlier run's results must not stand in for a run that fails now.
+            shutil.rmtree(opts.out / setting, ignore_errors=True)
             if subprocess.run(child_command(setting, opts), env=env).returncode != 0:
                 failed.append(setting)
     rows = build_table(opts.out, opts.kv, opts.tasks, _tokenizer_counter(opts.model))
-    csv_path, md_path = write_table(rows, opts.kv, opts.out)
+    csv_path, md_path = write_table(rows, opts.kv, opts.out, failed)
     print(md_path.read_text())
     print(f"[parity] wrote {md_path} and {csv_path}")
     if failed:

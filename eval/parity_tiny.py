@@ -240,7 +240,7 @@ CSV_ONLY = ["dnll_vs_bf16_se", "scored_tokens"]
 
 
 def write_report(out: pathlib.Path, rows: list[dict], args, train_log: dict | None,
-                 samples: dict[str, str]) -> str:
+                 samples: dict[str, str], failed: list[str] = ()) -> str:
     base = next((r for r in rows if r["run"] == "auto"), None)
     for r in rows:
         if base is not None and r["run"] != "auto":
@@ -290,17 +290,29 @@ def write_report(out: pathlib.Path, rows: list[dict], args, train_log: dict | No
         ("ΔNLL: mean negative log-likelihood per token minus BF16's, over the same tokens "
          "(nats; Δppl = exp(ΔNLL) − 1), ± its paired standard error with the windows as the "
          "units (ratio estimator: neighbouring tokens' differences are correlated)."), "",
-        *verdicts, "", "Sample (text prompt through vLLM's tokenizer):", ""]
+        *verdicts, "",
+        *([f"**Failed, not in the table:** {', '.join(failed)} (the log says why).", ""]
+          if failed else []),
+        "Sample (text prompt through vLLM's tokenizer):", ""]
         + [f"- {name}: `{json.dumps(s)[:300]}`" for name, s in samples.items()]) + "\n"
     (out / "parity_tiny.md").write_text(text)
     return text
 
 
-def main(argv=None) -> None:
+def run_fingerprint(args, n_windows: int) -> dict:
+    """What a saved run's numbers depend on besides its KV dtype: the checkpoint (its files'
+    sizes and times) and the options.  A saved run is reused only when this matches."""
+    files = sorted(f for f in args.model.iterdir() if f.is_file())
+    return {"model": {f.name: [f.stat().st_size, int(f.stat().st_mtime)] for f in files},
+            "windows": n_windows, "window_len": args.window_len, "chunk": args.chunk,
+            "prompts": args.prompts, "prompt_len": args.prompt_len, "gen_len": args.gen_len}
+
+
+def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv == ["--child"]:   # a run, its spec on stdin (see run_in_subprocess)
         _child()
-        return
+        return 0
     parser = argparse.ArgumentParser(prog="python -m eval.parity_tiny",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, type=pathlib.Path,
@@ -323,6 +335,9 @@ def main(argv=None) -> None:
     parser.add_argument("--force", action="store_true", help="rerun runs already saved in --out")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
     args = parser.parse_args(argv)
+    if not 0 < args.chunk < args.window_len:
+        parser.error(f"--chunk {args.chunk} must be positive and below --window-len "
+                     f"{args.window_len}: only tokens past the first chunk are scored")
     args.out.mkdir(parents=True, exist_ok=True)
     tokens = np.load(args.model / "heldout_tokens.npy").astype(np.int64)
     n_windows = min(args.windows, len(tokens) // args.window_len)
@@ -341,13 +356,21 @@ def main(argv=None) -> None:
     runs = [d for d in args.dtypes.split(",") if d]
     if not args.no_transformers:
         runs.append(HF_RUN)
+    if n_windows == 0:
+        parser.error(f"the held-out split ({len(tokens)} tokens) holds no --window-len "
+                     f"{args.window_len} window")
+    fingerprint = run_fingerprint(args, n_windows)
     raws: dict[str, dict] = {}
+    failed: list[str] = []
     for run in runs:
         raw_path = args.out / f"raw_{run}.json"
         if raw_path.exists() and not args.force:
-            log(f"[{run}] reusing {raw_path}")
-            raws[run] = json.loads(raw_path.read_text())
-            continue
+            saved = json.loads(raw_path.read_text())
+            if saved.get("fingerprint") == fingerprint:
+                log(f"[{run}] reusing {raw_path}")
+                raws[run] = saved
+                continue
+            log(f"[{run}] {raw_path} is from another checkpoint or other options: rerunning")
         log(f"[{run}] starting ({n_windows} windows x {args.window_len} tokens, "
             f"{args.prompts} prompts x {args.gen_len} generated) ...")
         started = time.monotonic()
@@ -356,9 +379,10 @@ def main(argv=None) -> None:
                 "chunk": args.chunk, "max_model_len": max_model_len,
                 "gpu_memory_utilization": args.gpu_memory_utilization}
         try:
-            raws[run] = run_in_subprocess(spec, args.timeout)
+            raws[run] = {**run_in_subprocess(spec, args.timeout), "fingerprint": fingerprint}
         except RuntimeError as error:
             log(f"[{run}] FAILED; continuing without it:\n{error}")
+            failed.append(run)
             continue
         raw_path.write_text(json.dumps(raws[run]))
         log(f"[{run}] done in {time.monotonic() - started:.0f}s "
@@ -369,9 +393,12 @@ def main(argv=None) -> None:
             for run in runs if run in raws]
     samples = {run: raws[run]["text_sample"] for run in runs
                if run in raws and "text_sample" in raws[run]}
-    log("\n" + write_report(args.out, rows, args, train_log, samples))
+    log("\n" + write_report(args.out, rows, args, train_log, samples, failed))
     log(f"wrote {args.out / 'parity_tiny.md'} and {args.out / 'parity_tiny.csv'}")
+    if failed:
+        log(f"runs that failed: {failed}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -60,6 +60,11 @@ def test_child_command_runs_one_setting_with_all_options():
                              child.chat_template_args)
     assert args["chat_template_args"] == {"thinking": True} and args["max_num_seqs"] == 64
     assert args["data_parallel_size"] == 8
+    # Thinking on: lm-eval scores the text after the trace; a marker given overrides ours.
+    assert args["think_end_token"] == "</think>"
+    assert "think_end_token" not in parity.model_args("m", "auto")
+    assert parity.model_args("m", "auto", chat_template_args={"thinking": True},
+                             extra={"think_end_token": "<END>"})["think_end_token"] == "<END>"
 
 
 def test_bad_options_are_refused():
@@ -69,6 +74,37 @@ def test_bad_options_are_refused():
         _opts("--tasks", "livecodebench")               # not in lm-eval 0.4.13
     with pytest.raises(ValueError):
         parity.format_model_args({"chat_template": "a,b"})
+    with pytest.raises(SystemExit):                     # no room left for the prompt
+        _opts("--max-model-len", "16384", "--gen-kwargs", "max_gen_toks=32768")
+
+
+def test_group_task_lengths_pool_every_subtask(tmp_path):
+    """MMLU-Pro's lengths are recorded per subject (lm-eval's subtask names)."""
+    _write_run(tmp_path, "auto", {}, {}, lengths={"mmlu_pro_biology": [100] * 10,
+                                                  "mmlu_pro_law": [1000] * 90, "ifeval": [3]})
+    assert parity.mean_lengths(tmp_path / "auto", "mmlu_pro", None) == pytest.approx(910.0)
+    # From samples files too, the newest of each subtask.
+    words = lambda n: " ".join(["tok"] * n)
+    _write_run(tmp_path, "fp8", {}, {"mmlu_pro_biology": [[words(10)]],
+                                     "mmlu_pro_law": [[words(30)], [words(50)]]})
+    assert parity.mean_lengths(tmp_path / "fp8", "mmlu_pro",
+                               lambda text: len(text.split())) == pytest.approx(30.0)
+
+
+def test_a_failed_setting_shows_no_earlier_results(tmp_path, monkeypatch):
+    """An earlier run's results in OUT do not stand in for a setting that fails now."""
+    T = parity.TASKS
+    for setting, value in (("auto", 0.5), ("fp8_snapmla", 0.9)):
+        _write_run(tmp_path, setting, {T["ifeval"].lm_eval_task: (T["ifeval"].metric, value)},
+                   {})
+    monkeypatch.setattr(parity.subprocess, "run",
+                        lambda *a, **k: types.SimpleNamespace(returncode=1))
+    monkeypatch.setattr(parity, "_tokenizer_counter", lambda model: None)
+    assert parity.main(["--model", "m", "--out", str(tmp_path), "--tasks", "ifeval",
+                        "--kv", "auto,fp8_snapmla"]) == 1
+    md = (tmp_path / "parity.md").read_text()
+    assert "50.00" not in md and "90.00" not in md
+    assert "**Failed in this run, no results:** auto, fp8_snapmla" in md
 
 
 def _write_run(out, setting, scores, samples, lengths=None):

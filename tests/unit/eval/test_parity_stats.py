@@ -93,6 +93,37 @@ def test_parity_tiny_reports_paired_nll_differences(tmp_path):
         by["fp8"]["dnll_vs_bf16_se"])
 
 
+def test_parity_tiny_reruns_stale_runs_and_reports_failures(tmp_path, monkeypatch):
+    """A saved run is reused only for the same checkpoint and options; a failed run is named
+    in the report and the exit status."""
+    model, out = tmp_path / "model", tmp_path / "out"
+    model.mkdir()
+    np.save(model / "heldout_tokens.npy", np.arange(4 * 32) % 50)
+    ran = []
+
+    def fake_run(spec, timeout):
+        ran.append((spec["run"], len(spec["windows"])))
+        if spec["run"] == "fp8":
+            raise RuntimeError("exit 1: out of memory")
+        lp = [[-1.0] * (len(w) - 1) for w in spec["windows"]]
+        return {**_raw(lp, [[1, 2]] * len(spec["prompts"])), "seconds": {"score": 1.0}}
+
+    monkeypatch.setattr(parity_tiny, "run_in_subprocess", fake_run)
+    common = ["--model", str(model), "--out", str(out), "--dtypes", "auto,fp8_snapmla,fp8",
+              "--no-transformers", "--window-len", "32", "--chunk", "8", "--prompts", "2",
+              "--prompt-len", "4", "--gen-len", "2"]
+    assert parity_tiny.main(common + ["--windows", "2"]) == 1
+    assert ran == [("auto", 2), ("fp8_snapmla", 2), ("fp8", 2)]
+    assert "**Failed, not in the table:** fp8" in (out / "parity_tiny.md").read_text()
+    ran.clear()
+    assert parity_tiny.main(common + ["--windows", "2", "--dtypes", "auto,fp8_snapmla"]) == 0
+    assert ran == []                                   # same checkpoint and options: reused
+    assert parity_tiny.main(common + ["--windows", "4", "--dtypes", "auto,fp8_snapmla"]) == 0
+    assert ran == [("auto", 4), ("fp8_snapmla", 4)]    # other options: rerun
+    with pytest.raises(SystemExit):
+        parity_tiny.main(common + ["--chunk", "32"])   # nothing past the first chunk to score
+
+
 def _lm_eval_setting(out, setting, ppl_lls, ppl_tokens):
     d = out / setting
     d.mkdir(parents=True)
