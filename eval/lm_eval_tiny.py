@@ -45,7 +45,7 @@ import time
 import numpy as np
 
 from benchmarks.provenance import display_path
-from eval.common import (markdown_cell, mean_se_cell, paired_delta, paired_text,
+from eval.common import (checkpoint_fingerprint, markdown_cell, mean_se_cell, paired_delta, paired_text,
                          parse_kv_pairs, script_command, script_env, tiny_engine_settings)
 
 TASK_TEMPLATES = pathlib.Path(__file__).resolve().parent / "tasks" / "tiny_mla"
@@ -299,6 +299,7 @@ def run_one(setting: str, opts) -> None:
         write_jsonl(out / f"samples_{task}.jsonl",
                     [json.loads(json.dumps(e, default=str)) for e in entries])
     results["snapmla"] = {"setting": setting, "docs_sha256": stats["docs_sha256"],
+                          "checkpoint": checkpoint_fingerprint(opts.model),
                           "limit": opts.limit, "model_args": json.dumps(args, sort_keys=True),
                           "seconds": round(seconds, 1)}
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
@@ -592,8 +593,10 @@ def main(argv=None) -> int:
             meta = json.loads(done.read_text()).get("snapmla", {})
             args = model_args(opts, setting, stats["eos_id"])[1]
             args.pop("batch_size")
-            if (meta.get("docs_sha256"), meta.get("limit"), meta.get("model_args")) == (
-                    stats["docs_sha256"], opts.limit, json.dumps(args, sort_keys=True)):
+            if (meta.get("docs_sha256"), meta.get("checkpoint"), meta.get("limit"),
+                    meta.get("model_args")) == (
+                    stats["docs_sha256"], checkpoint_fingerprint(opts.model), opts.limit,
+                    json.dumps(args, sort_keys=True)):
                 log(f"[{setting}] reusing {done}")
                 continue
         done.unlink(missing_ok=True)     # a failed rerun must not leave stale results behind

@@ -21,8 +21,9 @@ graphs change summation orders in other layers, so exact equality is not expecte
 On an H200 the four engines before the 3-draft one took 3-4 minutes; ``-k 3-drafts`` alone
 (``compiled`` and that engine) took 162 s.  The tiny model has 16 heads, so on an H200 plain
 decode steps run the sm_90a narrow kernel's 16-row form, s_q = 2 its 32-row form and s_q = 3 and
-4 the 64-row kernel (``SNAPMLA_DECODE_KERNEL=sm90`` makes sure of it; ``triton`` puts the
-portable kernel under the same graphs).
+4 the 64-row kernel (``auto`` picks them on sm_90, and tests/conftest.py refuses to run the
+GPU tests on an sm_90 GPU whose build lacks them; ``SNAPMLA_DECODE_KERNEL=triton`` in the
+environment puts the portable kernel under the same graphs).
 """
 
 import importlib.util

@@ -142,7 +142,10 @@ def test_dummy_batches_give_the_backend_vllms_dummy_decode(runs):
 
 def test_real_outputs_are_unchanged_by_dummy_batches(runs):
     name, with_dummies, without = runs
-    stats = compare_greedy(without["rounds"], with_dummies["rounds"], "with dummy batches")
+    # The same engine and requests with and without dummies: a divergence is allowed only at a
+    # true near-tie (a dummy that corrupted the cache moves logprobs by about a nat).
+    stats = compare_greedy(without["rounds"], with_dummies["rounds"], "with dummy batches",
+                           near_tie_nats=0.05)
     print(f"[{name}] " + describe_comparison(stats, "with vs without dummy batches"))
     assert not stats["problems"], "\n".join(stats["problems"])
     assert stats["max |d logprob|"] <= MAX_LOGPROB_DIFF

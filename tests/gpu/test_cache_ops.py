@@ -10,11 +10,9 @@ import torch
 
 from vllm_snapmla import format as fmt
 from vllm_snapmla import ops, reference
-from vllm_snapmla._native import native
+from vllm_snapmla._native import missing_reason, native
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(native() is None,
-                                 reason="native extension not built (SNAPMLA_SKIP_BUILD=1)")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(native() is None, reason=missing_reason())]
 
 FLOAT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 CUDA = "cuda"

@@ -54,6 +54,7 @@ def _assert_matches_reference(out, lse, case, skip_rows=None):
     ok = ~r_nan_out                                                  # [B, s_q, H]
     empty = torch.isneginf(r_lse).permute(0, 2, 1) & ok
     assert (out[empty] == 0).all()
+    assert torch.isneginf(lse.permute(0, 2, 1)[empty]).all(), "rows that see nothing: lse -inf"
     seen = ok & ~empty
     if seen.any():
         err = (out[seen] - r_out[seen]).norm() / r_out[seen].norm().clamp_min(1e-300)

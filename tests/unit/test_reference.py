@@ -209,6 +209,8 @@ def test_empty_request_gives_zero_output_and_minus_inf_lse():
 def test_decode_kernel_choice_is_checked(monkeypatch):
     """SNAPMLA_DECODE_KERNEL: a typo or an unavailable sm90 kernel is an error, not a fallback."""
     cpu = torch.device("cpu")
+    # As on a machine without an sm_90 GPU, also where a GPU is present.
+    monkeypatch.setattr(ops, "_sm90_available", lambda device: False)
     for value, error in (("flashmla", ValueError), ("sm90", RuntimeError)):
         monkeypatch.setenv("SNAPMLA_DECODE_KERNEL", value)
         with pytest.raises(error, match="SNAPMLA_DECODE_KERNEL"):

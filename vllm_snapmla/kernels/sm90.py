@@ -61,9 +61,10 @@ def decode_sm90(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
     int cuts every request into that many equal runs.
     """
     # softmax_scale goes to the op as given: its schema takes a float and refuses anything else.
+    schedule_id = _schedule_id(schedule)
     return require_native("decode_sm90").decode_sm90(
         q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, bool(causal),
-        num_splits or 0, _schedule_id(schedule))
+        num_splits or 0, schedule_id)
 
 
 def snapmla_decode_sm90(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: torch.Tensor,
@@ -72,9 +73,10 @@ def snapmla_decode_sm90(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: to
                         schedule: str | None = None):
     """``decode_sm90`` from a quantized query (``ops.quantize_q``): ``q8`` e4m3 ``[B,s_q,H,512]``,
     ``q_scale`` fp32 ``[B,s_q,H]``, ``q_pe_scaled`` bf16 ``[B,s_q,H,64]``; the rest as there."""
+    schedule_id = _schedule_id(schedule)
     return require_native("snapmla_decode_sm90").decode_sm90_quantized(
         q8, q_scale, q_pe_scaled, kv_cache, block_table, seq_lens, float(softmax_scale),
-        bool(causal), num_splits or 0, _schedule_id(schedule))
+        bool(causal), num_splits or 0, schedule_id)
 
 
 def schedule_variant(schedule: str):

@@ -575,7 +575,8 @@ def test_tiny_deepseek_v3_checkpoint_loads_in_transformers(tmp_path):
     assert torch.isfinite(logits).all() and logits.std() > 0.1   # not dummy-weight flat
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="GPU demo runs instead")
+@pytest.mark.skipif(__import__("torch").cuda.is_available(),
+                    reason="the GPU branch runs instead (tests/e2e/test_demo.py)")
 def test_demo_without_gpu_reports_reference_accuracy():
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     out = subprocess.run([sys.executable, "-m", "vllm_snapmla.demo"], env=env,

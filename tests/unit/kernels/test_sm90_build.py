@@ -14,6 +14,8 @@ import subprocess
 
 import pytest
 
+from vllm_snapmla._native import missing_reason
+
 
 def _cuobjdump() -> str | None:
     found = shutil.which("cuobjdump")
@@ -33,7 +35,7 @@ def _dump(option: str, what: str) -> str:
     try:
         import vllm_snapmla._C as native
     except ImportError:
-        pytest.skip("native extension not built (SNAPMLA_SKIP_BUILD=1)")
+        pytest.skip(missing_reason())
     tool = _cuobjdump()
     if tool is None:
         pytest.skip(f"no cuobjdump (CUDA toolkit or triton) to read the {what} with")
