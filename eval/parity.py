@@ -242,15 +242,24 @@ def build_table(out: Path, settings: list[str], task_names: list[str],
     for name in task_names:
         task = TASKS[name]
         row = {"task": task.paper_row, "lm_eval_task": task.lm_eval_task, "metric": task.metric}
+        # lm-eval's standard error of a metric "m,filter" is "m_stderr,filter" (or "N/A").
+        stderr_key = task.metric.replace(",", "_stderr,", 1)
         for s in settings:
-            value = results[s].get(task.lm_eval_task, {}).get(task.metric)
+            scores = results[s].get(task.lm_eval_task, {})
+            value = scores.get(task.metric)
             row[f"score[{s}]"] = None if value is None else 100.0 * float(value)
+            se = scores.get(stderr_key)
+            row[f"se[{s}]"] = 100.0 * se if isinstance(se, (int, float)) else None
             row[f"len[{s}]"] = mean_lengths(out / s, task.lm_eval_task, count_tokens)
-        base = row.get(f"score[{BASELINE}]")
+        base, base_se = row.get(f"score[{BASELINE}]"), row.get(f"se[{BASELINE}]")
         for s in settings:
             if s != BASELINE:
-                score = row[f"score[{s}]"]
+                score, se = row[f"score[{s}]"], row[f"se[{s}]"]
                 row[f"delta[{s}]"] = (None if base is None or score is None else score - base)
+                # The two runs' errors combined as if independent (the documents are shared,
+                # so this overstates the noise of the difference somewhat).
+                row[f"delta_se[{s}]"] = (None if row[f"delta[{s}]"] is None or se is None
+                                         or base_se is None else math.hypot(se, base_se))
         rows.append(row)
     return rows
 
@@ -259,7 +268,9 @@ def _columns(settings: list[str]) -> list[str]:
     cols = ["task", "lm_eval_task", "metric"]
     cols += [f"score[{s}]" for s in settings]
     cols += [f"delta[{s}]" for s in settings if s != BASELINE]
+    cols += [f"delta_se[{s}]" for s in settings if s != BASELINE]
     cols += [f"len[{s}]" for s in settings]
+    cols += [f"se[{s}]" for s in settings]
     return cols
 
 
@@ -284,11 +295,13 @@ def write_table(rows: list[dict], settings: list[str], out: Path,
             writer.writerow({c: "" if row.get(c) is None else row.get(c) for c in cols})
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for row in rows:
-        lines.append("| " + " | ".join(_cell(row.get(c), c.startswith("delta")) for c in cols)
+        lines.append("| " + " | ".join(_cell(row.get(c), c.startswith("delta[")) for c in cols)
                      + " |")
     if failed:
         lines += ["", f"**Failed in this run, no results:** {', '.join(failed)} (see the log)."]
-    lines += ["", "Scores in percent; len = mean generated tokens per sample (paper Table 2).",
+    lines += ["", "Scores in percent; len = mean generated tokens per sample (paper Table 2); "
+              "se = lm-eval's standard error of the score, delta_se = both settings' combined "
+              "as if independent (a difference within about 2 delta_se is noise).",
               "Not in lm-eval 0.4.13, not run: " + ", ".join(NOT_IN_LM_EVAL) + "."]
     md_path.write_text("\n".join(lines) + "\n")
     return csv_path, md_path

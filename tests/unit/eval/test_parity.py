@@ -150,12 +150,15 @@ def test_table_has_scores_deltas_lengths_and_marks_missing(tmp_path):
     aime = by["AIME-24"]
     assert aime["score[auto]"] == pytest.approx(100 * a["aime24"])
     assert aime["delta[fp8_snapmla]"] == pytest.approx(100 * (s["aime24"] - a["aime24"]))
+    assert aime["se[auto]"] == pytest.approx(1.0)               # lm-eval's stderr, in percent
+    assert aime["delta_se[fp8_snapmla]"] == pytest.approx(2 ** 0.5)
     assert aime["len[auto]"] == pytest.approx(40.0)
     assert aime["len[fp8_snapmla]"] == pytest.approx(200.0)
     assert by["IFEval"]["len[auto]"] == 7 and by["IFEval"]["len[fp8_snapmla]"] == 5
     math = by["MATH-500"]
     assert math["score[auto]"] == pytest.approx(100 * a["math500"])
     assert math["score[fp8_snapmla]"] is None and math["delta[fp8_snapmla]"] is None
+    assert math["delta_se[fp8_snapmla]"] is None
     assert math["len[auto]"] is None
     assert by["MMLU-Pro"]["score[auto]"] is None
 
@@ -168,6 +171,7 @@ def test_table_has_scores_deltas_lengths_and_marks_missing(tmp_path):
     md = md_path.read_text()
     assert "| MATH-500 |" in md and "n/a" in md
     assert f"{100 * (s['aime24'] - a['aime24']):+.2f}" in md
+    assert "| 1.41 |" in md and "delta_se" in md                  # unsigned, beside the delta
     for missing in ("HMMT-25", "BeyondAIME", "ZebraLogic", "LiveCodeBench", "Arena-Hard"):
         assert missing in md
 
