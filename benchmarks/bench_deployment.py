@@ -101,7 +101,7 @@ from benchmarks.vllm_engine import (BLOCK_SIZE, DEEPSEEK_V31_ATTENTION, ENGINE_O
                                     KV_BYTES_PER_TOKEN, NOISE_FRACTION, concurrent_memory_problem,
                                     concurrent_start_spec, estimated_kv_blocks, merge_by_key,
                                     not_lock_step, number, read_csv, run_engines_together,
-                                    write_csv)
+                                    run_number, write_csv)
 
 GIB = 2**30
 H200_MEMORY_BYTES = int(139.8 * GIB)   # what torch reports as total memory on an H200
@@ -399,9 +399,7 @@ def write_outputs(rows: list[dict], out: Path, header: str, budget: str) -> None
     each row's ``run`` is its run's number in that list."""
     out.mkdir(parents=True, exist_ok=True)
     runs, old = read_csv(out / "deployment.csv")
-    if header not in runs:
-        runs.append(header)
-    run = runs.index(header) + 1
+    run = run_number(runs, header)
     rows = add_speedups(merge_rows([_row_from_csv(r) for r in old],
                                    [{**r, "run": run} for r in rows]))
     write_csv(rows, out / "deployment.csv", FIELDS, comments=runs)

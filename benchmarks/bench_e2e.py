@@ -54,8 +54,8 @@ from benchmarks.provenance import describe, run_info
 from benchmarks.vllm_engine import (
     DEEPSEEK_V31_ATTENTION, SETTLE_STEPS, batch_to_fill, build_llm, child_main,
     engine_log_facts, merge_by_key, model_config, not_lock_step, number, random_prompts,
-    read_csv, run_child, summarize_windows, timed_decode_windows, wait_for_go, warm_tokens,
-    warm_up, write_csv)
+    read_csv, run_child, run_number, summarize_windows, timed_decode_windows, wait_for_go,
+    warm_tokens, warm_up, write_csv)
 from vllm_snapmla.testing import write_tiny_deepseek_v3
 
 KV_SETTINGS = ("auto", "fp8_snapmla", "fp8")
@@ -186,9 +186,7 @@ def write_outputs(rows: list[dict], out: Path, header: str) -> list[dict]:
     rewrite the table and plot; returns all rows."""
     out.mkdir(parents=True, exist_ok=True)
     runs, old = read_csv(out / "results.csv")
-    if header not in runs:
-        runs.append(header)
-    run = runs.index(header) + 1
+    run = run_number(runs, header)
     rows = add_relative_columns(merge_rows(old, [{**r, "run": run} for r in rows]))
     write_csv(rows, out / "results.csv", CSV_FIELDS, comments=runs)
     (out / "results.md").write_text(format_table(rows, runs))
@@ -373,7 +371,6 @@ def main(argv=None) -> None:
                                       on_result=functools.partial(print_progress, start=start))
             # After every engine: a cut-short sweep keeps its rows.
             write_outputs(rows, out, header)
-    write_outputs(rows, out, header)
     print("\n" + (out / "results.md").read_text())
     if not (out / "results.png").exists():
         print("(no results.png: matplotlib is not installed; pip install matplotlib)")

@@ -190,6 +190,14 @@ def read_csv(path: Path) -> tuple[list[str], list[dict]]:
     return comments, list(csv.DictReader(line for line in lines if not line.startswith("#")))
 
 
+def run_number(runs: list[str], header: str) -> int:
+    """The 1-based number of the run ``header`` describes among a results file's ``runs`` (its
+    ``# `` comment lines), appending it when new: rows name their run by this number."""
+    if header not in runs:
+        runs.append(header)
+    return runs.index(header) + 1
+
+
 def write_csv(rows: list[dict], path: Path, fields: list[str], comments=()) -> None:
     """``rows`` under a header of ``# `` comment lines; unknown keys dropped, missing ones empty."""
     with open(path, "w", newline="") as f:

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import pathlib
@@ -142,11 +143,8 @@ def checkpoint_fingerprint(model_dir) -> str:
     """A short digest of a checkpoint folder's files (names, sizes, modification times): a
     saved result is reused only for the checkpoint it was computed on (a retrained model in the
     same folder gets new numbers)."""
-    import hashlib
-    from pathlib import Path
-
     digest = hashlib.sha256()
-    for f in sorted(p for p in Path(model_dir).iterdir() if p.is_file()):
+    for f in sorted(p for p in pathlib.Path(model_dir).iterdir() if p.is_file()):
         stat = f.stat()
         digest.update(f"{f.name}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
     return digest.hexdigest()[:16]

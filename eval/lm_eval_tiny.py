@@ -45,8 +45,9 @@ import time
 import numpy as np
 
 from benchmarks.provenance import display_path
-from eval.common import (checkpoint_fingerprint, markdown_cell, mean_se_cell, paired_delta, paired_text,
-                         parse_kv_pairs, script_command, script_env, tiny_engine_settings)
+from eval.common import (checkpoint_fingerprint, markdown_cell, mean_se_cell, paired_delta,
+                         paired_text, parse_kv_pairs, script_command, script_env,
+                         tiny_engine_settings)
 
 TASK_TEMPLATES = pathlib.Path(__file__).resolve().parent / "tasks" / "tiny_mla"
 PPL_TASK, NEXT_TASK = "tiny_mla_heldout_ppl", "tiny_mla_next_token"
@@ -587,6 +588,7 @@ def main(argv=None) -> int:
     env.setdefault("DISABLE_MULTIPROC", "1")   # lm-eval's bootstrap: no worker pool
     env["PYTHONUNBUFFERED"] = "1"
     failed = []
+    checkpoint = checkpoint_fingerprint(opts.model)
     for setting in settings:
         done = opts.out / setting / "results.json"
         if done.exists() and not opts.force:
@@ -595,7 +597,7 @@ def main(argv=None) -> int:
             args.pop("batch_size")
             if (meta.get("docs_sha256"), meta.get("checkpoint"), meta.get("limit"),
                     meta.get("model_args")) == (
-                    stats["docs_sha256"], checkpoint_fingerprint(opts.model), opts.limit,
+                    stats["docs_sha256"], checkpoint, opts.limit,
                     json.dumps(args, sort_keys=True)):
                 log(f"[{setting}] reusing {done}")
                 continue

@@ -198,14 +198,13 @@ _TIMESTAMP = re.compile(r"_\d{4}-\d{2}-\d{2}T[\d.\-]+$")   # lm_eval's file-name
 
 
 def _sample_lengths(setting_dir: Path, lm_eval_task: str, count_tokens) -> list[int]:
-    newest: dict[str, Path] = {}        # the newest samples file of each (sub)task
+    by_name: dict[str, list[Path]] = defaultdict(list)     # each (sub)task's samples files
     for path in setting_dir.rglob("samples_*.jsonl"):
         name = _TIMESTAMP.sub("", path.stem[len("samples_"):])
-        if _of_task(name, lm_eval_task) and (
-                name not in newest or path.stat().st_mtime > newest[name].stat().st_mtime):
-            newest[name] = path
+        if _of_task(name, lm_eval_task):
+            by_name[name].append(path)
     lengths = []
-    for path in newest.values():
+    for path in map(_latest, by_name.values()):
         seen = set()
         for line in path.read_text().splitlines():
             entry = json.loads(line)

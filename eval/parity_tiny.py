@@ -40,8 +40,9 @@ import time
 import numpy as np
 
 from benchmarks.provenance import display_path
-from eval.common import (EXTRA_SETTINGS, checkpoint_fingerprint, markdown_cell, mean_se_cell, paired_delta,
-                         paired_text, script_command, script_env, tiny_engine_settings)
+from eval.common import (EXTRA_SETTINGS, checkpoint_fingerprint, markdown_cell, mean_se_cell,
+                         paired_delta, paired_text, script_command, script_env,
+                         tiny_engine_settings)
 
 RESULT_TAG = "PARITY_TINY_RESULT "
 DTYPES = ("auto", "fp8_snapmla", "fp8")
@@ -302,8 +303,9 @@ def write_report(out: pathlib.Path, rows: list[dict], args, train_log: dict | No
 def run_fingerprint(args, n_windows: int) -> dict:
     """What a saved run's numbers depend on besides its KV dtype: the checkpoint (its files'
     sizes and times) and the options.  A saved run is reused only when this matches."""
-    return {"checkpoint": checkpoint_fingerprint(args.model), "windows": n_windows, "window_len": args.window_len, "chunk": args.chunk,
-            "prompts": args.prompts, "prompt_len": args.prompt_len, "gen_len": args.gen_len}
+    return {"checkpoint": checkpoint_fingerprint(args.model), "windows": n_windows,
+            "window_len": args.window_len, "chunk": args.chunk, "prompts": args.prompts,
+            "prompt_len": args.prompt_len, "gen_len": args.gen_len}
 
 
 def main(argv=None) -> int:

@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -10,8 +12,6 @@ def _gpu_build_problem() -> str | None:
     """On a GPU machine, a build that would make the GPU tests skip instead of run: no native
     extension, or no sm_90a decode kernels on an sm_90 GPU (every Hopper test would skip and
     ``auto`` would test the Triton kernel only)."""
-    import os
-
     from vllm_snapmla._native import missing_reason, native
     from vllm_snapmla.kernels import sm90
 
@@ -42,8 +42,6 @@ def pytest_sessionfinish(session, exitstatus):
     """Under CI (``SNAPMLA_CI=1``, set by .ci/run) a skipped CPU test fails the run: every
     tests/unit test can run there, so a skip means a missing dependency or a broken build (an
     extension that does not load) that would otherwise pass unnoticed."""
-    import os
-
     if os.environ.get("SNAPMLA_CI") != "1":
         return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")

@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_snapmla import _checks
 from vllm_snapmla import format as fmt
 from vllm_snapmla.kernels import splits
 
@@ -292,9 +293,10 @@ def snapmla_decode(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: torch.T
         raise ValueError("kv_cache must hold contiguous 656-byte rows in 16-byte aligned blocks")
     if q8.stride(-1) != 1 or q_pe_scaled.stride(-1) != 1:
         raise ValueError("q8 and q_pe_scaled must be contiguous in their last dimension")
-    if block_table.dim() != 2 or (block_table.shape[1] > 1 and block_table.stride(1) != 1):
-        raise ValueError("block_table must be [>=B, max_blocks] with unit column stride, got "
-                         f"shape {tuple(block_table.shape)} strides {tuple(block_table.stride())}")
+    if block_table.dim() != 2:
+        raise ValueError(f"block_table must be [>=B, max_blocks], got shape "
+                         f"{tuple(block_table.shape)}")
+    _checks.unit_column_stride("block_table", block_table)
     seq_lens = _int32_lengths(seq_lens[:B])
     num_sms, shared_mem = _device_limits(q8.device.index if q8.device.index is not None
                                          else torch.cuda.current_device()) \
