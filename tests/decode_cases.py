@@ -5,8 +5,9 @@
 A case is a poisoned paged cache (every unused byte random, every unused scale NaN), a block
 table with spare columns, ragged lengths and a random query.  ``BAD_ARGUMENTS`` break the shape,
 type or scale contract (always an error); ``BAD_INDICES`` break a request's length or block ids
-(an error when the data checks run, NaN for that request otherwise); ``NON_FINITE`` put a NaN
-where attention must carry it into the output.
+(an error when the data checks run; otherwise NaN in the rows that depend on them, and nothing
+read from another block); ``NON_FINITE`` put a NaN where attention must carry it into the
+output.
 """
 
 from __future__ import annotations
@@ -148,18 +149,43 @@ def _last_live_page(c, b):
     return (int(c.seq_lens[b]) - 1) // fmt.PAGE_SIZE
 
 
+def _whole_request(c, b):
+    rows = torch.zeros(c.q_nope.shape[:3], dtype=torch.bool)
+    rows[b] = True
+    return rows
+
+
+def rows_reading_page(c: DecodeCase, b: int, page: int) -> torch.Tensor:
+    """``[B, s_q, H]``: the rows of request b that attend to a position of ``page`` (causal)."""
+    s_q = c.q_nope.shape[1]
+    visible = int(c.seq_lens[b]) - s_q + 1 + torch.arange(s_q)
+    rows = torch.zeros(c.q_nope.shape[:3], dtype=torch.bool)
+    rows[b] = (visible > page * fmt.PAGE_SIZE)[:, None]
+    return rows
+
+
+def _reading_last_live_page(c, b):
+    return rows_reading_page(c, b, _last_live_page(c, b))
+
+
+# name: (change(case, b), what the message must name, rows(case, b) that come out NaN).  A length
+# the table cannot hold makes the whole request NaN; a block id outside the cache the rows that
+# attend to its page (with s_q > 1 the last page can lie past what the first queries see).
 BAD_INDICES = {
     # seq_len 192 over a 2-block table re-read the last block; 10,000 moved the LSE.
     "seq_len past the table": (_set_len(lambda c: c.block_table.shape[1] * fmt.PAGE_SIZE + 1),
-                               r"seq_lens\[{b}\]"),
-    "seq_len far past the table": (_set_len(lambda c: 10_000_000), r"seq_lens\[{b}\]"),
-    "negative seq_len": (_set_len(lambda c: -3), r"seq_lens\[{b}\]"),
-    "block id -1": (_set_block(lambda c: -1, _last_live_page), r"block_table\[{b}, "),
+                               r"seq_lens\[{b}\]", _whole_request),
+    "seq_len far past the table": (_set_len(lambda c: 10_000_000), r"seq_lens\[{b}\]",
+                                   _whole_request),
+    "negative seq_len": (_set_len(lambda c: -3), r"seq_lens\[{b}\]", _whole_request),
+    "block id -1": (_set_block(lambda c: -1, _last_live_page), r"block_table\[{b}, ",
+                    _reading_last_live_page),
     "block id past the cache": (_set_block(lambda c: c.kv_cache.shape[0] + 5, _last_live_page),
-                                r"block_table\[{b}, "),
+                                r"block_table\[{b}, ", _reading_last_live_page),
     # int64 values that a narrowing to int32 would wrap onto the request's own valid ones.
-    "seq_len 2^32 past its own (int64)": (_set_len_int64, r"seq_lens\[{b}\]"),
-    "block id 2^32 past its own (int64)": (_set_block_int64, r"block_table\[{b}, "),
+    "seq_len 2^32 past its own (int64)": (_set_len_int64, r"seq_lens\[{b}\]", _whole_request),
+    "block id 2^32 past its own (int64)": (_set_block_int64, r"block_table\[{b}, ",
+                                           _reading_last_live_page),
 }
 
 

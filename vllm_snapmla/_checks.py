@@ -5,8 +5,8 @@ Shape, dtype and device checks are free (no GPU work) and always run.  The data 
 index tensors, which on a GPU means a host sync: they run on CPU tensors, and on CUDA tensors
 only when asked (``validate=True``, or ``SNAPMLA_VALIDATE=1`` in the environment).  Without them
 the CUDA kernels still never read outside the cache: a request whose length its table row cannot
-hold, or whose live pages name a block outside the cache, comes out NaN, and ``append_kv`` skips
-slots outside the cache.  Every violation raises ``TypeError`` (a wrong kind of argument) or
+hold comes out NaN, so do the rows that attend to a live page naming a block outside the cache
+(``ops.decode``), and ``append_kv`` skips slots outside the cache.  Every violation raises ``TypeError`` (a wrong kind of argument) or
 ``ValueError`` (a wrong shape or value) naming the argument, what was expected and what came.
 """
 

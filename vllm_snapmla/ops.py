@@ -225,8 +225,11 @@ def decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
     Non-finite values propagate as in exact attention: NaN or Inf in a query row, or in a cache
     row the request attends to, gives NaN in the outputs that depend on it.  Bytes of unused
     slots (past a request's length) are never read.  Lengths and block ids are checked when the
-    data checks run (CPU tensors, ``validate=True``, ``SNAPMLA_VALIDATE=1``); otherwise an
-    invalid request comes out NaN and nothing outside the cache is read.
+    data checks run (CPU tensors, ``validate=True``, ``SNAPMLA_VALIDATE=1``); otherwise nothing
+    outside the cache is read: a request whose length its table row cannot hold comes out NaN,
+    and a live block id outside the cache makes NaN (output and LSE) every row that attends to
+    its page.  The request's other rows (causal ``s_q > 1``: its last page may lie past what its
+    first queries see) keep their LSE; their output is exact or NaN.
 
     On CUDA the launch shape depends only on the shapes (never on the lengths' values), so a
     call can be captured in a CUDA graph and replayed for other lengths; the split count is

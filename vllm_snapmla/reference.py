@@ -155,10 +155,11 @@ def _page(kv_cache, block_table, seq, k):
 
     Unused cache bytes are arbitrary (NaN, Inf); zeroing them before any arithmetic keeps them from
     leaking through ``0 * NaN``.  Masking the logits is done separately, per query row.  A live
-    page whose block id is outside the cache is not read: its live tokens get a NaN scale, as in
-    the CUDA kernels.  A zero scale is a zero-filled row (vLLM's never-written null block, which
-    dummy and padded requests point at): a zero token, logit 0 and value 0, as a BF16 cache
-    holds there.  A negative or NaN scale is not a cache row: NaN.
+    page whose block id is outside the cache is not read (zero content and RoPE): its live tokens
+    get a NaN scale, so the rows that attend to them come out NaN, as in the CUDA kernels.  A
+    zero scale is a zero-filled row (vLLM's never-written null block, which dummy and padded
+    requests point at): a zero token, logit 0 and value 0, as a BF16 cache holds there.  A
+    negative or NaN scale is not a cache row: NaN.
     """
     B = seq.shape[0]
     pos = k * fmt.PAGE_SIZE + torch.arange(fmt.PAGE_SIZE, device=seq.device)
@@ -167,10 +168,11 @@ def _page(kv_cache, block_table, seq, k):
     blk = torch.where(page_live, block_table[:B, min(k, block_table.shape[1] - 1)].long(), 0)
     blk_ok = (blk >= 0) & (blk < kv_cache.shape[0])
     c8, s, r16 = split_rows(kv_cache[torch.where(blk_ok, blk, 0)])     # [B,64,...]
+    read = live & blk_ok[:, None]
     s = torch.where(blk_ok[:, None] & (s >= 0), s.double(), torch.nan)
-    c = torch.where(live[..., None], c8.double(), 0.0)
+    c = torch.where(read[..., None], c8.double(), 0.0)
     s = torch.where(live, s, 0.0)
-    r = torch.where(live[..., None], r16.double(), 0.0)
+    r = torch.where(read[..., None], r16.double(), 0.0)
     return pos, c, s, r
 
 
@@ -218,7 +220,9 @@ def decode_quantized(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: torch
         m_new = torch.maximum(m, logit.amax(-1))
         m_ref = torch.where(torch.isinf(m_new), 0.0, m_new)             # rows with nothing seen yet
         e = torch.exp(logit - m_ref[..., None])
-        p = e * ks[:, None, None, :]
+        # P' = P sigma_V where the row attends; a NaN scale it does not attend to (a block id
+        # outside the cache) stays out of its row, as in exact attention.
+        p = torch.where(seen[:, :, None, :], e * ks[:, None, None, :], 0.0)
         amax = p.amax(-1)
         peak = torch.maximum(peak * torch.exp(m - m_ref), amax)
         sigma_new = torch.clamp_min(torch.maximum(amax, peak * fmt.P_SCALE_RANGE),
@@ -238,8 +242,9 @@ def decode_quantized(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: torch
 def decode_exact(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                  block_table: torch.Tensor, seq_lens: torch.Tensor, softmax_scale: float,
                  causal: bool = True):
-    """Float64 attention of the unquantized query over the dequantized cache.  Invalid
-    requests (a length the table cannot hold, a live block id outside the cache) give NaN."""
+    """Float64 attention of the unquantized query over the dequantized cache.  A request whose
+    length the table cannot hold gives NaN; a live block id outside the cache is not read, and
+    the rows that attend to its tokens give NaN."""
     B, s_q, H, _ = q_nope.shape
     dev = q_nope.device
     seq = seq_lens[:B].to(dev).long()
@@ -251,15 +256,19 @@ def decode_exact(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
     lse = torch.full((B, H, s_q), -torch.inf, dtype=torch.float64, device=dev)
     for b in range(B):
         n = int(seq[b])
-        pages = block_table[b, :max(n + fmt.PAGE_SIZE - 1, 0) // fmt.PAGE_SIZE].to(dev).long()
-        if not valid[b] or ((pages < 0) | (pages >= kv_cache.shape[0])).any():
+        if not valid[b]:
             out[b] = torch.nan
             lse[b] = torch.nan
             continue
         if n == 0:
             continue
-        c, r = dequantize_kv(kv_cache[pages].reshape(-1, fmt.BYTES_PER_TOKEN)[:n])
-        c, r = c.double(), r.double()
+        pages = block_table[b, :(n + fmt.PAGE_SIZE - 1) // fmt.PAGE_SIZE].to(dev).long()
+        page_ok = (pages >= 0) & (pages < kv_cache.shape[0])
+        rows = kv_cache[torch.where(page_ok, pages, 0)].reshape(-1, fmt.BYTES_PER_TOKEN)[:n]
+        readable = page_ok.repeat_interleave(fmt.PAGE_SIZE)[:n]          # [n]
+        c, r = dequantize_kv(rows)
+        c = torch.where(readable[:, None], c.double(), 0.0)
+        r = torch.where(readable[:, None], r.double(), 0.0)
         logit = (qn[b] @ c.T + qr[b] @ r.T) * softmax_scale               # [s_q, H, n]
         seen = torch.arange(n, device=dev)[None, :] < vis[b][:, None]     # [s_q, n]
         logit = torch.where(seen[:, None, :], logit, -torch.inf)
@@ -267,6 +276,9 @@ def decode_exact(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
         p = torch.exp(logit - torch.where(torch.isinf(row_lse), 0.0, row_lse)[..., None])
         out[b] = p @ c
         lse[b] = row_lse.T
+        reads_unreadable = (seen & ~readable[None, :]).any(-1)          # [s_q]
+        out[b, reads_unreadable] = torch.nan
+        lse[b][:, reads_unreadable] = torch.nan
     return out, lse
 
 

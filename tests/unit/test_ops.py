@@ -17,7 +17,7 @@ from vllm_snapmla import reference as ref
 from vllm_snapmla.testing import build_cache
 
 from tests.decode_cases import (BAD_ARGUMENTS, BAD_INDICES, NON_FINITE, decode_case,
-                                nan_rows_of, zero_filled_page)
+                                nan_rows_of, rows_reading_page, zero_filled_page)
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
@@ -45,11 +45,26 @@ def test_bad_arguments_raise_errors_that_name_them(lens, H, s_q, seed, name):
         ops.decode(*change(case).args())
 
 
+def _assert_nan_in_those_rows_only(bad, case, rows, exact):
+    """``bad``'s outputs are NaN (output and LSE) in ``rows`` and equal to ``case``'s bit for bit
+    elsewhere: nothing of another block was read."""
+    if exact:
+        out, lse = ref.decode(*bad.args(), exact=True)
+        base_out, base_lse = ref.decode(*case.args(), exact=True)
+    else:   # what the CUDA kernels do without validate
+        out, lse = ops.decode(*bad.args(), validate=False)
+        base_out, base_lse = ops.decode(*case.args())
+    nan_out, nan_lse = nan_rows_of(out, lse)
+    assert torch.equal(nan_out, rows) and torch.equal(nan_lse, rows)
+    assert torch.equal(out[~rows], base_out[~rows])
+    assert torch.equal(lse.permute(0, 2, 1)[~rows], base_lse.permute(0, 2, 1)[~rows])
+
+
 @SETTINGS
 @given(lens=lengths, H=heads, s_q=s_qs, seed=seeds, name=st.sampled_from(sorted(BAD_INDICES)),
        pick=st.integers(0, 2))
-def test_bad_indices_raise_or_give_nan_for_that_request_only(lens, H, s_q, seed, name, pick):
-    change, message = BAD_INDICES[name]
+def test_bad_indices_raise_or_give_nan_where_they_are_read(lens, H, s_q, seed, name, pick):
+    change, message, nan_rows = BAD_INDICES[name]
     b = pick % len(lens)
     if "block id" in name:
         assume(lens[b] > 0)   # a page the request reads
@@ -57,16 +72,21 @@ def test_bad_indices_raise_or_give_nan_for_that_request_only(lens, H, s_q, seed,
     bad = change(case, b)
     with pytest.raises(ValueError, match=message.format(b=b)):
         ops.decode(*bad.args())
-    # Unchecked (what the CUDA kernels do without validate): NaN for request b, nothing else
-    # changes, and no block outside the request's pages is read.
-    out, lse = ops.decode(*bad.args(), validate=False)
-    base_out, base_lse = ops.decode(*case.args())
-    assert out[b].isnan().all() and lse[b].isnan().all()
-    others = [i for i in range(len(lens)) if i != b]
-    torch.testing.assert_close(out[others], base_out[others], rtol=0, atol=0, equal_nan=False)
-    torch.testing.assert_close(lse[others], base_lse[others], rtol=0, atol=0)
-    ex_out, ex_lse = ref.decode(*bad.args(), exact=True)
-    assert ex_out[b].isnan().all() and ex_lse[b].isnan().all()
+    for exact in (False, True):
+        _assert_nan_in_those_rows_only(bad, case, nan_rows(case, b), exact)
+
+
+@pytest.mark.parametrize("s_q", [2, 4])
+@pytest.mark.parametrize("name", ["block id -1", "block id past the cache"])
+def test_bad_block_id_on_a_page_only_the_later_queries_read(name, s_q):
+    """Causal s_q > 1: a request of 64 k + 1 tokens has its last page read by its last query
+    only.  That row is NaN; the earlier ones are exact (nothing of the bad page enters them)."""
+    case = decode_case([129, 65, 70], 2, s_q, 0)
+    bad = BAD_INDICES[name][0](case, 1)
+    rows = rows_reading_page(case, 1, 1)
+    assert rows[1].any() and not rows[1].all()
+    for exact in (False, True):
+        _assert_nan_in_those_rows_only(bad, case, rows, exact)
 
 
 @SETTINGS

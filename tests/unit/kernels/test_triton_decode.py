@@ -146,6 +146,26 @@ def _interpreted_cases():
                         and (nan_request is None
                              or bool(out[nan_request].isnan().all()
                                      and lse[nan_request].isnan().all())))
+    # Causal s_q = 2: request 1 (65 tokens) has its last page read by its second query only. A
+    # bad block id there makes that row NaN (output and LSE); the first query keeps its LSE, and
+    # its output is the unbroken one or NaN (P' = 0 x NaN); the other requests do not change.
+    cache, bt, _ = build_cache([129, 65, 70], gen=gen)
+    sl = torch.tensor([129, 65, 70], dtype=torch.int32)
+    q8, qs, qpe = ref.quantize_q(torch.randn(3, 2, 8, 512, generator=gen).bfloat16(),
+                                 torch.randn(3, 2, 8, 64, generator=gen).bfloat16())
+    for block in (-1, cache.shape[0] + 5):
+        for splits in (None, 1, 2):
+            base_out, base_lse = snapmla_decode(q8, qs, qpe, cache, bt, sl, 0.1,
+                                                num_splits=splits)
+            table = bt.clone()
+            table[1, 1] = block
+            out, lse = snapmla_decode(q8, qs, qpe, cache, table, sl, 0.1, num_splits=splits)
+            checks[f"block {block} read by the last query only, splits {splits}"] = bool(
+                out[1, 1].isnan().all() and lse[1, :, 1].isnan().all()
+                and torch.equal(lse[1, :, 0], base_lse[1, :, 0])
+                and (out[1, 0].isnan().all() or torch.equal(out[1, 0], base_out[1, 0]))
+                and torch.equal(out[[0, 2]], base_out[[0, 2]])
+                and torch.equal(lse[[0, 2]], base_lse[[0, 2]]))
     try:
         snapmla_decode(q8, qs, qpe, cache, bt.repeat_interleave(2, 1)[:, ::2], sl, 0.1)
         checks["column-strided table refused"] = False
