@@ -2,13 +2,17 @@
 
 One command evaluates a model under each ``--kv`` setting (``auto`` = BF16 cache, ``fp8_snapmla``,
 optionally vLLM's ``fp8``) and writes ``parity.md`` / ``parity.csv``: the score of every task per
-setting, its delta against ``auto``, and the mean number of generated tokens per setting.
+setting, its delta against ``auto``, the mean number of generated tokens per setting, and the
+share of generations cut off at the token limit.
 
 Each setting runs in its own subprocess (a fresh vLLM engine and GPU memory) through lm-eval's
 ``vllm`` model with ``kv_cache_dtype`` passed as an engine argument; our plugin is loaded by vLLM
 through its entry point, in the engine's workers too.  Generated lengths are counted from the
 token ids vLLM returns (they include the reasoning trace); outputs that lack that record (e.g. a
-plain ``lm_eval`` run) fall back to re-tokenizing the responses in lm-eval's samples files.
+plain ``lm_eval`` run) fall back to re-tokenizing the responses in lm-eval's samples files.  A
+generation vLLM stopped for length (``finish_reason == "length"``: ``max_gen_toks`` or the model
+length) is scored as it stands, usually wrong; the table gives their share per setting, since a
+setting that thinks longer loses points to the limit, not to its accuracy.
 
     python -m eval.parity --model deepseek-ai/DeepSeek-V3.1 --tp 8 --out runs/parity
 """
@@ -38,6 +42,7 @@ REASONING_GEN_KWARGS = {"do_sample": True, "temperature": 0.6, "top_p": 0.95,
 DEFAULT_MAX_MODEL_LEN = 40960
 THINK_END_TOKEN = "</think>"   # DeepSeek-V3.1's end of the reasoning trace
 LENGTHS_FILE = "gen_lengths.json"
+CUT_FILE = "gen_cut.json"       # per task, per generation: stopped at the token limit
 RESULTS_FILE = "results.json"
 
 
@@ -99,25 +104,28 @@ def child_command(setting: str, opts: argparse.Namespace) -> list[str]:
 # ----------------------------------------------------------------------------- one setting (GPU)
 
 def _length_recording_model(lm_args: dict):
-    """lm-eval's vLLM model, also recording how many tokens each generation produced."""
+    """lm-eval's vLLM model, also recording how many tokens each generation produced and whether
+    it was stopped at the token limit."""
     from lm_eval.models.vllm_causallms import VLLM
 
     class LengthRecordingVLLM(VLLM):
         def __init__(self, **kw):
             super().__init__(**kw)
             self.lengths_by_task: dict[str, list[int]] = defaultdict(list)
-            self._pending: list[int] = []
+            self.cut_by_task: dict[str, list[bool]] = defaultdict(list)
+            self._pending: list[tuple[int, bool]] = []
 
         def _model_generate(self, requests, generate=False, sampling_params=None):
             outputs = super()._model_generate(requests, generate, sampling_params)
             if generate:
-                self._pending.extend(len(o.outputs[0].token_ids) for o in outputs)
+                self._pending.extend((len(o.outputs[0].token_ids),
+                                      o.outputs[0].finish_reason == "length") for o in outputs)
             return outputs
 
         def generate_until(self, requests, disable_tqdm=False):
             # lm-eval reports each output to the cache hook right after generating it, in the
             # order vLLM returned it; pair the counts with contexts there, then with requests.
-            by_context: dict[str, list[int]] = defaultdict(list)
+            by_context: dict[str, list[tuple[int, bool]]] = defaultdict(list)
             hook = self.cache_hook
             original = hook.add_partial
 
@@ -134,7 +142,9 @@ def _length_recording_model(lm_args: dict):
             for req in requests:
                 counts = by_context.get(req.args[0])
                 if counts:
-                    self.lengths_by_task[req.task_name].append(counts.pop())
+                    length, cut = counts.pop()
+                    self.lengths_by_task[req.task_name].append(length)
+                    self.cut_by_task[req.task_name].append(cut)
             return results
 
     return LengthRecordingVLLM(**lm_args)
@@ -168,6 +178,7 @@ def run_one(setting: str, opts: argparse.Namespace) -> None:
                 f.write(json.dumps(entry, default=str) + "\n")
     (out / RESULTS_FILE).write_text(json.dumps(results, indent=2, default=str))
     (out / LENGTHS_FILE).write_text(json.dumps(lm.lengths_by_task, indent=1))
+    (out / CUT_FILE).write_text(json.dumps(lm.cut_by_task))
 
 
 # ----------------------------------------------------------------------------- the table
@@ -230,9 +241,21 @@ def mean_lengths(setting_dir: Path, lm_eval_task: str, count_tokens) -> float | 
     return sum(lengths) / len(lengths) if lengths else None
 
 
+def cut_percent(setting_dir: Path, lm_eval_task: str) -> float | None:
+    """Percent of one task's generations (every subtask of a group) that vLLM stopped at the
+    token limit; ``None`` without a record (a plain ``lm_eval`` run)."""
+    recorded = setting_dir / CUT_FILE
+    if not recorded.exists():
+        return None
+    cut = [c for name, flags in json.loads(recorded.read_text()).items()
+           if _of_task(name, lm_eval_task) for c in flags]
+    return 100.0 * sum(cut) / len(cut) if cut else None
+
+
 def build_table(out: Path, settings: list[str], task_names: list[str],
                 count_tokens=None) -> list[dict]:
-    """One row per task: score per setting (percent), delta vs ``auto``, mean length per setting.
+    """One row per task: score per setting (percent), delta vs ``auto``, mean length and percent
+    of generations cut at the token limit per setting.
 
     Missing results are ``None`` (a setting that crashed, a task lm-eval could not load).
     """
@@ -250,6 +273,7 @@ def build_table(out: Path, settings: list[str], task_names: list[str],
             se = scores.get(stderr_key)
             row[f"se[{s}]"] = 100.0 * se if isinstance(se, (int, float)) else None
             row[f"len[{s}]"] = mean_lengths(out / s, task.lm_eval_task, count_tokens)
+            row[f"cut%[{s}]"] = cut_percent(out / s, task.lm_eval_task)
         base, base_se = row.get(f"score[{BASELINE}]"), row.get(f"se[{BASELINE}]")
         for s in settings:
             if s != BASELINE:
@@ -269,6 +293,7 @@ def _columns(settings: list[str]) -> list[str]:
     cols += [f"delta[{s}]" for s in settings if s != BASELINE]
     cols += [f"delta_se[{s}]" for s in settings if s != BASELINE]
     cols += [f"len[{s}]" for s in settings]
+    cols += [f"cut%[{s}]" for s in settings]
     cols += [f"se[{s}]" for s in settings]
     return cols
 
@@ -299,6 +324,8 @@ def write_table(rows: list[dict], settings: list[str], out: Path,
     if failed:
         lines += ["", f"**Failed in this run, no results:** {', '.join(failed)} (see the log)."]
     lines += ["", "Scores in percent; len = mean generated tokens per sample (paper Table 2); "
+              "cut% = generations stopped at the token limit (max_gen_toks or the model "
+              "length), scored as they stand; "
               "se = lm-eval's standard error of the score, delta_se = both settings' combined "
               "as if independent (a difference within about 2 delta_se is noise).",
               "Not in lm-eval 0.4.13, not run: " + ", ".join(NOT_IN_LM_EVAL) + "."]

@@ -107,7 +107,52 @@ def test_a_failed_setting_shows_no_earlier_results(tmp_path, monkeypatch):
     assert "**Failed in this run, no results:** auto, fp8_snapmla" in md
 
 
-def _write_run(out, setting, scores, samples, lengths=None):
+def test_recorded_lengths_and_cuts_follow_each_request(monkeypatch):
+    """The recording model pairs vLLM's token counts and finish reasons with lm-eval's requests
+    through the cache hook, whatever order lm-eval generates them in."""
+    out = lambda n, reason: types.SimpleNamespace(
+        outputs=[types.SimpleNamespace(token_ids=[0] * n, finish_reason=reason, text="x" * n)])
+    # What vLLM returns per prompt (the same prompt twice: a repeated task's samples).
+    replies = {"a": [out(5, "stop"), out(32, "length")], "bb": [out(7, "stop")],
+               "ccc": [out(32, "length")]}
+
+    class Hook:
+        def add_partial(self, kind, key, value):
+            pass
+
+    class FakeVLLM:      # lm-eval 0.4.13's generate_until, reduced to its order of events
+        def __init__(self, **kw):
+            self.cache_hook = Hook()
+
+        def _model_generate(self, requests, generate=False, sampling_params=None):
+            return [replies[context].pop(0) for context in requests]
+
+        def generate_until(self, requests, disable_tqdm=False):
+            order = sorted(range(len(requests)), key=lambda i: -len(requests[i].args[0]))
+            contexts = [requests[i].args[0] for i in order]
+            res = {}
+            for start in (0, 2):                          # two batches
+                batch = contexts[start:start + 2]
+                for i, output, context in zip(order[start:start + 2],
+                                              self._model_generate(batch, generate=True), batch):
+                    res[i] = output.outputs[0].text
+                    self.cache_hook.add_partial("generate_until", (context, {}), res[i])
+            return [res[i] for i in range(len(requests))]
+
+    fake = types.ModuleType("lm_eval.models.vllm_causallms")
+    fake.VLLM = FakeVLLM
+    monkeypatch.setitem(sys.modules, "lm_eval.models.vllm_causallms", fake)
+    lm = parity._length_recording_model({})
+    req = lambda context, task: types.SimpleNamespace(args=(context, {}), task_name=task)
+    texts = lm.generate_until([req("a", "gsm8k"), req("ccc", "aime24_avg16"),
+                               req("bb", "gsm8k"), req("a", "gsm8k")])
+    assert sorted(map(len, texts)) == [5, 7, 32, 32]
+    assert sorted(zip(lm.lengths_by_task["gsm8k"], lm.cut_by_task["gsm8k"])) == [
+        (5, False), (7, False), (32, True)]
+    assert lm.lengths_by_task["aime24_avg16"] == [32] and lm.cut_by_task["aime24_avg16"] == [True]
+
+
+def _write_run(out, setting, scores, samples, lengths=None, cut=None):
     """Files shaped like lm-eval 0.4.13 output (results JSON, per-task samples JSONL)."""
     run = out / setting / "deepseek-ai__DeepSeek-V3.1"
     run.mkdir(parents=True)
@@ -125,6 +170,8 @@ def _write_run(out, setting, scores, samples, lengths=None):
                                         "metrics": ["exact_match"]}) + "\n")
     if lengths is not None:
         (out / setting / parity.LENGTHS_FILE).write_text(json.dumps(lengths))
+    if cut is not None:
+        (out / setting / parity.CUT_FILE).write_text(json.dumps(cut))
 
 
 def test_table_has_scores_deltas_lengths_and_marks_missing(tmp_path):
@@ -142,7 +189,8 @@ def test_table_has_scores_deltas_lengths_and_marks_missing(tmp_path):
     _write_run(tmp_path, "fp8_snapmla",
                {T[t].lm_eval_task: (T[t].metric, s[t]) for t in ("aime24", "ifeval")},
                {"aime24_avg16": [[words(1)]]},
-               lengths={"aime24_avg16": [100, 300], "ifeval": [5]})
+               lengths={"aime24_avg16": [100, 300], "ifeval": [5]},
+               cut={"aime24_avg16": [False, True, True, True], "ifeval": [False]})
     settings = ["auto", "fp8_snapmla"]
     rows = parity.build_table(tmp_path, settings, ["aime24", "ifeval", "math500", "mmlu_pro"],
                               count_tokens=lambda text: len(text.split()))
@@ -155,6 +203,9 @@ def test_table_has_scores_deltas_lengths_and_marks_missing(tmp_path):
     assert aime["len[auto]"] == pytest.approx(40.0)
     assert aime["len[fp8_snapmla]"] == pytest.approx(200.0)
     assert by["IFEval"]["len[auto]"] == 7 and by["IFEval"]["len[fp8_snapmla]"] == 5
+    # Generations stopped at the token limit: recorded only by our own runs.
+    assert aime["cut%[fp8_snapmla]"] == pytest.approx(75.0) and aime["cut%[auto]"] is None
+    assert by["IFEval"]["cut%[fp8_snapmla]"] == 0.0
     math = by["MATH-500"]
     assert math["score[auto]"] == pytest.approx(100 * a["math500"])
     assert math["score[fp8_snapmla]"] is None and math["delta[fp8_snapmla]"] is None
@@ -172,6 +223,7 @@ def test_table_has_scores_deltas_lengths_and_marks_missing(tmp_path):
     assert "| MATH-500 |" in md and "n/a" in md
     assert f"{100 * (s['aime24'] - a['aime24']):+.2f}" in md
     assert "| 1.41 |" in md and "delta_se" in md                  # unsigned, beside the delta
+    assert "cut%[fp8_snapmla]" in md and "| 75.00 |" in md
     for missing in ("HMMT-25", "BeyondAIME", "ZebraLogic", "LiveCodeBench", "Arena-Hard"):
         assert missing in md
 
