@@ -1,13 +1,21 @@
-"""The sm_90a kernel's V^T build (csrc/sm90/decode_kernel.cuh, ``build_vt``),
-simulated lane by lane: ldmatrix.x4.trans, the byte permutes and stmatrix.x4 with ``VtMap``'s
-addresses and selectors must write the V^T layout the PV WGMMA reads (K-major rows of 64 tokens
-in the permuted A order, 128-byte swizzle, two page buffers), zeros for empty slots, nothing
-outside the page's buffer, and every 8-row phase of both instructions in 8 different 16-byte bank
-groups.  The GPU tests check the kernel's results; this pins the map down where a wrong one would
-be a hunt.  The formulas mirror ``make_vt_map`` and ``build_vt``: change them together."""
+"""The sm_90a kernel's V^T build (csrc/sm90/decode_kernel.cuh, ``build_vt``), simulated lane by
+lane: ldmatrix.x4.trans, the byte permutes and stmatrix.x4 with the addresses and selectors of
+``make_vt_map`` (csrc/sm90/vt_map.h, compiled here for the host and run) must write the V^T
+layout the PV WGMMA reads (K-major rows of 64 tokens in the permuted A order, 128-byte swizzle,
+two page buffers), zeros for empty slots, nothing outside the page's buffer, and every 8-row
+phase of both instructions in 8 different 16-byte bank groups.  The GPU tests check the kernel's
+results; this pins the map down where a wrong one would be a hunt.  The per-step arithmetic of
+``build_vt`` (step q's offsets) is mirrored in ``_build``: change the two together."""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
+
+CSRC = Path(__file__).resolve().parents[3] / "csrc"
 
 PAGE, COLS, ROW = 64, 256, 128          # tokens, columns of one half, swizzled row bytes
 TILE = PAGE * ROW                       # one 64 x 128 e4m3 content tile
@@ -23,15 +31,47 @@ def _a_order_token(k):
     return 16 * (k // 16) + 8 * ((kk >> 1) & 1) + 2 * (kk >> 2) + (kk & 1)
 
 
-def _vt_map(warp, lane):
-    token = 16 * warp + 8 * ((lane >> 3) & 1) + (lane & 7)
-    load = token * ROW + ((((lane >> 4) ^ lane) & 7) << 4)
-    m, r = lane >> 3, lane & 7
-    col = 2 * r + 16 * (m >> 1) + ((m & 1) ^ (1 if r >= 4 else 0))
-    store = col * ROW + (((warp ^ col) & 7) << 4)
-    even_first = (lane >> 2) < 4
-    sel = (0x6420, 0x7531) if even_first else (0x7531, 0x6420)
-    return load, store, sel, 16 * warp + 2 * (lane & 3)
+_PROBE = r"""
+#include <cstdio>
+#include "sm90/vt_map.h"
+int main() {
+  for (int warp = 0; warp < 4; ++warp)
+    for (int lane = 0; lane < 32; ++lane) {
+      const snapmla::sm90::VtMap m = snapmla::sm90::make_vt_map(warp, lane);
+      std::printf("%u %u %u %u %d\n", m.load, m.store, m.sel[0], m.sel[1], m.token0);
+    }
+}
+"""
+
+
+def _nvcc() -> str | None:
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    candidate = os.path.join(home, "bin", "nvcc")
+    return candidate if os.access(candidate, os.X_OK) else None
+
+
+@pytest.fixture(scope="module")
+def vt_maps(tmp_path_factory):
+    """``make_vt_map(warp, lane)`` of the header, for the 4 warps x 32 lanes of a warpgroup."""
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("no nvcc to compile csrc/sm90/vt_map.h with")
+    tmp = tmp_path_factory.mktemp("vt_map")
+    (tmp / "probe.cu").write_text(_PROBE)
+    build = subprocess.run([nvcc, "-std=c++17", f"-I{CSRC}", "-o", str(tmp / "probe"),
+                            str(tmp / "probe.cu")], capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-3000:]
+    rows = subprocess.run([str(tmp / "probe")], capture_output=True, text=True, check=True,
+                          timeout=60).stdout.split("\n")
+    maps = {}
+    for i, row in enumerate(r for r in rows if r):
+        load, store, sel0, sel1, token0 = map(int, row.split())
+        maps[divmod(i, 32)] = (load, store, (sel0, sel1), token0)
+    assert len(maps) == 128
+    return maps
 
 
 def _byte_perm(a, b, sel):
@@ -43,11 +83,11 @@ def _distinct_bank_groups(addresses):
     return len({(a // 16) % 8 for a in addresses}) == 8
 
 
-def _build(stage, buf, live):
+def _build(vt_maps, stage, buf, live):
     """V^T of one half as the kernel builds it, from the half's two swizzled content tiles."""
     vt = np.full(COLS * ROW, 0xEE, np.uint8)
     for warp in range(4):
-        maps = [_vt_map(warp, lane) for lane in range(32)]
+        maps = [vt_maps[warp, lane] for lane in range(32)]
         keep = []
         for *_, a in maps:
             def pair(t):
@@ -82,14 +122,14 @@ def _build(stage, buf, live):
 
 @pytest.mark.parametrize("buf", [0, 1])
 @pytest.mark.parametrize("live", [64, 37, 9, 1])
-def test_vt_build_writes_the_pv_operand_layout(buf, live):
+def test_vt_build_writes_the_pv_operand_layout(vt_maps, buf, live):
     rng = np.random.default_rng(live + 100 * buf)
     v = rng.integers(0, 256, size=(PAGE, COLS), dtype=np.uint8)      # a half's content
     stage = np.zeros(2 * TILE, np.uint8)
     for t in range(PAGE):
         for c in range(COLS):
             stage[(c // ROW) * TILE + _swizzled(t, c % ROW)] = v[t, c]
-    vt = _build(stage, buf, live)
+    vt = _build(vt_maps, stage, buf, live)
     written = np.zeros(vt.shape, bool)
     for col in range(COLS):
         for k in range(PAGE):
