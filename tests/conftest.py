@@ -3,9 +3,7 @@ import os
 import pytest
 import torch
 
-
-def _has_fp8_gpu() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+from vllm_snapmla.testing import has_fp8_gpu
 
 
 def _gpu_build_problem() -> str | None:
@@ -26,7 +24,7 @@ def _gpu_build_problem() -> str | None:
 
 
 def pytest_collection_modifyitems(config, items):
-    if _has_fp8_gpu():
+    if has_fp8_gpu():
         problem = _gpu_build_problem()
         if problem:
             raise pytest.UsageError(f"{problem}: the GPU tests would skip instead of running. "

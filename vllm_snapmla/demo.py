@@ -17,11 +17,7 @@ import torch
 
 from vllm_snapmla import format as fmt
 from vllm_snapmla import reference as ref
-from vllm_snapmla.testing import generate_in_subprocess, write_tiny_deepseek_v3
-
-
-def _has_fp8_gpu() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+from vllm_snapmla.testing import generate_in_subprocess, has_fp8_gpu, write_tiny_deepseek_v3
 
 
 def gpu_demo(random_weights: bool = False) -> None:
@@ -121,7 +117,7 @@ def main(argv=None) -> None:
                         help="write random weights of trained-model scale instead of "
                              "load_format=dummy (GPU run only)")
     args = parser.parse_args(argv)
-    if _has_fp8_gpu():
+    if has_fp8_gpu():
         gpu_demo(args.random_weights)
     else:
         cpu_report()

@@ -9,7 +9,8 @@
   tests compare KV formats, compilation modes and parallel layouts);
 - ``tp_shard_problems``: the dimensions of a tiny config that do not split over TP/EP ranks;
 - ``build_cache``: a random paged ``fp8_snapmla`` cache with shuffled block tables and garbage
-  (NaN scales) in every byte no request owns.
+  (NaN scales) in every byte no request owns;
+- ``has_fp8_gpu``: whether this machine has a GPU the kernels run on (the GPU demo and tests).
 
 ``python -m vllm_snapmla.testing`` is the child process of ``generate_in_subprocess``.
 """
@@ -51,6 +52,11 @@ TINY_DEEPSEEK_V3 = {
 
 RESULT_TAG = "SNAPMLA_RESULT "
 _KV_TOKENS_LOG = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
+
+
+def has_fp8_gpu() -> bool:
+    """A CUDA GPU with native e4m3 (sm_89 and newer), the plugin's minimum."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
 def write_tiny_deepseek_v3(path, *, random_weights: bool = False, seed: int = 0,
