@@ -352,8 +352,13 @@ gather_kv_kernel(const GatherSource src_desc, OutT* dst, int64_t dst_stride, int
   int64_t block = -1;
   int64_t pos = -1;
   if (seq >= 0 && seq < g.num_seqs) {
-    pos = token - g.cu_seq_lens[seq] + (g.seq_starts != nullptr ? g.seq_starts[seq] : 0);
-    if (pos >= 0 && pos < g.table_pages * kPageSize) {
+    // The token's place in its request and the request's start are never negative, so an index
+    // narrowed to its out-of-range value (INT_MIN for cu_seq_lens, INT_MAX for a start:
+    // csrc/api/checks.h) puts the position past the table whatever the other one holds.
+    const int64_t offset = token - g.cu_seq_lens[seq];
+    const int64_t start = g.seq_starts != nullptr ? g.seq_starts[seq] : 0;
+    if (offset >= 0 && start >= 0 && start + offset < g.table_pages * kPageSize) {
+      pos = start + offset;
       block = g.block_table[seq * g.block_table_stride + pos / kPageSize];
     }
   }

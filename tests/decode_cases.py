@@ -98,6 +98,16 @@ BAD_ARGUMENTS = {
                           "softmax_scale"),
     "softmax_scale a string": (lambda c: c.replace(softmax_scale="0.1"), TypeError,
                                "softmax_scale"),
+    # The kernels' logit scale is softmax_scale * log2(e) as a float32: Inf (NaN outputs) or 0
+    # (uniform attention) there.
+    "softmax_scale past float32": (lambda c: c.replace(softmax_scale=1e39), ValueError,
+                                   "softmax_scale"),
+    "softmax_scale below float32": (lambda c: c.replace(softmax_scale=1e-50), ValueError,
+                                    "softmax_scale"),
+    "kv_cache without blocks": (lambda c: c.replace(kv_cache=c.kv_cache[:0]), ValueError,
+                                "kv_cache"),
+    "kv_cache blocks overlap": (lambda c: c.replace(kv_cache=c.kv_cache[:1].expand(
+        c.kv_cache.shape[0], *c.kv_cache.shape[1:])), ValueError, "kv_cache"),
     # A bool or a tensor would pass as a number through the native op's float argument.
     "softmax_scale a bool": (lambda c: c.replace(softmax_scale=True), TypeError,
                              "softmax_scale"),

@@ -23,6 +23,9 @@ from vllm_snapmla import reference
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
+# gather_kv's positions are int32 on CUDA; a table at most this wide keeps them there, so that an
+# index narrowed to its out-of-range value (csrc/api/checks.h) always lands past the table.
+MAX_GATHER_PAGES = (2**31 - 1) // fmt.PAGE_SIZE
 
 
 def data_checks_on(validate: bool | None, *tensors: torch.Tensor) -> bool:
@@ -104,6 +107,13 @@ def index_tensor(name: str, t, dims: int | None = None) -> torch.Tensor:
     return t
 
 
+def gather_table(table: torch.Tensor) -> None:
+    """A gather's table: at least one column, and positions that fit int32 (MAX_GATHER_PAGES)."""
+    if not 1 <= table.shape[1] <= MAX_GATHER_PAGES:
+        raise ValueError(f"block_table must have 1 to {MAX_GATHER_PAGES} columns (positions are "
+                         f"int32 on CUDA), got {_shape(table)}")
+
+
 def unit_column_stride(name: str, table: torch.Tensor) -> None:
     """The kernels read a table row's ids as consecutive elements."""
     if table.shape[1] > 1 and table.stride(1) != 1:
@@ -117,7 +127,18 @@ def cache(kv_cache) -> torch.Tensor:
             fmt.PAGE_SIZE, fmt.BYTES_PER_TOKEN):
         raise ValueError(f"kv_cache must be uint8[num_blocks, {fmt.PAGE_SIZE}, "
                          f"{fmt.BYTES_PER_TOKEN}], got {_shape(kv_cache)}")
+    block_bytes = fmt.PAGE_SIZE * fmt.BYTES_PER_TOKEN
+    if kv_cache.shape[0] > 1 and kv_cache.stride(0) < block_bytes:
+        raise ValueError(f"kv_cache blocks overlap: block stride {kv_cache.stride(0)} bytes, "
+                         f"a block is {block_bytes}")
     return kv_cache
+
+
+def separate_rows(name: str, t: torch.Tensor) -> None:
+    """Rows that do not overlap (an expanded tensor would have every token write one row)."""
+    if t.shape[0] > 1 and (t.stride(1) == 0 or abs(t.stride(0)) < t.shape[1] * abs(t.stride(1))):
+        raise ValueError(f"{name} rows overlap (strides {tuple(t.stride())}); pass a tensor "
+                         "whose rows are separate")
 
 
 def softmax_scale(value) -> float:
@@ -126,13 +147,34 @@ def softmax_scale(value) -> float:
     value = float(value)
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"softmax_scale must be positive and finite, got {value}")
+    # The kernels scale logits by softmax_scale * log2(e) in float32: it must not overflow to
+    # Inf (NaN outputs) or flush to 0 (uniform attention).
+    f32 = torch.finfo(torch.float32)
+    if not f32.tiny <= value * math.log2(math.e) <= f32.max:
+        raise ValueError(f"softmax_scale = {value}: softmax_scale * log2(e) must be a normal "
+                         f"float32 ([{f32.tiny:.3g}, {f32.max:.3g}]), the kernels' logit scale")
     return value
 
 
 def float_dtype(name: str, dtype) -> torch.dtype:
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"{name} must be a floating-point torch.dtype, got {dtype}")
+    """An output dtype that holds dequantized values as they are (FP8 would not saturate)."""
+    if dtype not in (*FLOAT_DTYPES, torch.float64):
+        raise TypeError(f"{name} must be torch.bfloat16, float16, float32 or float64, got {dtype}")
     return dtype
+
+
+def count(name: str, value) -> int:
+    """An integer count: an int, or a one-element integer tensor (vLLM passes the chunked
+    context's token count as one).  A bool or a float would silently truncate."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() == 1 and value.dtype in INDEX_DTYPES + (torch.int16, torch.int8,
+                                                                 torch.uint8):
+            return int(value)
+        raise TypeError(f"{name} must be an int or a one-element integer tensor, got "
+                        f"{_shape(value)}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    return int(value)
 
 
 # --- data checks (read the values) ---------------------------------------------------------
@@ -166,7 +208,7 @@ def decode_indices(block_table: torch.Tensor, seq_lens: torch.Tensor, batch: int
 
 
 def slots(slot_mapping: torch.Tensor, num_blocks: int) -> None:
-    """Slots below ``num_blocks * 64`` (negative slots are skipped by design)."""
+    """Slots below ``num_blocks * 64`` (negative slots are skipped by design), each written once."""
     flat = slot_mapping.flatten().long().cpu()
     limit = num_blocks * fmt.PAGE_SIZE
     bad = flat >= limit
@@ -175,12 +217,22 @@ def slots(slot_mapping: torch.Tensor, num_blocks: int) -> None:
         raise ValueError(f"slot_mapping[{t}] = {int(flat[t])} is outside the cache's {limit} slots "
                          f"({num_blocks} blocks x {fmt.PAGE_SIZE}); use a negative slot to skip "
                          "a token")
+    written = flat[flat >= 0]
+    values, counts = torch.unique(written, return_counts=True)
+    if (counts > 1).any():
+        slot = int(values[_first(counts > 1)])
+        first, second = (int(i) for i in (flat == slot).nonzero()[:2, 0])
+        raise ValueError(f"slot_mapping[{first}] and slot_mapping[{second}] are both slot {slot}: "
+                         "two tokens written to one cache row")
 
 
-def finite_rows(name: str, t: torch.Tensor, rows: int) -> None:
-    bad = ~torch.isfinite(t[:rows].reshape(rows, -1)).all(-1)
+def finite_rows(name: str, t: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    """No NaN or Inf in the rows of ``t`` (those where ``rows`` is true, when given)."""
+    bad = ~torch.isfinite(t).all(-1).cpu()        # t is [rows, width]
+    if rows is not None:
+        bad &= rows
     if bad.any():
-        r = _first(bad.cpu())
+        r = _first(bad)
         raise ValueError(f"{name} row {r} holds a NaN or Inf; its cache row would read back as "
                          "NaN (pass validate=False to store it so)")
 
@@ -204,6 +256,14 @@ def gather_indices(block_table: torch.Tensor, cu_seq_lens: torch.Tensor,
         t = _first(~src.seq_ok)
         raise ValueError(f"token_to_seq[{t}] = {int(src.seq[t])} names no request: block_table, "
                          f"cu_seq_lens and seq_starts describe {src.num_seqs}")
+    for bad, what in ((src.offset < 0, "comes before its request's first token"),
+                      (src.start < 0, "has a negative seq_starts")):
+        if bad.any():
+            t = _first(bad)
+            b = int(src.seq[t])
+            start = f", seq_starts[{b}] = {int(seq_starts[b])}" if seq_starts is not None else ""
+            raise ValueError(f"token {t} of request {b} {what} (cu_seq_lens[{b}] = "
+                             f"{int(cu_seq_lens[b])}{start})")
     if not src.pos_ok.all():
         t = _first(~src.pos_ok)
         limit = block_table.shape[1] * fmt.PAGE_SIZE

@@ -45,10 +45,10 @@ def quantize_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, *,
     """
     kv_c = _checks.token_rows("kv_c", kv_c, fmt.KV_LORA_RANK)
     k_pe = _checks.token_rows("k_pe", k_pe, fmt.ROPE_DIM)
-    _kv_pair(kv_c, k_pe, kv_c.shape[0])
+    _kv_pair(kv_c, k_pe, kv_c.shape[0], exact=True)
     if _checks.data_checks_on(validate, kv_c):
-        _checks.finite_rows("kv_c", kv_c, kv_c.shape[0])
-        _checks.finite_rows("k_pe", k_pe, k_pe.shape[0])
+        _checks.finite_rows("kv_c", kv_c)
+        _checks.finite_rows("k_pe", k_pe)
     if kv_c.is_cuda:
         out = torch.empty(kv_c.shape[0], fmt.BYTES_PER_TOKEN, dtype=torch.uint8, device=kv_c.device)
         _require_native("quantize_kv").quantize_kv(kv_c, k_pe, out)
@@ -56,19 +56,22 @@ def quantize_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, *,
     return reference.quantize_kv(kv_c, k_pe)
 
 
-def _kv_pair(kv_c: torch.Tensor, k_pe: torch.Tensor, rows: int) -> None:
+def _kv_pair(kv_c: torch.Tensor, k_pe: torch.Tensor, rows: int, exact: bool) -> None:
+    """Same dtype and device; ``rows`` rows each (``exact``), or at least ``rows``."""
     if k_pe.dtype != kv_c.dtype:
         raise TypeError(f"k_pe is {k_pe.dtype} but kv_c is {kv_c.dtype}; they must match")
     _checks.same_device(kv_c.device, k_pe=k_pe)
-    if kv_c.shape[0] < rows or k_pe.shape[0] < rows or (
-            rows == kv_c.shape[0] and k_pe.shape[0] != rows):
+    if exact and k_pe.shape[0] != rows:
+        raise ValueError(f"kv_c has {kv_c.shape[0]} rows and k_pe {k_pe.shape[0]}; they must "
+                         "have the same count")
+    if kv_c.shape[0] < rows or k_pe.shape[0] < rows:
         raise ValueError(f"kv_c has {kv_c.shape[0]} rows and k_pe {k_pe.shape[0]}; "
-                         f"{rows} are needed (and both must have the same count)")
+                         f"{rows} are needed (one per slot_mapping entry)")
 
 
 def dequantize_kv(rows: torch.Tensor, dtype: torch.dtype = torch.float32):
     """Inverse of ``quantize_kv``: ``uint8[...,656] -> (kv_c[...,512], k_pe[...,64])`` in ``dtype``
-    (a floating-point dtype)."""
+    (bfloat16, float16, float32 or float64)."""
     _checks.tensor("rows", rows)
     if rows.dtype != torch.uint8 or rows.dim() == 0 or rows.shape[-1] != fmt.BYTES_PER_TOKEN:
         raise ValueError(f"rows must be uint8[..., {fmt.BYTES_PER_TOKEN}], got "
@@ -81,9 +84,11 @@ def append_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
     """Quantize and write token ``t`` to slot ``slot_mapping[t]`` for ``t < len(slot_mapping)``.
 
     ``slot_mapping`` is an integer tensor (flattened); slot ``s`` is row ``s % 64`` of block
-    ``s // 64``.  Negative slots (vLLM's padding) are skipped; ``kv_c`` may have more rows than
-    ``slot_mapping`` (CUDA-graph padding), and those rows are ignored.  A slot past the cache
-    raises ``ValueError`` when the data checks run, and is skipped otherwise.
+    ``s // 64``.  Negative slots (vLLM's padding) are skipped; ``kv_c`` and ``k_pe`` may have
+    more rows than ``slot_mapping`` (CUDA-graph padding), and those rows are ignored.  The slots
+    written (the non-negative ones) are distinct.  A slot past the cache or written twice raises
+    ``ValueError`` when the data checks run; without them a slot past the cache is skipped (a
+    slot written twice holds either token's row, or on CUDA a mix of the two).
     """
     _checks.cache(kv_cache)
     kv_c = _checks.token_rows("kv_c", kv_c, fmt.KV_LORA_RANK)
@@ -91,11 +96,12 @@ def append_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
     _checks.index_tensor("slot_mapping", slot_mapping)
     _checks.same_device(kv_cache.device, kv_c=kv_c, k_pe=k_pe, slot_mapping=slot_mapping)
     n = slot_mapping.numel()
-    _kv_pair(kv_c, k_pe, n)
+    _kv_pair(kv_c, k_pe, n, exact=False)
     if _checks.data_checks_on(validate, kv_cache):
         _checks.slots(slot_mapping, kv_cache.shape[0])
-        _checks.finite_rows("kv_c", kv_c, n)
-        _checks.finite_rows("k_pe", k_pe, n)
+        written = slot_mapping.flatten().cpu() >= 0     # skipped rows are never stored
+        _checks.finite_rows("kv_c", kv_c[:n], written)
+        _checks.finite_rows("k_pe", k_pe[:n], written)
     if kv_cache.is_cuda:
         _require_native("append_kv").append_kv(kv_c, k_pe, kv_cache, slot_mapping.flatten())
         return
@@ -116,6 +122,7 @@ def gather_kv(kv_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tens
     """
     _checks.cache(kv_cache)
     _checks.float_rows("dst", dst, fmt.HEAD_SIZE, dims=2)
+    _checks.separate_rows("dst", dst)
     _checks.index_tensor("block_table", block_table, dims=2)
     _checks.index_tensor("cu_seq_lens", cu_seq_lens, dims=1)
     _checks.index_tensor("token_to_seq", token_to_seq, dims=1)
@@ -123,7 +130,8 @@ def gather_kv(kv_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tens
         _checks.index_tensor("seq_starts", seq_starts, dims=1)
     _checks.same_device(kv_cache.device, dst=dst, block_table=block_table,
                         cu_seq_lens=cu_seq_lens, token_to_seq=token_to_seq, seq_starts=seq_starts)
-    n = int(num_tokens)
+    n = _checks.count("num_tokens", num_tokens)
+    _checks.gather_table(block_table)
     if n < 0 or dst.shape[0] < n or token_to_seq.numel() < n:
         raise ValueError(f"num_tokens={n} must be >= 0 and within dst ({dst.shape[0]} rows) and "
                          f"token_to_seq ({token_to_seq.numel()} entries)")
@@ -202,6 +210,9 @@ def _check_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale,
         raise ValueError(f"block_table [{', '.join(map(str, block_table.shape))}] and seq_lens "
                          f"[{seq_lens.numel()}] must have at least batch = {B} rows (and the "
                          "table at least one column)")
+    if kv_cache.shape[0] == 0:   # the Hopper kernels' tensor maps need a block
+        raise ValueError("kv_cache must have at least one block, got uint8[0, "
+                         f"{fmt.PAGE_SIZE}, {fmt.BYTES_PER_TOKEN}]")
     scale = _checks.softmax_scale(softmax_scale)
     if _checks.data_checks_on(validate, seq_lens):
         _checks.decode_indices(block_table, seq_lens, B, kv_cache.shape[0])
@@ -215,8 +226,9 @@ def decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
 
     ``q_nope[B,s_q,H,512]``, ``q_pe[B,s_q,H,64]`` (float, the same ``[B,s_q,H]``);
     ``kv_cache`` uint8 ``[num_blocks,64,656]``; ``block_table[>=B,max_blocks]`` and
-    ``seq_lens[>=B]`` integer tensors (their first ``B`` rows are read); ``softmax_scale``
-    positive and finite.  ``seq_lens`` counts every cached token of a request, its ``s_q`` new
+    ``seq_lens[>=B]`` integer tensors (their first ``B`` rows are read); ``num_blocks >= 1``;
+    ``softmax_scale`` positive, with ``softmax_scale * log2(e)`` a normal float32 (the kernels'
+    logit scale).  ``seq_lens`` counts every cached token of a request, its ``s_q`` new
     ones included, and lies in ``[0, max_blocks*64]``; the block ids of the pages a request
     reads lie in ``[0, num_blocks)``.  With ``causal``, query ``i`` sees positions
     ``< seq_len - s_q + i + 1``.  Returns ``out[B,s_q,H,512]`` (bfloat16) and ``lse[B,H,s_q]``

@@ -77,7 +77,9 @@ class GatherSources(NamedTuple):
     num_seqs: int            # requests the inputs describe
     seq: torch.Tensor        # token_to_seq as given
     seq_ok: torch.Tensor
-    pos: torch.Tensor
+    offset: torch.Tensor     # the token's place in its request, t - cu_seq_lens[b]
+    start: torch.Tensor      # its request's seq_starts (0 without)
+    pos: torch.Tensor        # start + offset
     pos_ok: torch.Tensor
     block: torch.Tensor
     block_ok: torch.Tensor
@@ -95,9 +97,10 @@ def gather_sources(block_table: torch.Tensor, cu_seq_lens: torch.Tensor,
     """Request, position and block of tokens ``t < num_tokens`` of a gather: request
     ``token_to_seq[t]`` (one with a table row, a ``cu_seq_lens`` pair and a start), position
     ``seq_starts[b] + t - cu_seq_lens[b]`` inside its table row, block from the table inside the
-    cache of ``num_blocks`` blocks (``csrc/api/cache_ops.cpp`` applies the same rule).  Indices
-    are int32 on CUDA: a request whose ``cu_seq_lens`` or start lies outside int32 has no valid
-    position."""
+    cache of ``num_blocks`` blocks (``csrc/cache_kernels.cu`` applies the same rule).  The
+    token's place in its request, ``t - cu_seq_lens[b]``, and the start are never negative.
+    Indices are int32 on CUDA: a request whose ``cu_seq_lens`` or start lies outside int32 has
+    no valid position."""
     n = int(num_tokens)
     table = block_table.to(device).long()
     cu = cu_seq_lens.to(device).long()
@@ -107,18 +110,20 @@ def gather_sources(block_table: torch.Tensor, cu_seq_lens: torch.Tensor,
     seq = token_to_seq[:n].to(device).long()
     seq_ok = (seq >= 0) & (seq < num_seqs)
     b = torch.where(seq_ok, seq, 0)
-    pos = torch.arange(n, device=device) - cu[b] if num_seqs > 0 else torch.zeros_like(b)
+    offset = torch.arange(n, device=device) - cu[b] if num_seqs > 0 else torch.zeros_like(b)
     fits = fits_int32(cu[b]) if num_seqs > 0 else torch.ones_like(seq_ok)
+    start = torch.zeros_like(b)
     if seq_starts is not None and num_seqs > 0:
         start = seq_starts.to(device).long()[b]
-        pos = pos + start
         fits = fits & fits_int32(start)
-    pos_ok = seq_ok & fits & (pos >= 0) & (pos < table.shape[1] * fmt.PAGE_SIZE)
+    pos = start + offset
+    pos_ok = (seq_ok & fits & (offset >= 0) & (start >= 0)
+              & (pos < table.shape[1] * fmt.PAGE_SIZE))
     page = torch.where(pos_ok, pos, 0) // fmt.PAGE_SIZE
     block = table[b, page] if num_seqs > 0 else torch.zeros_like(b)
     block_ok = pos_ok & (block >= 0) & (block < num_blocks)
-    return GatherSources(num_seqs, seq, seq_ok, pos, pos_ok, torch.where(block_ok, block, 0),
-                         block_ok)
+    return GatherSources(num_seqs, seq, seq_ok, offset, start, pos, pos_ok,
+                         torch.where(block_ok, block, 0), block_ok)
 
 
 def gather_kv(kv_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,

@@ -98,9 +98,17 @@ void gather_kv(const at::Tensor& kv_cache, at::Tensor& dst, const at::Tensor& bl
                         num_tokens <= token_to_seq.numel(),
                     op, ": num_tokens=", num_tokens, " must be within dst (", dst.size(0),
                     " rows) and token_to_seq (", token_to_seq.numel(), " entries)");
+  TORCH_CHECK_VALUE(dst.size(0) <= 1 || dst.stride(0) >= kHeadSize, op,
+                    ": dst rows must not overlap, got strides ", dst.strides());
   // Indices past int32 (narrowed_int32): a block past the cache, a request past the batch, and
-  // for the position token - cu_seq_lens + seq_starts a start past int32's top and a
-  // cumulative length past its bottom, which put the position past the table even together.
+  // for the position seq_starts + (token - cu_seq_lens) a start past int32's top and a
+  // cumulative length past its bottom.  The kernel needs both terms non-negative, so either
+  // puts the position at 2^31 - 1 or more: past any table of at most kMaxGatherPages columns.
+  constexpr int64_t kMaxGatherPages = kInt32Max / kPageSize;
+  TORCH_CHECK_VALUE(block_table.dim() != 2 ||
+                        (block_table.size(1) >= 1 && block_table.size(1) <= kMaxGatherPages),
+                    op, ": block_table must have 1 to ", kMaxGatherPages,
+                    " columns (positions are int32), got ", shape_of(block_table));
   const at::Tensor table = int32_indices(op, "block_table", block_table, 2, device, kInt32Max);
   const at::Tensor cu = int32_indices(op, "cu_seq_lens", cu_seq_lens, 1, device, kInt32Min);
   const at::Tensor t2s = int32_indices(op, "token_to_seq", token_to_seq, 1, device, kInt32Max);

@@ -66,11 +66,15 @@ inline void check_cache(const char* op, const at::Tensor& kv_cache, const at::De
                         kv_cache.size(1) == kPageSize && kv_cache.size(2) == kBytesPerToken,
                     op, ": kv_cache must be uint8[num_blocks, ", kPageSize, ", ", kBytesPerToken,
                     "], got ", shape_of(kv_cache));
+  // Blocks may be spaced (one layer's blocks within a larger allocation) but never overlap.
   TORCH_CHECK_VALUE(kv_cache.stride(2) == 1 && kv_cache.stride(1) == kBytesPerToken &&
                         kv_cache.stride(0) % 16 == 0 &&
+                        (kv_cache.size(0) <= 1 ||
+                         kv_cache.stride(0) >= int64_t(kPageSize) * kBytesPerToken) &&
                         reinterpret_cast<uintptr_t>(kv_cache.data_ptr()) % 16 == 0,
-                    op, ": kv_cache blocks must be contiguous [", kPageSize, ", ", kBytesPerToken,
-                    "] byte arrays starting 16-byte aligned, got strides ", kv_cache.strides());
+                    op, ": kv_cache blocks must be contiguous, non-overlapping [", kPageSize, ", ",
+                    kBytesPerToken, "] byte arrays starting 16-byte aligned, got strides ",
+                    kv_cache.strides());
 }
 
 // Indices as int32, as the kernels read them (vLLM's metadata is int32).  An int64 value

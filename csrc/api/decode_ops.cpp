@@ -6,6 +6,7 @@
 // Python, two or three launches (query quantization with the split planner in one more block;
 // the decode; the combine only when some request can be cut into several runs), no host sync,
 // nothing computed per call that depends only on the device.
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <tuple>
@@ -114,12 +115,18 @@ std::tuple<at::Tensor, at::Tensor> check_decode_inputs(const char* op, const at:
                                                        const at::Tensor& seq_lens,
                                                        double softmax_scale, int64_t num_splits) {
   // The kernels fold the scale into an exponent FFMA and take a row's largest scaled logit from
-  // its largest unscaled one: both need a positive scale.
-  TORCH_CHECK_VALUE(softmax_scale > 0 && std::isfinite(softmax_scale), op,
-                    ": softmax_scale must be positive and finite, got ", softmax_scale);
+  // its largest unscaled one: both need a positive scale, and softmax_scale * log2(e) is a
+  // float that must neither overflow (NaN outputs) nor flush to 0 (uniform attention).
+  const double scale_log2 = softmax_scale * 1.4426950408889634;
+  TORCH_CHECK_VALUE(softmax_scale > 0 && std::isfinite(softmax_scale) && scale_log2 >= FLT_MIN &&
+                        scale_log2 <= FLT_MAX,
+                    op, ": softmax_scale must be positive, with softmax_scale * log2(e) a normal "
+                    "float32, got ", softmax_scale);
   check_cache(op, kv_cache, device);
-  TORCH_CHECK_VALUE(kv_cache.stride(0) > 0 && kv_cache.size(0) <= 2147483647, op,
-                    ": kv_cache must have positive block stride and fewer than 2^31 blocks");
+  // The Hopper kernels' tensor maps need at least one block.
+  TORCH_CHECK_VALUE(kv_cache.stride(0) > 0 && kv_cache.size(0) > 0 &&
+                        kv_cache.size(0) <= 2147483647,
+                    op, ": kv_cache must have positive block stride and 1 to 2^31 - 1 blocks");
   check_cuda(op, "block_table", block_table, device);
   TORCH_CHECK_TYPE(block_table.scalar_type() == at::kInt || block_table.scalar_type() == at::kLong,
                    op, ": block_table must be int32 (or int64, copied to int32), got ",

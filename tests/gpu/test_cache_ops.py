@@ -329,6 +329,8 @@ def test_errors_quantize_and_append():
         C.append_kv(kv_c, k_pe, cache[:, :, :600], slots)
     with pytest.raises(ValueError, match="kv_cache blocks must be contiguous"):
         C.append_kv(kv_c, k_pe, cache.transpose(0, 1).contiguous().transpose(0, 1), slots)
+    with pytest.raises(ValueError, match="non-overlapping"):   # every block one memory
+        C.append_kv(kv_c, k_pe, cache[:1].expand(2, fmt.PAGE_SIZE, fmt.BYTES_PER_TOKEN), slots)
     with pytest.raises(TypeError, match="slot_mapping must be int32 or int64"):
         C.append_kv(kv_c, k_pe, cache, slots.float())
     with pytest.raises(ValueError, match="slot_mapping has 5 entries but kv_c / k_pe have 4 / 4"):
@@ -355,6 +357,10 @@ def test_errors_gather_and_quantize_q():
         C.gather_kv(cache, misaligned, bt, cu, t2s, 8, None)
     with pytest.raises(ValueError, match="num_tokens=9 must be within dst"):
         C.gather_kv(cache, dst, bt, cu, t2s, 9, None)
+    with pytest.raises(ValueError, match="dst rows must not overlap"):
+        C.gather_kv(cache, dst[:1].expand(8, fmt.HEAD_SIZE), bt, cu, t2s, 8, None)
+    with pytest.raises(ValueError, match="block_table must have 1 to"):
+        C.gather_kv(cache, dst, bt[:, :0], cu, t2s, 8, None)
     with pytest.raises(TypeError, match="block_table must be int32 or int64"):
         C.gather_kv(cache, dst, bt.float(), cu, t2s, 8, None)
     with pytest.raises(ValueError, match="block_table must have 2 dimension"):

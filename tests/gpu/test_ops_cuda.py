@@ -200,6 +200,26 @@ def test_gather_int64_indices_past_int32_give_nan_rows():
     torch.testing.assert_close(got[~nan_rows.cuda()], base[~nan_rows.cuda()], rtol=0, atol=0)
 
 
+def test_gather_index_past_int32_is_not_cancelled_by_the_other():
+    """One index of the position seq_starts + (t - cu_seq_lens) past int32, the other an int32
+    value that would cancel it once narrowed (INT_MAX against a start past the top, INT_MIN
+    against a cumulative length past the bottom): NaN rows, as in the reference."""
+    cache, bt, _ = build_cache([10, 10])
+    t2s = torch.tensor([0] * 10 + [1] * 10, dtype=torch.int32)
+    base_cu = torch.tensor([0, 10, 20], dtype=torch.int64)
+    int_max, int_min = 2**31 - 1, -2**31
+    for cu0, start0 in ((int_max, 2**40), (2**40, int_min)):
+        cu, starts = base_cu.clone(), torch.zeros(2, dtype=torch.int64)
+        cu[0], starts[0] = cu0, start0
+        want = ops.gather_kv(cache, torch.empty(20, 576), bt, cu, t2s, 20, seq_starts=starts,
+                             validate=False)
+        got = ops.gather_kv(cache.cuda(), torch.empty(20, 576, device="cuda"), bt.cuda(),
+                            cu.cuda(), t2s.cuda(), 20, seq_starts=starts.cuda())
+        assert want[:10].isnan().all() and not want[10:].isnan().any()
+        assert torch.equal(got.isnan().cpu(), want.isnan())
+        torch.testing.assert_close(got[10:].cpu(), want[10:], rtol=0, atol=0)
+
+
 def test_one_column_table_may_have_any_stride(kernel):
     """A one-column table's column stride is never used: any stride reads like a contiguous
     table (wider tables with a column stride are refused, see BAD_ARGUMENTS)."""

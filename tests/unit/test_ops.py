@@ -192,8 +192,12 @@ def test_quantize_and_append_contract():
     rows = ops.quantize_kv(bad, k_pe, validate=False)
     c, r = ops.dequantize_kv(rows[2])
     assert c.isnan().any() or r.isnan().any() or not torch.isfinite(c).all()
-    with pytest.raises(TypeError, match="dtype must be a floating-point torch.dtype"):
+    with pytest.raises(TypeError, match="dtype must be torch.bfloat16, float16, float32"):
         ops.dequantize_kv(rows, dtype=torch.int32)
+    # FP8 would not saturate the dequantized values (NaN above 448): refused.
+    with pytest.raises(TypeError, match="dtype must be torch.bfloat16"):
+        ops.dequantize_kv(rows, dtype=torch.float8_e4m3fn)
+    assert ops.dequantize_kv(rows[:2], dtype=torch.float64)[0].dtype == torch.float64
 
     cache = torch.zeros(2, 64, 656, dtype=torch.uint8)
     with pytest.raises(ValueError, match="kv_cache must be uint8"):
@@ -208,6 +212,35 @@ def test_quantize_and_append_contract():
     ops.append_kv(kv_c, k_pe, cache, torch.tensor([0, 128, -1, 127]), validate=False)
     written = (cache != 0).any(-1)
     assert written.sum() == 2 and written[0, 0] and written[1, 63]
+
+
+def test_empty_batches_pass_the_data_checks():
+    """No tokens (and vLLM's padded case: rows, but no slots) is a valid call, checked or not."""
+    cache = torch.zeros(2, 64, 656, dtype=torch.uint8)
+    assert ops.quantize_kv(torch.randn(0, 512), torch.randn(0, 64)).shape == (0, 656)
+    for validate in (True, False):
+        ops.append_kv(torch.randn(8, 512), torch.randn(8, 64), cache,
+                      torch.zeros(0, dtype=torch.int32), validate=validate)
+    assert not cache.any()
+
+
+def test_append_checks_only_what_it_writes():
+    cache = torch.zeros(2, 64, 656, dtype=torch.uint8)
+    kv_c, k_pe = torch.randn(3, 512), torch.randn(4, 64)
+    kv_c[1, 7] = float("nan")                         # the row of a skipped slot: never stored
+    ops.append_kv(kv_c, k_pe, cache, torch.tensor([0, -1, 5]))
+    assert (cache != 0).any(-1).sum() == 2
+    # Either input may carry padding rows past slot_mapping (k_pe here).
+    ops.append_kv(kv_c[[0, 2]], k_pe, cache, torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="3 are needed"):
+        ops.append_kv(kv_c[:2], k_pe, cache, torch.tensor([0, 1, 2]))
+    # Two tokens to one slot: refused when checked (on CUDA their bytes could interleave).
+    with pytest.raises(ValueError, match=r"slot_mapping\[0\] and slot_mapping\[2\] are both "
+                                         "slot 5"):
+        ops.append_kv(kv_c[[0, 2, 0]], k_pe, cache, torch.tensor([5, -1, 5]))
+    # Blocks that overlap in memory are refused.
+    with pytest.raises(ValueError, match="kv_cache blocks overlap"):
+        ops.append_kv(kv_c[[0]], k_pe, cache[:1].expand(2, 64, 656), torch.tensor([0]))
 
 
 def test_gather_contract():
@@ -249,6 +282,35 @@ def test_gather_contract():
     out = ops.gather_kv(cache, torch.empty(80, 576), bt, wide_cu, t2s, 80, seq_starts=wide_starts,
                         validate=False)
     assert out[70:].isnan().all() and torch.equal(out[:70], dst[:70])
+    # A token's place in its request and the request's start are never negative: otherwise one
+    # index narrowed on CUDA could be cancelled by the other.  An error when checked, NaN rows
+    # (that request's) otherwise.
+    late_cu = cu.clone()
+    late_cu[1] = 75                                  # tokens 70-74 come before request 1 starts
+    negative = torch.tensor([0, -5], dtype=torch.int32)
+    for args, message, nan_rows in (
+            ((late_cu, t2s, 80, None), r"token 70 of request 1 comes before its request's first "
+                                       r"token \(cu_seq_lens\[1\] = 75\)", slice(70, 75)),
+            ((cu, t2s, 80, negative), r"token 70 of request 1 has a negative seq_starts "
+                                      r"\(cu_seq_lens\[1\] = 70, seq_starts\[1\] = -5\)",
+             slice(70, 80))):
+        with pytest.raises(ValueError, match=message):
+            ops.gather_kv(cache, dst, bt, *args[:3], seq_starts=args[3])
+        out = ops.gather_kv(cache, torch.empty(80, 576), bt, *args[:3], seq_starts=args[3],
+                            validate=False)
+        want = torch.zeros(80, dtype=torch.bool)
+        want[nan_rows] = True
+        assert torch.equal(out.isnan().all(-1), want)
+    # num_tokens: an int or a one-element integer tensor (what vLLM passes), never truncated.
+    assert torch.equal(ops.gather_kv(cache, torch.empty(80, 576), bt, cu, t2s,
+                                     torch.tensor(80, dtype=torch.int32)), dst)
+    for count in (79.9, True, torch.tensor(80.0)):
+        with pytest.raises(TypeError, match="num_tokens must be an int"):
+            ops.gather_kv(cache, dst, bt, cu, t2s, count)
+    with pytest.raises(ValueError, match="block_table must have 1 to"):
+        ops.gather_kv(cache, dst, bt[:, :0], cu, t2s, 80)
+    with pytest.raises(ValueError, match="dst rows overlap"):
+        ops.gather_kv(cache, torch.empty(1, 576).expand(80, 576), bt, cu, t2s, 80)
 
 
 def test_quantize_q_contract():

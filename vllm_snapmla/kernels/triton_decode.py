@@ -281,6 +281,8 @@ def snapmla_decode(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: torch.T
     zero output for rows that see no token).
     ``num_splits`` None lets the planner choose on the GPU from the real lengths
     (``kernels/splits.py``); an int cuts every request into that many equal runs.
+    The kernel layer checks only the layout it reads; the argument contract (dtypes, devices,
+    row counts, the scale's range) is ``vllm_snapmla.ops.decode``'s, which calls this.
     """
     B, s_q, H, _ = q8.shape
     num_rows = s_q * H
