@@ -31,7 +31,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from eval.common import parse_kv_pairs, script_command, script_env
-from eval.tasks import NOT_IN_LM_EVAL, TASKS, write_overlays
+from eval.tasks import NOT_IN_LM_EVAL, TASKS, ParityTask, write_overlays
 
 DEFAULT_KV_SETTINGS = ("auto", "fp8_snapmla")
 BASELINE = "auto"
@@ -200,9 +200,11 @@ def read_results(setting_dir: Path) -> dict:
 
 
 def _of_task(name: str, lm_eval_task: str) -> bool:
-    """``name`` is the task or, for a group task (MMLU-Pro, MMLU-Redux), one of its subtasks,
-    which lm-eval names ``<group>_<subject>``."""
-    return name == lm_eval_task or name.startswith(lm_eval_task + "_")
+    """``name`` is the task or, for a group task (MMLU-Pro, MMLU-Redux), one of its subtasks
+    (``ParityTask.covers``)."""
+    task = next((t for t in TASKS.values() if t.lm_eval_task == lm_eval_task),
+                ParityTask("", lm_eval_task, "", ""))
+    return task.covers(name)
 
 
 _TIMESTAMP = re.compile(r"_\d{4}-\d{2}-\d{2}T[\d.\-]+$")   # lm_eval's file-name suffix

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 
@@ -13,13 +14,21 @@ class ParityTask:
     """One row of the paper's Table 1 that lm-eval 0.4.13 can run.
 
     ``lm_eval_task`` is the name passed to lm-eval (an overlay from this folder or a built-in task);
-    ``metric`` is the ``"metric,filter"`` key of lm-eval's results JSON that the table reports.
+    ``metric`` is the ``"metric,filter"`` key of lm-eval's results JSON that the table reports;
+    ``subtasks`` the pattern of a group task's subtask names, where they are not
+    ``<lm_eval_task>_<subject>`` (lengths are recorded per subtask).
     """
     name: str
     lm_eval_task: str
     metric: str
     paper_row: str
     repeats: int = 1
+    subtasks: str = ""
+
+    def covers(self, name: str) -> bool:
+        """``name`` is this task or one of its subtasks."""
+        pattern = self.subtasks or re.escape(self.lm_eval_task) + r"_\w+"
+        return name == self.lm_eval_task or re.fullmatch(pattern, name) is not None
 
 
 # Scores are fractions in [0, 1] as lm-eval reports them; the table prints them as percentages.
@@ -27,7 +36,9 @@ class ParityTask:
 # as is usual for reasoning models; the overlays in this folder do that.
 TASKS: dict[str, ParityTask] = {t.name: t for t in [
     ParityTask("mmlu_pro", "mmlu_pro", "exact_match,custom-extract", "MMLU-Pro"),
-    ParityTask("mmlu_redux", "mmlu_redux_generative", "exact_match,default", "MMLU-Redux"),
+    # lm-eval 0.4.13 names its subjects mmlu_redux_<subject>_generative.
+    ParityTask("mmlu_redux", "mmlu_redux_generative", "exact_match,default", "MMLU-Redux",
+               subtasks=r"mmlu_redux_\w+_generative"),
     ParityTask("ifeval", "ifeval", "prompt_level_strict_acc,none", "IFEval"),
     ParityTask("gpqa_diamond", "gpqa_diamond_cot_zeroshot", "exact_match,flexible-extract",
                "GPQA-Diamond"),

@@ -89,6 +89,29 @@ def test_group_task_lengths_pool_every_subtask(tmp_path):
                                      "mmlu_pro_law": [[words(30)], [words(50)]]})
     assert parity.mean_lengths(tmp_path / "fp8", "mmlu_pro",
                                lambda text: len(text.split())) == pytest.approx(30.0)
+    # MMLU-Redux's subjects are named mmlu_redux_<subject>_generative by lm-eval 0.4.13.
+    _write_run(tmp_path, "fp8_snapmla", {}, {},
+               lengths={"mmlu_redux_anatomy_generative": [10, 30],
+                        "mmlu_redux_virology_generative": [50], "mmlu_pro_law": [7]},
+               cut={"mmlu_redux_anatomy_generative": [False, True],
+                    "mmlu_redux_virology_generative": [False]})
+    redux = parity.TASKS["mmlu_redux"].lm_eval_task
+    assert parity.mean_lengths(tmp_path / "fp8_snapmla", redux, None) == pytest.approx(30.0)
+    assert parity.cut_percent(tmp_path / "fp8_snapmla", redux) == pytest.approx(100 / 3)
+
+
+def test_group_tasks_cover_the_subtasks_lm_eval_runs():
+    """The subtask names of lm-eval 0.4.13's own index (lengths are recorded under them)."""
+    from lm_eval.tasks import TaskManager
+
+    index = TaskManager().task_index
+    pro = index["mmlu_pro"].cfg["task"]
+    redux = [name for name, entry in index.items() if entry.kind.name == "TASK"
+             and "mmlu-redux/generative/" in str(entry.yaml_path)]
+    assert len(pro) == 14 and len(redux) == 57
+    assert all(parity.TASKS["mmlu_pro"].covers(name) for name in pro)
+    assert all(parity.TASKS["mmlu_redux"].covers(name) for name in redux)
+    assert not parity.TASKS["mmlu_redux"].covers("mmlu_redux_spanish")
 
 
 def test_a_failed_setting_shows_no_earlier_results(tmp_path, monkeypatch):
