@@ -69,6 +69,13 @@ def _model_problems(model_config, fix: str | None = None) -> list[str]:
     elif latent_shape_problem(rank, rope) is not None:
         reason = f"{name}: {latent_shape_problem(rank, rope)}"
         default = "Use --kv-cache-dtype fp8 or auto for this model."
+    elif model_config.is_hybrid:
+        # vLLM aligns a hybrid model's attention block size with its Mamba pages from a
+        # 576-byte row (platforms/interface.py _align_hybrid_block_size), not our 656.
+        reason = (f"{name} is a hybrid model (MLA with linear-attention or Mamba layers), whose "
+                  f"KV pages vLLM sizes for 576-byte rows; fp8_snapmla has not been validated "
+                  "there")
+        default = "Use --kv-cache-dtype fp8 or auto for this model."
     else:
         return []
     return [f"{reason}. {fix or default}"]
@@ -135,7 +142,14 @@ def layer_problems(vllm_config) -> list[str]:
     """What no attention layer on fp8_snapmla, the target's or the drafter's, can run with."""
     import vllm.envs as envs
 
+    import torch
+
     problems = []
+    model_config = vllm_config.model_config
+    if model_config is not None and model_config.dtype not in (torch.bfloat16, torch.float16):
+        problems.append(
+            f"fp8_snapmla's kernels take bfloat16 or float16 activations, but the model runs "
+            f"in {model_config.dtype} (--dtype). Pass --dtype bfloat16.")
     cache_config = vllm_config.cache_config
     if cache_config.user_specified_block_size and cache_config.block_size != fmt.PAGE_SIZE:
         problems.append(
@@ -149,22 +163,31 @@ def layer_problems(vllm_config) -> list[str]:
             "batch, which the SnapMLA decode does not give (how it splits a request's pages "
             "depends on the other requests). Unset VLLM_BATCH_INVARIANT, or use "
             "--kv-cache-dtype auto.")
-    if vllm_config.kv_transfer_config is not None:
+    # --kv-offloading-size becomes a KV connector only after this check runs
+    # (VllmConfig._post_init_kv_transfer_config).
+    offloading = getattr(cache_config, "kv_offloading_size", None) is not None
+    if vllm_config.kv_transfer_config is not None or offloading:
+        flag = "--kv-offloading-size" if offloading else "--kv-transfer-config"
         problems.append(
-            "KV connectors (--kv-transfer-config: disaggregated prefill, KV offloading, "
-            f"LMCache, ...) have not been validated with {KV_CACHE_DTYPE}'s "
+            "KV connectors (--kv-transfer-config, --kv-offloading-size: disaggregated prefill, "
+            f"KV offloading, LMCache, ...) have not been validated with {KV_CACHE_DTYPE}'s "
             f"{fmt.BYTES_PER_TOKEN}-byte rows, and some assume {fmt.HEAD_SIZE}-byte ones. "
-            "Remove --kv-transfer-config, or use --kv-cache-dtype fp8 or auto.")
+            f"Remove {flag}, or use --kv-cache-dtype fp8 or auto.")
     return problems
 
 
 def settle_block_size(cache_config) -> None:
-    """vLLM's default block size until the workers pick the backend's (16 until then) is
-    copied into the configs vLLM rebuilds in the workers for a drafter with its own KV-cache
-    dtype, as a block size given by the user, which fp8_snapmla refuses: give it 64 from the
-    start when the user gave none."""
+    """Fix the block size at 64 in the front end when the user gave none, as if given.
+
+    vLLM's provisional block size (16) is copied into the config it rebuilds in the workers for a
+    drafter with its own KV-cache dtype, as a block size given by the user, which fp8_snapmla
+    refuses.  And once the model is loaded, ``update_block_size_for_backend`` resets a block size
+    the user did not give to the preferred one of the first attention layer's backend: the
+    target's, 16 or 32 when only the drafter uses fp8_snapmla, and the two would share no block
+    size.  Every MLA backend vLLM pairs with ours takes 64."""
     if not cache_config.user_specified_block_size:
         cache_config.block_size = fmt.PAGE_SIZE
+        cache_config.user_specified_block_size = True
 
 
 def check_snapmla_config(vllm_config, device_capability=None) -> None:

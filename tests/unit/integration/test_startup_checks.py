@@ -183,6 +183,40 @@ def test_a_drafter_with_its_own_fp8_snapmla_loads_in_the_worker(vllm_cpu, target
     assert vllm_cpu.call(_in_vllm_draft_config, target=target, draft=KV) == [64, [KV, 64]]
 
 
+def _in_vllm_block_size_after_model_load(target_backend: str):
+    """Only the drafter on fp8_snapmla: the block size after vLLM's post-load update (which
+    takes the first attention layer's backend, the target's), and whether the target's backend
+    and ours share a kernel block size there."""
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.worker.utils import select_common_block_size
+
+    from tests.unit._vllm_cpu import engine_config, tiny_model
+    from vllm_snapmla.integration.backend import SnapMLABackend
+
+    config = engine_config(tiny_model(**WITH_MTP_LAYER), kv_cache_dtype="auto",
+                           speculative_config={**MTP, "kv_cache_dtype": KV})
+    target = AttentionBackendEnum[target_backend].get_class()
+    platform = type(current_platform)
+    assert "_find_non_ssm_backend" not in platform.__dict__      # inherited: removed below
+    platform._find_non_ssm_backend = classmethod(lambda cls, vllm_config: target)
+    try:
+        current_platform.update_block_size_for_backend(config)
+    finally:
+        del platform._find_non_ssm_backend
+    block_size = config.cache_config.block_size
+    return [block_size, select_common_block_size(block_size, [target, SnapMLABackend])]
+
+
+@pytest.mark.parametrize("target_backend", ["FLASH_ATTN_MLA", "TRITON_MLA", "FLASHINFER_MLA",
+                                            "FLASHMLA"])
+def test_a_drafter_only_fp8_snapmla_keeps_block_size_64_after_model_load(vllm_cpu,
+                                                                         target_backend):
+    """The target's backend would pick 16 or 32, which SnapMLA's 64-token pages cannot share."""
+    assert vllm_cpu.call(_in_vllm_block_size_after_model_load,
+                         target_backend=target_backend) == [64, 64]
+
+
 def test_a_drafter_with_fp8_snapmla_refuses_other_block_sizes_up_front(vllm_cpu):
     message = _startup_error(vllm_cpu, kv_cache_dtype="auto", block_size=16,
                              model_overrides=WITH_MTP_LAYER,
@@ -220,6 +254,28 @@ def test_kv_connectors(vllm_cpu):
     message = _startup_error(vllm_cpu, kv_transfer_config={"kv_connector": "NixlConnector",
                                                            "kv_role": "kv_both"})
     assert "KV connectors (--kv-transfer-config" in message
+    # vLLM turns --kv-offloading-size into a connector only after the start-up check.
+    message = _startup_error(vllm_cpu, kv_offloading_size=4.0)
+    assert "Remove --kv-offloading-size" in message
+
+
+def test_float32_activations(vllm_cpu):
+    message = _startup_error(vllm_cpu, dtype="float32")
+    assert "runs in torch.float32 (--dtype). Pass --dtype bfloat16." in message
+
+
+def test_hybrid_mla_models():
+    """MLA with linear-attention layers (Kimi-Linear): vLLM sizes its pages for 576 bytes."""
+    from types import SimpleNamespace
+
+    from vllm_snapmla.integration.startup_checks import _model_problems
+
+    hf = SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64)
+    model = SimpleNamespace(model="moonshotai/Kimi-Linear-48B-A3B-Instruct", hf_text_config=hf,
+                            use_mla=True, is_hybrid=True)
+    [problem] = _model_problems(model)
+    assert "is a hybrid model" in problem and "Use --kv-cache-dtype fp8 or auto" in problem
+    assert _model_problems(SimpleNamespace(**{**vars(model), "is_hybrid": False})) == []
 
 
 def test_decode_context_parallel(vllm_cpu):
