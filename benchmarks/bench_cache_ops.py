@@ -2,7 +2,7 @@
 
 For each op and size: median time (triton.testing.do_bench, or CUDA events without Triton), the
 bytes it must read and write, the resulting GB/s and its share of a device-to-device copy measured
-in the same run.  Sizes go well past the L2 (60 MB on an H200) so DRAM, not cache, is measured.
+in the same run.  Sizes go well past the L2 (50 MB on an H200) so DRAM, not cache, is measured.
 
     python -m benchmarks.bench_cache_ops --out out/bench_cache_ops.csv
 """

@@ -552,6 +552,13 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if not 1 <= args.concurrent_starts <= 8:
         parser.error("--concurrent-starts must be 1 to 8")
+    if args.windows < 1 or args.gen_tokens < 1:
+        parser.error("--windows and --gen-tokens must be at least 1")
+    if args.max_batch < 8:
+        parser.error("--max-batch must be at least 8 (batches are sized in multiples of 8)")
+    if not engine_runs(args.kv, args.mtp, args.mtp_only):
+        parser.error("--mtp-only runs auto and fp8_snapmla with the drafter: give --kv one of "
+                     "them")
     if not 1 <= args.moe_layers <= V31["layers"] - V31["dense_layers"]:
         parser.error("--moe-layers must be 1 to 58")
     for name in args.configs:

@@ -342,6 +342,10 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.windows < 1:
         parser.error(f"--windows must be at least 1, got {args.windows}")
+    if args.gen_tokens is not None and args.gen_tokens < 1:
+        parser.error(f"--gen-tokens must be at least 1, got {args.gen_tokens}")
+    if args.max_batch < 1:
+        parser.error(f"--max-batch must be at least 1, got {args.max_batch}")
     if args.child:
         child_main(run_engine)
         return

@@ -16,8 +16,9 @@ with a block table as wide as the context; this matrix measures what users meet 
 - context 512 ... 131072 tokens; batch 1, 8, 64 and ``fill`` (the batch that fills the engine's
   KV capacity, at most ``--max-batch``; it differs between kv formats, which is the point of a
   smaller format);
-- max_model_len ``wide``: 163840 as DeepSeek-V3.1 ships, so every block table is 2560 pages wide
-  whatever the context; ``tight``: the smallest max_model_len that holds the cell's context and
+- max_model_len ``wide``: 163840 as DeepSeek-V3.1 ships, so every block table is as wide as
+  that whatever the context: 2560 pages of 64 tokens (FlashMLA, fp8_snapmla), 10240 of 16 for
+  vLLM's BF16 default on Hopper (FlashAttention MLA); ``tight``: the smallest max_model_len that holds the cell's context and
   generated tokens.  Tight engines are grouped by context: contexts in ascending order, a context
   joins the group of the smallest context not yet served while the group's table width (pages
   of its largest need) stays within TIGHT_WIDTH_FACTOR (2x) of that smallest context's need, so
@@ -128,7 +129,8 @@ CHILD_GRACE_S = 30.0   # how long past the budget a running engine may go before
 
 MATRIX_FIELDS = [
     "heads", "max_model_len", "mode", "context", "batch", "kv", "status", "reason",
-    "batch_size", "max_model_len_tokens", "table_width", "max_tokens", "kv_cache_tokens",
+    "batch_size", "max_model_len_tokens", "block_size", "table_width", "max_tokens",
+    "kv_cache_tokens",
     "backend", "prefill_steps", "lock_step", "timer", "spread_pct", "timing_ok", "decode_tok_s",
     "tpot_ms", "vs_bf16", "tpot_vs_bf16", "cell_s", "estimated_s", "switch_interval_ms", "date",
     "commit"]
@@ -655,7 +657,8 @@ def format_matrix(rows: list[dict], runs: list[str]) -> str:
                        key=lambda c: (c[0], batch_order(c[1])))
         tag = " (one TP8 rank of DeepSeek-V3.1)" if heads == 16 else ""
         lines += [f"## H={heads}{tag}, max_model_len {mml}, {mode}", "",
-                  "| context | batch | max_model_len (pages) | B | BF16 tok/s | fp8_snapmla tok/s "
+                  "| context | batch | max_model_len (table pages per format) | B | BF16 tok/s | "
+                  "fp8_snapmla tok/s "
                   "| fp8 tok/s | TPOT ms (BF16 / snap / fp8) | fp8_snapmla / BF16 | fp8 / BF16 "
                   "| notes |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -665,7 +668,7 @@ def format_matrix(rows: list[dict], runs: list[str]) -> str:
             present = [r for r in per_kv.values() if r]
             tokens = next((r.get("max_model_len_tokens") for r in present
                            if r.get("max_model_len_tokens")), "")
-            width = next((r.get("table_width") for r in present if r.get("table_width")), "")
+            width = " / ".join(str(r.get("table_width") or "-") for r in per_kv.values() if r)
             notes = []
             for kv, r in per_kv.items():
                 if r and r.get("status") != "ok":
@@ -842,10 +845,13 @@ def engine_rows(engine: Engine, results: list[dict], failure: str | None, facts:
     """The matrix and serve rows of an engine from its child's results; cells without a result
     get ``failure`` (or "no result")."""
     base = {"heads": engine.heads, "kv": engine.kv, "mode": engine.mode}
+    started = next((r for r in results if r.get("kind") == "engine"), {})
+    # The backend's block size (vLLM's BF16 default on Hopper, FlashAttention MLA, uses 16).
+    block_size = started.get("block_size") or BLOCK_SIZE
     cell_base = {**base, "max_model_len": engine.max_model_len,
-                 "max_model_len_tokens": engine.max_model_len_tokens,
-                 "table_width": engine.table_width}
-    capacity = next((r["kv_cache_tokens"] for r in results if r.get("kind") == "engine"), "")
+                 "max_model_len_tokens": engine.max_model_len_tokens, "block_size": block_size,
+                 "table_width": math.ceil(engine.max_model_len_tokens / block_size)}
+    capacity = started.get("kv_cache_tokens", "")
     by_cell = {(r["context"], r["batch"]): r for r in results if r.get("kind") == "cell"}
     missing = {"status": "failed", "reason": failure or "no result", "kv_cache_tokens": capacity}
     matrix = []
@@ -939,6 +945,11 @@ def main(argv=None) -> None:
         return
     if args.steps < 1 or args.windows < 1:
         parser.error("--steps and --windows must be at least 1")
+    # --max-batch is vLLM's max_num_seqs: a larger fixed batch would run in parts, not lock-step.
+    too_large = [b for b in args.batches if b != "fill" and int(b) > args.max_batch]
+    if args.max_batch < 1 or too_large:
+        parser.error(f"--batches {' '.join(too_large)} above --max-batch {args.max_batch} (the "
+                     "engine's max_num_seqs) would not decode in one batch; raise --max-batch")
     if not 1 <= args.concurrent_starts <= 8:
         parser.error("--concurrent-starts must be 1 to 8")
     problem = concurrent_memory_problem(args.concurrent_starts, args.kv_cache_gib,
@@ -1014,8 +1025,10 @@ def main(argv=None) -> None:
                     with write_lock:
                         rows, _ = write_outputs(out, info, [row], plot=False,
                                                 switch_interval_ms=switch_ms)
+                    # BF16 of this run only, as the CSV's ratios (_run_of).
                     bf16 = next((r for r in rows if matrix_key(r)
-                                 == matrix_key({**row, "kv": BASELINE_KV})), None)
+                                 == matrix_key({**row, "kv": BASELINE_KV})
+                                 and _run_of(r) == (info["date"], info["commit"])), None)
                     print(_cell_line(row, bf16), flush=True)
                 elif kind == "serve":
                     print(f"    serve: {result.get('status')} "

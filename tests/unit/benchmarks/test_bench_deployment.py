@@ -376,3 +376,15 @@ def test_plot_draws_a_deeper_proxy_with_mtp(tmp_path):
             for c in (32768, 131072) for kv, tok in (("auto", 100.0), ("fp8_snapmla", 160.0))]
     dep.plot(dep.add_speedups(rows), tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--mtp-only", "--kv", "fp8"], "--mtp-only runs auto and fp8_snapmla"),
+    (["--max-batch", "4"], "--max-batch must be at least 8"),
+    (["--windows", "0"], "--windows and --gen-tokens must be at least 1"),
+    (["--gen-tokens", "0"], "--windows and --gen-tokens must be at least 1"),
+])
+def test_options_that_would_run_nothing_or_fail_late_are_refused(extra, message, capsys):
+    with pytest.raises(SystemExit):
+        dep.main(["--out", "unused", "--configs", "dp8-tp1-ep8", *extra])
+    assert message in capsys.readouterr().err

@@ -336,3 +336,12 @@ def test_window_summary_flags_windows_that_disagree():
     assert engine_lib.summarize_windows(10, [0.010])["timing_ok"] == ""   # one window: unknown
     with pytest.raises(ValueError):
         engine_lib.summarize_windows(10, [])
+
+
+@pytest.mark.parametrize("extra", [["--gen-tokens", "0"], ["--windows", "0"],
+                                   ["--max-batch", "0"]])
+def test_options_that_fail_after_engine_start_are_refused(extra, capsys):
+    """--gen-tokens 0 became 512 silently; zero windows or steps failed only in the engine."""
+    with pytest.raises(SystemExit):
+        bench.main(["--out", "unused", *extra])
+    assert "must be at least 1" in capsys.readouterr().err

@@ -404,6 +404,11 @@ def test_engine_rows_mark_cells_without_a_result():
     assert matrix[1]["status"] == "failed" and matrix[1]["reason"] == "timed out after 60 s"
     assert matrix[1]["kv_cache_tokens"] == 7000000
     assert serve[0]["status"] == "failed" and serve[0]["heads"] == 128
+    # The table's width in the engine's own pages: FlashAttention MLA (BF16's default) uses 16.
+    bf16 = bm.Engine("auto", 16, "wide", 163840, "graph", [(512, "64")])
+    matrix, _ = bm.engine_rows(bf16, [{"kind": "engine", "kv_cache_tokens": 932064,
+                                       "block_size": 16}], None, {})
+    assert matrix[0]["block_size"] == 16 and matrix[0]["table_width"] == 10240
 
 
 def test_replot_redraws_md_and_png_from_the_csvs(tmp_path):
@@ -766,3 +771,12 @@ def test_runs_with_another_switch_interval_need_their_own_folder(tmp_path, capsy
     assert "0.2 ms" in capsys.readouterr().err
     bm.main(["--out", str(tmp_path), "--dry-run", "--heads", "16", "--contexts", "512",
              "--switch-interval", "0.2"])
+
+
+def test_a_fixed_batch_above_max_batch_is_refused(capsys):
+    """--max-batch is vLLM's max_num_seqs: a batch of 1024 would run 512 at a time, and its
+    tok/s (1024 / step) would be overstated."""
+    with pytest.raises(SystemExit):
+        bm.main(["--out", "unused", "--dry-run", "--heads", "16", "--contexts", "512",
+                 "--batches", "1024", "--max-batch", "512"])
+    assert "--batches 1024 above --max-batch 512" in capsys.readouterr().err
