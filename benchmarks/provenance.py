@@ -4,6 +4,7 @@ version and command line.  Everything here works without a GPU and without vLLM 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
 import shlex
 import subprocess
@@ -35,6 +36,19 @@ def _git_commit() -> str:
     status = _git("status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS)
     changed = status is not None and status.returncode == 0 and status.stdout.strip()
     return head.stdout.strip() + ("+changes" if changed else "")
+
+
+def code_version() -> str:
+    """The code a result comes from, precisely enough to decide whether a saved result can
+    stand for a new run: the commit, a hash of the uncommitted changes to tracked code (if any)
+    and the vLLM version."""
+    commit = _git_commit()
+    if commit.endswith("+changes"):
+        diff = _git("diff", "HEAD", "--", *CODE_PATHS)
+        digest = (hashlib.sha256(diff.stdout.encode()).hexdigest()[:12]
+                  if diff is not None and diff.returncode == 0 else "unknown")
+        commit += f" {digest}"
+    return f"commit {commit}, vLLM {_vllm_version()}"
 
 
 def gpu_query(field: str) -> str | None:

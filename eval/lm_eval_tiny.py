@@ -44,7 +44,7 @@ import time
 
 import numpy as np
 
-from benchmarks.provenance import display_path
+from benchmarks.provenance import code_version, display_path
 from eval.common import (checkpoint_fingerprint, markdown_cell, mean_se_cell, paired_delta,
                          paired_text, parse_kv_pairs, script_command, script_env,
                          tiny_engine_settings)
@@ -300,6 +300,7 @@ def run_one(setting: str, opts) -> None:
         write_jsonl(out / f"samples_{task}.jsonl",
                     [json.loads(json.dumps(e, default=str)) for e in entries])
     results["snapmla"] = {"setting": setting, "docs_sha256": stats["docs_sha256"],
+                          "code": code_version(),
                           "checkpoint": checkpoint_fingerprint(opts.model),
                           "limit": opts.limit, "model_args": json.dumps(args, sort_keys=True),
                           "seconds": round(seconds, 1)}
@@ -461,11 +462,14 @@ def write_report(rows: list[dict], stats: dict, opts, failed: list[str]) -> str:
     if train_log_path.exists():
         tl = json.loads(train_log_path.read_text())
         model_line += (f": {tl['parameters'] / 1e6:.1f}M parameters, {tl['steps']} steps, "
-                       f"held-out loss {tl['heldout_loss']:.4f} (commit {tl['git_commit']})")
+                       f"held-out loss {tl['heldout_loss']:.4f} (trained at commit "
+                       f"{tl['git_commit']})")
     limit = f", lm-eval --limit {opts.limit}" if opts.limit is not None else ""
     text = "\n".join([
         "# Tiny MLA model: KV-cache parity through lm-eval", "",
         model_line + ".",
+        f"Measured with {code_version()} (every row: a saved run is reused only for the same "
+        "code, checkpoint, documents and options).",
         f"lm-eval `vllm` model, kv_cache_dtype per row, BF16 weights, eager, chunked prefill "
         f"with max_num_batched_tokens={opts.chunk}, no prefix caching, max_model_len "
         f"{opts.max_model_len}{limit}.", "",
@@ -589,15 +593,16 @@ def main(argv=None) -> int:
     env["PYTHONUNBUFFERED"] = "1"
     failed = []
     checkpoint = checkpoint_fingerprint(opts.model)
+    code = code_version()
     for setting in settings:
         done = opts.out / setting / "results.json"
         if done.exists() and not opts.force:
             meta = json.loads(done.read_text()).get("snapmla", {})
             args = model_args(opts, setting, stats["eos_id"])[1]
             args.pop("batch_size")
-            if (meta.get("docs_sha256"), meta.get("checkpoint"), meta.get("limit"),
-                    meta.get("model_args")) == (
-                    stats["docs_sha256"], checkpoint, opts.limit,
+            if (meta.get("docs_sha256"), meta.get("code"), meta.get("checkpoint"),
+                    meta.get("limit"), meta.get("model_args")) == (
+                    stats["docs_sha256"], code, checkpoint, opts.limit,
                     json.dumps(args, sort_keys=True)):
                 log(f"[{setting}] reusing {done}")
                 continue

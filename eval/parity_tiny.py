@@ -39,7 +39,7 @@ import time
 
 import numpy as np
 
-from benchmarks.provenance import display_path
+from benchmarks.provenance import code_version, display_path
 from eval.common import (EXTRA_SETTINGS, checkpoint_fingerprint, markdown_cell, mean_se_cell,
                          paired_delta, paired_text, script_command, script_env,
                          tiny_engine_settings)
@@ -275,10 +275,13 @@ def write_report(out: pathlib.Path, rows: list[dict], args, train_log: dict | No
     if train_log:
         model_line += (f": {train_log['parameters'] / 1e6:.1f}M parameters, "
                        f"{train_log['steps']} steps, held-out loss "
-                       f"{train_log['heldout_loss']:.4f} (commit {train_log['git_commit']})")
+                       f"{train_log['heldout_loss']:.4f} (trained at commit "
+                       f"{train_log['git_commit']})")
     text = "\n".join([
         "# Tiny MLA model: KV-cache parity in vLLM", "",
         model_line + ".",
+        f"Measured with {code_version()} (every row: a saved run is reused only for the same "
+        "code, checkpoint and options).",
         f"{args.windows} held-out windows of {args.window_len} tokens, chunked prefill with "
         f"max_num_batched_tokens={args.chunk} (tokens past the first chunk attend to earlier "
         f"chunks through the KV cache; perplexity and accuracy are over those tokens); "
@@ -301,9 +304,11 @@ def write_report(out: pathlib.Path, rows: list[dict], args, train_log: dict | No
 
 
 def run_fingerprint(args, n_windows: int) -> dict:
-    """What a saved run's numbers depend on besides its KV dtype: the checkpoint (its files'
-    sizes and times) and the options.  A saved run is reused only when this matches."""
-    return {"checkpoint": checkpoint_fingerprint(args.model), "windows": n_windows,
+    """What a saved run's numbers depend on besides its KV dtype: the code (commit, uncommitted
+    changes, vLLM version), the checkpoint (its files' sizes and times) and the options.  A
+    saved run is reused only when this matches."""
+    return {"code": code_version(), "checkpoint": checkpoint_fingerprint(args.model),
+            "windows": n_windows,
             "window_len": args.window_len, "chunk": args.chunk, "prompts": args.prompts,
             "prompt_len": args.prompt_len, "gen_len": args.gen_len}
 

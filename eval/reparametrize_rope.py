@@ -36,6 +36,8 @@ import shutil
 
 import torch
 
+from eval.common import checkpoint_fingerprint
+
 GROUPS = 16
 ROPE_DIM = 64
 KV_LORA_RANK = 512
@@ -224,7 +226,8 @@ def main(argv=None) -> None:
            for lg in (logits_before, logits_after)]
     save(model, args.model, args.out)
     report = {
-        "source": str(args.model), "rope_absmax": args.rope_absmax, "tail": args.tail,
+        "source": str(args.model), "source_fingerprint": checkpoint_fingerprint(args.model),
+        "rope_absmax": args.rope_absmax, "tail": args.tail,
         "seed": args.seed, "calibration_tokens": int(tokens.shape[1]),
         "max_abs_logit_difference": diff, "nll_before": nll[0], "nll_after": nll[1],
         "layers": [{"alphas": a, "before": b, "after": c}

@@ -24,7 +24,7 @@ import pathlib
 import subprocess
 import sys
 
-from eval.common import script_command, script_env
+from eval.common import checkpoint_fingerprint, script_command, script_env
 from vllm_snapmla import format as fmt
 
 ORIGINAL = "original"
@@ -41,17 +41,21 @@ def point_model(args, target: float | None) -> tuple[str, pathlib.Path, dict]:
     name = f"rope{target:g}"
     model = args.out / name / "model"
     report_path = model / "reparametrization.json"
+    if report_path.exists():
+        made = json.loads(report_path.read_text())
+        if pathlib.Path(made["source"]).resolve() != args.model.resolve():
+            raise SystemExit(f"{model} was made from {made['source']}, not {args.model}: use "
+                             "another --out for another checkpoint")
+        if made.get("source_fingerprint") != checkpoint_fingerprint(args.model):
+            log(f"[{name}] {args.model} changed since {model} was made from it: remaking it")
+            report_path.unlink()
     if not report_path.exists():
         log(f"[{name}] reparametrizing {args.model} to RoPE abs-max {target:g} ...")
         subprocess.run(script_command("eval.reparametrize_rope", "--model", str(args.model),
                                       "--out", str(model), "--rope-absmax", f"{target:g}",
                                       "--seed", str(args.seed)),
                        env=script_env(), check=True)
-    report = json.loads(report_path.read_text())
-    if pathlib.Path(report["source"]).resolve() != args.model.resolve():
-        raise SystemExit(f"{model} was made from {report['source']}, not {args.model}: use "
-                         "another --out for another checkpoint")
-    return name, model, report
+    return name, model, json.loads(report_path.read_text())
 
 
 def run_parity(args, name: str, model: pathlib.Path) -> list[dict]:

@@ -65,3 +65,27 @@ def test_gpu_query_asks_for_the_visible_gpu(tmp_path, monkeypatch):
     assert provenance.gpu_query("name").endswith("--format=csv,noheader,nounits -i 3")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert provenance.gpu_query("name").endswith("--format=csv,noheader,nounits")
+
+
+def test_code_version_tells_uncommitted_changes_apart(tmp_path, monkeypatch):
+    """Eval reuse keys on it: two different uncommitted edits of one commit must differ."""
+    import subprocess
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = lambda *a: subprocess.run(["git", *a], cwd=repo, check=True,  # noqa: E731
+                                    capture_output=True)
+    git("init", "-q")
+    (repo / "k.py").write_text("x = 1\n")
+    git("add", "k.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    monkeypatch.setattr(provenance, "REPO_ROOT", repo)
+    clean = provenance.code_version()
+    assert clean.startswith("commit ") and "+changes" not in clean and ", vLLM " in clean
+    (repo / "k.py").write_text("x = 2\n")
+    first = provenance.code_version()
+    (repo / "k.py").write_text("x = 3\n")
+    second = provenance.code_version()
+    assert "+changes" in first and first != second
+    (repo / "notes.md").write_text("results\n")      # not code: no effect
+    assert provenance.code_version() == second

@@ -120,6 +120,12 @@ def test_parity_tiny_reruns_stale_runs_and_reports_failures(tmp_path, monkeypatc
     assert ran == []                                   # same checkpoint and options: reused
     assert parity_tiny.main(common + ["--windows", "4", "--dtypes", "auto,fp8_snapmla"]) == 0
     assert ran == [("auto", 4), ("fp8_snapmla", 4)]    # other options: rerun
+    ran.clear()
+    # Other code (a kernel change, another vLLM): rerun, and the report names the code.
+    monkeypatch.setattr(parity_tiny, "code_version", lambda: "commit abc1234, vLLM 0.26.0")
+    assert parity_tiny.main(common + ["--windows", "4", "--dtypes", "auto,fp8_snapmla"]) == 0
+    assert ran == [("auto", 4), ("fp8_snapmla", 4)]
+    assert "Measured with commit abc1234, vLLM 0.26.0" in (out / "parity_tiny.md").read_text()
     with pytest.raises(SystemExit):
         parity_tiny.main(common + ["--chunk", "32"])   # nothing past the first chunk to score
 

@@ -50,6 +50,17 @@ def test_sweep_refuses_points_of_another_checkpoint(smoke_checkpoint, tmp_path, 
     with pytest.raises(SystemExit, match="made from"):
         sweep.main(["--model", str(other), "--out", str(tmp_path), "--targets", "100",
                     "--dtypes", "auto"])
+    # The same folder retrained (its files changed): the point is made again from it.
+    report = tmp_path / "rope100" / "model" / "reparametrization.json"
+    made = report.stat().st_mtime_ns
+    retrained = smoke_checkpoint / "retrained.txt"      # shared fixture: removed again below
+    retrained.write_text("new weights\n")
+    try:
+        sweep.main(["--model", str(smoke_checkpoint), "--out", str(tmp_path), "--targets", "100",
+                    "--dtypes", "auto"])
+    finally:
+        retrained.unlink()
+    assert report.stat().st_mtime_ns > made
 
 
 def test_sweep_needs_the_bf16_baseline(tmp_path):
