@@ -46,7 +46,6 @@ per token (1152 bf16, 576 fp8, 656 fp8_snapmla), both on ``us``.  Writes ``decod
 from __future__ import annotations
 
 import argparse
-import csv
 import importlib
 import math
 import time
@@ -55,6 +54,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.provenance import describe, run_info
+from benchmarks.vllm_engine import read_csv, run_number, write_csv
 from vllm_snapmla import format as fmt
 from vllm_snapmla import ops, reference
 from vllm_snapmla._native import native
@@ -324,27 +324,41 @@ def _plot(rows, path):
 
 # decode.csv's columns: the backend, the shape's integers, the measured floats, then (added later,
 # so that older files still read) the table options, what ``us`` timed and the other times.
-CSV_COLUMNS = ["backend", "B", "H", "N", "s_q", "us", "tflops", "gbps", "relerr",
+CSV_COLUMNS = ["run", "backend", "B", "H", "N", "s_q", "us", "tflops", "gbps", "relerr",
                "speedup_vs_bf16", "speedup_vs_fp8", "table_width", "ragged", "timing", "host_us",
                "eager_us", "metadata_host_us", "metadata_eager_us", "metadata_us"]
-_CSV_INTS = {"B", "H", "N", "s_q", "table_width", "ragged"}
+_CSV_INTS = {"run", "B", "H", "N", "s_q", "table_width", "ragged"}
 _CSV_TEXT = {"backend", "timing"}
 
 
 def _read_csv(path):
     """decode.csv's rows with numbers as numbers (empty or absent cells None), as _plot takes
     them."""
-    rows = []
-    with open(path, newline="") as f:
-        for r in csv.DictReader(f):
-            row = dict(r)
-            for c in CSV_COLUMNS:
-                if c in _CSV_TEXT:
-                    continue
-                row[c] = (None if not r.get(c) else int(r[c]) if c in _CSV_INTS
-                          else float(r[c]))
-            rows.append(row)
+    _, rows = read_csv(Path(path))
+    for row in rows:
+        for c in CSV_COLUMNS:
+            if c not in _CSV_TEXT:
+                row[c] = (None if not row.get(c) else int(row[c]) if c in _CSV_INTS
+                          else float(row[c]))
     return rows
+
+
+def _row_key(r) -> tuple:
+    """What one measurement is of: a later run of the same replaces it in decode.csv."""
+    return tuple(str(r.get(c)) for c in ("backend", "B", "H", "N", "s_q", "table_width",
+                                         "ragged", "timing"))
+
+
+def merge_runs(old: list[dict], new: list[dict]) -> list[dict]:
+    """``old`` with the rows ``new`` measures again replaced in place, the others appended."""
+    merged = {_row_key(r): r for r in old}
+    merged.update({_row_key(r): r for r in new})
+    return list(merged.values())
+
+
+def _shape_generator(B, H, N, s_q) -> torch.Generator:
+    """Each shape's own seed: its (ragged) lengths and inputs do not depend on the shape list."""
+    return torch.Generator().manual_seed(((B * 1009 + H) * 100003 + N) * 7 + s_q)
 
 
 def _measure(fn, fresh, rep, warmup, eager, calls):
@@ -400,7 +414,12 @@ def main():
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    print(describe(run_info("benchmarks.bench_decode")), flush=True)
+    header = describe(run_info("benchmarks.bench_decode"))
+    print(header, flush=True)
+    # decode.csv keeps earlier runs' rows (a --heads or --shapes subset replaces only its own);
+    # each row names its run, described in the file's "# " header lines.
+    runs, old_rows = read_csv(out_dir / "decode.csv")
+    run = run_number(runs, header)
     fm, why = _flashmla()
     if fm is None:
         print(f"FlashMLA unavailable, timing ours only: {why}", flush=True)
@@ -416,11 +435,11 @@ def main():
 
     scale = fmt.HEAD_SIZE ** -0.5
     rep, warmup, calls = (50, 10, 30) if args.quick else (200, 25, 100)
-    gen = torch.Generator().manual_seed(0)
     rows = []
     for B, H, N, s_q in shapes:
         print(f"shape B={B} H={H} N={N} s_q={s_q} ...", flush=True)
-        inp = _make_inputs(B, H, N, s_q, gen, args.table_width, args.ragged)
+        inp = _make_inputs(B, H, N, s_q, _shape_generator(B, H, N, s_q), args.table_width,
+                           args.ragged)
         runners, with_metadata = _runners(inp, fm, scale, quantize, wanted)
         flops = 2 * H * s_q * inp["tokens"] * (fmt.HEAD_SIZE + fmt.KV_LORA_RANK)
         times, base_out, shape_rows = {}, None, []
@@ -450,7 +469,7 @@ def main():
             us = measured["us"]
             times[name] = us
             nbytes = inp["tokens"] * BYTES_PER_TOKEN.get(name, fmt.BYTES_PER_TOKEN)
-            shape_rows.append({**measured, "backend": name, "B": B, "H": H, "N": N,
+            shape_rows.append({**measured, "run": run, "backend": name, "B": B, "H": H, "N": N,
                                "s_q": s_q, "us": us, "tflops": flops / us * 1e-6,
                                "gbps": nbytes / us * 1e-3, "relerr": relerr,
                                "table_width": inp["block_table"].shape[1],
@@ -467,7 +486,8 @@ def main():
                 t = times.get(f"flashmla-{base}")
                 r[f"speedup_vs_{base}"] = t / r["us"] if t else None
         rows += shape_rows
-        _write_csv(rows, out_dir / "decode.csv")   # after every shape: a cut-short run keeps it
+        # After every shape: a cut-short run keeps what it measured.
+        _write_csv(merge_runs(old_rows, rows), out_dir / "decode.csv", runs)
         del inp, runners, with_metadata
         torch.cuda.empty_cache()
 
@@ -475,15 +495,12 @@ def main():
     print("\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for r in rows:
         print("| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |")
-    print(f"wrote {out_dir / 'decode.csv'}", flush=True)
+    print(f"wrote {out_dir / 'decode.csv'} (this run: {run})", flush=True)
     _plot(rows, out_dir / "decode.png")
 
 
-def _write_csv(rows, path):
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-        writer.writeheader()
-        writer.writerows({c: r.get(c) for c in CSV_COLUMNS} for r in rows)
+def _write_csv(rows, path, runs):
+    write_csv(rows, path, CSV_COLUMNS, runs)
 
 
 def _fmt(v):

@@ -80,13 +80,13 @@ def test_csv_keeps_the_new_timings_and_reads_files_without_them(tmp_path):
         r.update(table_width=2560, ragged=1, timing="graph", host_us=41.5, eager_us=55.25,
                  metadata_host_us=12.0 if r["backend"].startswith("flashmla") else None,
                  metadata_eager_us=None, metadata_us=3.5)
-    bench._write_csv(rows, tmp_path / "decode.csv")
+    bench._write_csv(rows, tmp_path / "decode.csv", ["2026-12-04 | commit abc | H200"])
     back = bench._read_csv(tmp_path / "decode.csv")
     assert [r["table_width"] for r in back] == [2560] * 3 and back[0]["ragged"] == 1
     assert back[0]["timing"] == "graph" and back[2]["host_us"] == pytest.approx(41.5)
     assert back[0]["metadata_host_us"] == 12.0 and back[2]["metadata_host_us"] is None
     # A decode.csv written before those columns existed.
-    old_columns = bench.CSV_COLUMNS[:11]
+    old_columns = bench.CSV_COLUMNS[1:12]
     with open(tmp_path / "old.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=old_columns, extrasaction="ignore")
         writer.writeheader()
@@ -94,6 +94,27 @@ def test_csv_keeps_the_new_timings_and_reads_files_without_them(tmp_path):
     old = bench._read_csv(tmp_path / "old.csv")
     assert old[1]["us"] == pytest.approx(rows[1]["us"])
     assert old[1]["table_width"] is None and old[1]["host_us"] is None
+
+
+def test_a_run_replaces_only_what_it_measures_again():
+    """A --heads subset run keeps the other shapes' rows; each row names its run."""
+    first = [{"run": 1, "backend": b, "B": 64, "H": h, "N": 4096, "s_q": 1, "table_width": 64,
+              "ragged": 0, "timing": "graph", "us": 10.0} for b in ("ours", "flashmla-bf16")
+             for h in (16, 128)]
+    again = [{**first[0], "run": 2, "us": 9.0}]
+    merged = bench.merge_runs(first, again)
+    assert len(merged) == 4 and merged[0]["run"] == 2 and merged[0]["us"] == 9.0
+    assert [r["run"] for r in merged[1:]] == [1, 1, 1]
+    assert len(bench.merge_runs(first, [{**first[0], "timing": "eager"}])) == 5
+
+
+def test_each_shape_draws_its_own_inputs():
+    """A shape's ragged lengths do not depend on which shapes ran before it."""
+    a = bench.request_lengths(16, 8192, True, bench._shape_generator(16, 128, 8192, 1))
+    bench.request_lengths(64, 4096, True, bench._shape_generator(64, 16, 4096, 1))
+    b = bench.request_lengths(16, 8192, True, bench._shape_generator(16, 128, 8192, 1))
+    c = bench.request_lengths(16, 8192, True, bench._shape_generator(16, 16, 8192, 1))
+    assert a == b and a != c
 
 
 def test_shapes_parse_as_b_h_n_and_optional_s_q():
