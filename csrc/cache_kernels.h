@@ -51,9 +51,10 @@ struct GatherSource {
   const int32_t* seq_starts;    // [num_seqs] or null
 };
 
-// dst[t] = dequantized [kv_c ; k_pe] of position seq_starts[b] + t - cu_seq_lens[b] of request
-// b = token_to_seq[t], for t < num_tokens.  A token whose request, position or block lies
-// outside the source's extents gets a NaN row (nothing is read for it).
+// dst[t] = dequantized [kv_c ; k_pe] of position seq_starts[b] + (t - cu_seq_lens[b]) of request
+// b = token_to_seq[t], for t < num_tokens; both terms are never negative.  A token whose
+// request, position or block lies outside the source's extents gets a NaN row (nothing is read
+// for it).
 cudaError_t launch_gather_kv(FloatType dst_type, const GatherSource& src, void* dst,
                              int64_t dst_stride, int64_t num_tokens, cudaStream_t stream);
 

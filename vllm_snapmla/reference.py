@@ -72,8 +72,8 @@ def append_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
 class GatherSources(NamedTuple):
     """Where each gathered token comes from, and whether each step of finding it is valid
     (``*_ok`` are cumulative: a token's position is only valid if its request is, and so on).
-    ``pos`` is as computed for every token with a valid request (0 otherwise); ``block`` is 0
-    where ``block_ok`` is false."""
+    ``offset``, ``start`` and ``pos`` are as computed for every token (from request 0's where
+    its own request is invalid); ``block`` is 0 where ``block_ok`` is false."""
     num_seqs: int            # requests the inputs describe
     seq: torch.Tensor        # token_to_seq as given
     seq_ok: torch.Tensor
@@ -248,8 +248,9 @@ def decode_exact(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
                  block_table: torch.Tensor, seq_lens: torch.Tensor, softmax_scale: float,
                  causal: bool = True):
     """Float64 attention of the unquantized query over the dequantized cache.  A request whose
-    length the table cannot hold gives NaN; a live block id outside the cache is not read, and
-    the rows that attend to its tokens give NaN."""
+    length the table cannot hold gives NaN.  A live token without a cache scale (its block id
+    outside the cache, or a NaN or negative scale) is not read: the rows that attend to it give
+    NaN, the others are exact, as in ``decode_quantized``."""
     B, s_q, H, _ = q_nope.shape
     dev = q_nope.device
     seq = seq_lens[:B].to(dev).long()
@@ -270,7 +271,8 @@ def decode_exact(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
         pages = block_table[b, :(n + fmt.PAGE_SIZE - 1) // fmt.PAGE_SIZE].to(dev).long()
         page_ok = (pages >= 0) & (pages < kv_cache.shape[0])
         rows = kv_cache[torch.where(page_ok, pages, 0)].reshape(-1, fmt.BYTES_PER_TOKEN)[:n]
-        readable = page_ok.repeat_interleave(fmt.PAGE_SIZE)[:n]          # [n]
+        _, scale, _ = split_rows(rows)
+        readable = page_ok.repeat_interleave(fmt.PAGE_SIZE)[:n] & (scale >= 0)   # [n]
         c, r = dequantize_kv(rows)
         c = torch.where(readable[:, None], c.double(), 0.0)
         r = torch.where(readable[:, None], r.double(), 0.0)

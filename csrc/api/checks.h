@@ -79,8 +79,8 @@ inline void check_cache(const char* op, const at::Tensor& kv_cache, const at::De
 
 // Indices as int32, as the kernels read them (vLLM's metadata is int32).  An int64 value
 // outside int32's range becomes `out_of_range` instead of wrapping onto another value: the
-// caller picks one that no valid index can be and that no other index can cancel (gather_kv's
-// position is token - cu_seq_lens + seq_starts), so the kernels give NaN for it.
+// caller picks one that no valid index can be, so the kernels give NaN for it (gather_kv: its
+// kernel's sign rules keep the other index of a position from cancelling it, cache_ops.cpp).
 constexpr int32_t kInt32Max = std::numeric_limits<int32_t>::max();
 constexpr int32_t kInt32Min = std::numeric_limits<int32_t>::min();
 

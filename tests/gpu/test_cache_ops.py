@@ -341,6 +341,26 @@ def test_errors_quantize_and_append():
         ops.append_kv(kv_c, k_pe, cache.view(torch.int8), slots)
 
 
+def test_a_cache_with_spaced_blocks_is_accepted():
+    """Blocks inside a larger allocation (one layer of a cross-layer layout): the C++ checks
+    accept them, and append and gather match a contiguous cache."""
+    kv_c = torch.randn(3, fmt.KV_LORA_RANK, dtype=torch.bfloat16, device=CUDA)
+    k_pe = torch.randn(3, fmt.ROPE_DIM, dtype=torch.bfloat16, device=CUDA)
+    slots = torch.tensor([5, 70, 130], device=CUDA)
+    contiguous = torch.zeros(3, fmt.PAGE_SIZE, fmt.BYTES_PER_TOKEN, dtype=torch.uint8, device=CUDA)
+    spaced = torch.zeros(3, 2, fmt.PAGE_SIZE, fmt.BYTES_PER_TOKEN, dtype=torch.uint8,
+                         device=CUDA)[:, 1]
+    for cache in (contiguous, spaced):
+        torch.ops._snapmla_C.append_kv(kv_c, k_pe, cache, slots)
+    assert torch.equal(spaced, contiguous)
+    bt = torch.tensor([[0, 1, 2]], dtype=torch.int32, device=CUDA)
+    cu = torch.tensor([0, 131], dtype=torch.int32, device=CUDA)
+    t2s = torch.zeros(131, dtype=torch.int32, device=CUDA)
+    got = [ops.gather_kv(cache, torch.empty(131, fmt.HEAD_SIZE, device=CUDA), bt, cu, t2s, 131)
+           for cache in (contiguous, spaced)]
+    assert torch.equal(got[0], got[1])
+
+
 def test_errors_gather_and_quantize_q():
     C = torch.ops._snapmla_C
     cache = torch.zeros(2, fmt.PAGE_SIZE, fmt.BYTES_PER_TOKEN, dtype=torch.uint8, device=CUDA)

@@ -17,7 +17,8 @@ from vllm_snapmla import reference as ref
 from vllm_snapmla.testing import build_cache
 
 from tests.decode_cases import (BAD_ARGUMENTS, BAD_INDICES, NON_FINITE, decode_case,
-                                nan_rows_of, rows_reading_page, zero_filled_page)
+                                nan_rows_of, nan_scale_at, rows_reading_page,
+                                zero_filled_page)
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
@@ -74,6 +75,16 @@ def test_bad_indices_raise_or_give_nan_where_they_are_read(lens, H, s_q, seed, n
         ops.decode(*bad.args())
     for exact in (False, True):
         _assert_nan_in_those_rows_only(bad, case, nan_rows(case, b), exact)
+
+
+@pytest.mark.parametrize("s_q", [2, 4])
+def test_nan_scale_on_a_token_only_the_last_query_sees(s_q):
+    """The token's rows are NaN; the earlier queries, which do not attend to it, are exact in
+    both references."""
+    case = decode_case([129, 65, 70], 2, s_q, 0)
+    rows = rows_reading_page(case, 1, 1)
+    for exact in (False, True):
+        _assert_nan_in_those_rows_only(nan_scale_at(case, 1, 64), case, rows, exact)
 
 
 @pytest.mark.parametrize("s_q", [2, 4])
@@ -396,3 +407,26 @@ def test_append_then_gather_returns_the_quantized_rows(tokens, blocks, seed, dty
                   torch.arange(n, dtype=torch.int32), n, starts)
     c, r = ops.dequantize_kv(ops.quantize_kv(kv_c[kept], k_pe[kept]))
     assert torch.equal(dst, torch.cat([c, r], -1))
+
+
+def test_a_cache_with_spaced_blocks_works_like_a_contiguous_one():
+    """One layer's blocks inside a larger allocation (block stride past 64 x 656 bytes), as a
+    cross-layer KV layout gives them: accepted, with the same results."""
+    case = decode_case([70, 130], 4, 2, 0)
+    nb = case.kv_cache.shape[0]
+    spaced = torch.zeros(nb, 3, 64, 656, dtype=torch.uint8)[:, 1]
+    spaced.copy_(case.kv_cache)
+    assert spaced.stride(0) == 3 * 64 * 656
+    for a, b in zip(ops.decode(*case.args()), ops.decode(*case.replace(kv_cache=spaced).args())):
+        assert torch.equal(a, b)
+    kv_c, k_pe = torch.randn(3, 512), torch.randn(3, 64)
+    slots = torch.tensor([5, 70, 200])
+    contiguous = case.kv_cache.clone()
+    ops.append_kv(kv_c, k_pe, contiguous, slots)
+    ops.append_kv(kv_c, k_pe, spaced, slots)
+    assert torch.equal(spaced, contiguous)
+    cu = torch.tensor([0, 70, 200], dtype=torch.int32)
+    t2s = torch.tensor([0] * 70 + [1] * 130, dtype=torch.int32)
+    got = [ops.gather_kv(cache, torch.empty(200, 576), case.block_table, cu, t2s, 200)
+           for cache in (contiguous, spaced)]
+    assert torch.equal(got[0], got[1]) and torch.isfinite(got[0]).all()
