@@ -291,15 +291,16 @@ def compare_greedy(base: list[list[dict]], test: list[list[dict]], what: str = "
     which always holds the chosen token) and optionally ``prompt``.
 
     Per prompt, the steps up to the first divergence are compared: while the tokens agree, the
-    chosen token's |d logprob| is collected; at the divergence ``test``'s token must be in
-    ``base``'s top-k and at most ``near_tie_nats`` below ``base``'s choice, otherwise it is a
-    problem.  Pairs whose ``prompt`` differs (an echo of outputs that parted earlier) are
+    chosen token's |d logprob| is collected; at the divergence (the last step both engines
+    computed from the same context) so are the two chosen tokens' where both top-k hold them,
+    and ``test``'s token must be in ``base``'s top-k and at most ``near_tie_nats`` below
+    ``base``'s choice, otherwise it is a problem.  Pairs whose ``prompt`` differs (an echo of outputs that parted earlier) are
     skipped.  Returns ``match`` (the fraction of generated tokens equal position by position),
-    ``compared`` (steps compared, the divergence included), ``shared steps`` and the mean and
-    max ``|d logprob|`` over them, ``skipped`` and ``problems`` (strings naming round, prompt
-    and step).
+    ``compared`` (steps compared, the divergence included), ``shared steps`` (those before it),
+    the mean and max ``|d logprob|`` over every value collected, ``skipped`` and ``problems``
+    (strings naming round, prompt and step).
     """
-    equal = total = compared = skipped = 0
+    equal = total = compared = skipped = shared_steps = 0
     shared_diffs, problems = [], []
     if len(base) != len(test):
         problems.append(f"{len(base)} rounds in the base run, {len(test)} in {what}")
@@ -320,8 +321,11 @@ def compare_greedy(base: list[list[dict]], test: list[list[dict]], what: str = "
                 compared += 1
                 base_lp, test_lp = b["logprobs"][step], t["logprobs"][step]
                 if x == y:
+                    shared_steps += 1
                     shared_diffs.append(abs(base_lp[str(x)] - test_lp[str(x)]))
                     continue
+                shared_diffs += [abs(base_lp[str(z)] - test_lp[str(z)]) for z in (x, y)
+                                 if str(z) in base_lp and str(z) in test_lp]
                 where = f"round {r} prompt {k} step {step}: {what} chose {y}"
                 if str(y) not in base_lp:
                     problems.append(f"{where}, not in the base run's top {len(base_lp)} "
@@ -332,7 +336,7 @@ def compare_greedy(base: list[list[dict]], test: list[list[dict]], what: str = "
                 break
     diffs = torch.tensor(shared_diffs or [0.0], dtype=torch.float64)
     return {"match": equal / max(total, 1), "compared": compared,
-            "shared steps": len(shared_diffs), "mean |d logprob|": float(diffs.mean()),
+            "shared steps": shared_steps, "mean |d logprob|": float(diffs.mean()),
             "max |d logprob|": float(diffs.max()), "skipped": skipped, "problems": problems}
 
 

@@ -27,8 +27,19 @@ def test_divergence_at_a_near_tie_is_accepted_and_ends_the_comparison():
     stats = compare_greedy([[BASE]], [[test]])
     assert stats["problems"] == []
     assert stats["compared"] == 2 and stats["shared steps"] == 1
-    assert stats["mean |d logprob|"] == pytest.approx(0.1)
+    # Step 0's chosen token (0.1) and, at the divergence, both chosen tokens (0.2 each).
+    assert stats["mean |d logprob|"] == pytest.approx(0.5 / 3)
+    assert stats["max |d logprob|"] == pytest.approx(0.2)
     assert stats["match"] == pytest.approx(2 / 3)      # step 2 agrees again, position-wise
+
+
+def test_a_shift_at_the_divergence_shows_in_the_log_probabilities():
+    """Both engines computed the divergence step from the same context: a test engine that moved
+    the base choice down by 1.5 nats there (a misread cache) flips within the near-tie rule,
+    but not within the log-probability bounds."""
+    test = _out([5, 8, 9], [{5: -1.0}, {8: -2.3, 7: -3.5}, {9: -0.5}])
+    stats = compare_greedy([[BASE]], [[test]])
+    assert stats["problems"] == [] and stats["max |d logprob|"] == pytest.approx(1.5)
 
 
 @pytest.mark.parametrize("token, message", [(6, "2.000 nats below the base run's 7"),
