@@ -28,8 +28,10 @@ SPEC_METRICS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_token
 def _run(spec: dict) -> dict:
     """``spec``: ``model``, ``kv_cache_dtype``, ``prompts``, ``max_tokens``, ``logprobs``,
     ``llm_kwargs``, ``echo`` (extra rounds: prompt ``p + out(p) + p``, with ``out(p)`` the
-    previous round's output for ``p``) and ``solo`` (a last round of the previous round's first
-    prompt alone: every batch then holds one request)."""
+    previous round's output for ``p``, or ``echo_outputs[k]`` for echo round k + 1 when given:
+    another engine's outputs, so that every engine compared runs the same prompts) and ``solo``
+    (a last round of the previous round's first prompt alone: every batch then holds one
+    request)."""
     from vllm import LLM, SamplingParams
 
     kwargs = dict(load_format="auto", skip_tokenizer_init=True, dtype="bfloat16",
@@ -43,7 +45,9 @@ def _run(spec: dict) -> dict:
     rounds, prompts = [], spec["prompts"]
     for k in range(1 + spec.get("echo", 0)):
         if k:
-            prompts = [p + o["token_ids"] + p for p, o in zip(spec["prompts"], rounds[-1])]
+            given = spec.get("echo_outputs")
+            outs = given[k - 1] if given else [o["token_ids"] for o in rounds[-1]]
+            prompts = [p + o + p for p, o in zip(spec["prompts"], outs)]
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                use_tqdm=False)
         rounds.append(_outputs(prompts, outputs))

@@ -12,14 +12,17 @@ all fp8_snapmla and greedy:
   per request (s_q = 4, 3, 2) in FULL graphs; the others go down the prefill path.
 
 Each runs the same prompts: a batch of 11, then an echo round (``p + out(p) + p``, which makes
-the n-gram proposer find matches), then the first echo prompt alone (batches of one request,
-where every drafted step is a uniform s_q = 1 + drafts decode).  Outputs are compared with the
+the n-gram proposer find matches; ``out(p)`` is the eager reference's output, so that an early
+divergence of one engine does not change the prompts it is compared on), then the first echo
+prompt alone (batches of one request, where every drafted step is a uniform s_q = 1 + drafts
+decode).  Outputs are compared with the
 near-tie rule (``vllm_snapmla.testing.compare_greedy``): equal tokens until the first
 divergence, which must be a near-tie in the reference's log-probabilities.  Compilation and
 graphs change summation orders in other layers, so exact equality is not expected.
 
 On an H200 the four engines before the 3-draft one took 3-4 minutes; ``-k 3-drafts`` alone
-(``compiled`` and that engine) took 162 s.  The tiny model has 16 heads, so on an H200 plain
+(``compiled`` and that engine) took 162 s, before every engine needed the eager reference's
+outputs (one engine more now).  The tiny model has 16 heads, so on an H200 plain
 decode steps run the sm_90a narrow kernel's 16-row form, s_q = 2 its 32-row form and s_q = 3 and
 4 the 64-row kernel (``auto`` picks them on sm_90, and tests/conftest.py refuses to run the
 GPU tests on an sm_90 GPU whose build lacks them; ``SNAPMLA_DECODE_KERNEL=triton`` in the
@@ -58,10 +61,15 @@ def _prompts() -> list[list[int]]:
     return prompts
 
 
-def _spec(model_dir, **llm_kwargs):
-    return {"model": model_dir, "kv_cache_dtype": KV, "prompts": _prompts(),
+def _spec(model_dir, reference=None, **llm_kwargs):
+    """``reference``: the eager engine's result, whose first-round outputs build every engine's
+    echo prompts (its own when None)."""
+    spec = {"model": model_dir, "kv_cache_dtype": KV, "prompts": _prompts(),
             "max_tokens": MAX_TOKENS, "logprobs": TOP_LOGPROBS, "echo": 1, "solo": True,
             "llm_kwargs": {**ENGINE, **llm_kwargs}}
+    if reference is not None:
+        spec["echo_outputs"] = [[o["token_ids"] for o in reference["rounds"][0]]]
+    return spec
 
 
 @pytest.fixture(scope="module")
@@ -70,14 +78,14 @@ def eager(model_dir):
 
 
 @pytest.fixture(scope="module")
-def compiled(model_dir):
-    return generate(_spec(model_dir, enforce_eager=False), env=DEBUG)
+def compiled(model_dir, eager):
+    return generate(_spec(model_dir, eager, enforce_eager=False), env=DEBUG)
 
 
 @pytest.fixture(scope="module", params=NUM_SPECS, ids=lambda k: f"{k}-drafts")
-def ngram(model_dir, request):
+def ngram(model_dir, eager, request):
     config = {**NGRAM, "num_speculative_tokens": request.param}
-    return request.param, generate(_spec(model_dir, enforce_eager=False,
+    return request.param, generate(_spec(model_dir, eager, enforce_eager=False,
                                          speculative_config=config), env=DEBUG)
 
 
@@ -114,6 +122,7 @@ def test_full_graph_outputs_match_eager(eager, compiled):
     _print_outputs(eager, compiled, ("eager", "compiled"))
     print(f"compared {compared} tokens")
     assert compared >= 5 * MAX_TOKENS   # a sanity floor: most prompts agree for long
+    assert stats["skipped"] == 0        # the echo and solo rounds ran the same prompts
     assert not problems, "\n".join(problems)
 
 
@@ -137,4 +146,7 @@ def test_ngram_speculation_matches_plain_decoding(compiled, ngram):
     _print_outputs(compiled, ngram, ("plain", "ngram"))
     print(f"compared {compared} tokens")
     assert compared >= 5 * MAX_TOKENS   # a sanity floor: most prompts agree for long
+    # The solo round (every drafted step an s_q = 1 + drafts decode in a FULL graph) is compared.
+    assert stats["skipped"] == 0 and ngram["rounds"][-1][0]["prompt"] == \
+        compiled["rounds"][-1][0]["prompt"]
     assert not problems, "\n".join(problems)
