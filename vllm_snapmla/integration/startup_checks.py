@@ -173,6 +173,14 @@ def layer_problems(vllm_config) -> list[str]:
             f"KV offloading, LMCache, ...) have not been validated with {KV_CACHE_DTYPE}'s "
             f"{fmt.BYTES_PER_TOKEN}-byte rows, and some assume {fmt.HEAD_SIZE}-byte ones. "
             f"Remove {flag}, or use --kv-cache-dtype fp8 or auto.")
+    # H13: the pass swaps our cache write for vLLM's fused C++ writer, which rejects this
+    # dtype (patches/rope_kvcache_fusion.py keeps it off unless the user turns it on).
+    if vllm_config.compilation_config.pass_config.fuse_rope_kvcache_cat_mla:
+        problems.append(
+            "fp8_snapmla writes the KV cache with its own kernel, but the MLA RoPE+KV-cache "
+            "fusion pass (pass_config.fuse_rope_kvcache_cat_mla) would replace it with vLLM's "
+            "C++ writer, which cannot write fp8_snapmla. Turn the pass off: "
+            "--compilation-config '{\"pass_config\": {\"fuse_rope_kvcache_cat_mla\": false}}'.")
     return problems
 
 
@@ -235,16 +243,6 @@ def check_snapmla_config(vllm_config, device_capability=None) -> None:
         problems.append(
             "fp8_snapmla does not support prefill context parallelism yet. Remove "
             "--prefill-context-parallel-size/-pcp, or use --kv-cache-dtype fp8.")
-
-    pass_config = vllm_config.compilation_config.pass_config
-    if pass_config.fuse_rope_kvcache_cat_mla:
-        # H13: the pass swaps our cache write for vLLM's fused C++ writer, which
-        # rejects this dtype.
-        problems.append(
-            "fp8_snapmla writes the KV cache with its own kernel, but the MLA RoPE+KV-cache "
-            "fusion pass (pass_config.fuse_rope_kvcache_cat_mla) would replace it with vLLM's "
-            "C++ writer, which cannot write fp8_snapmla. Turn the pass off: "
-            "--compilation-config '{\"pass_config\": {\"fuse_rope_kvcache_cat_mla\": false}}'.")
 
     raise_if(problems)
 

@@ -299,12 +299,35 @@ def test_kv_cache_dtype_skip_layers(vllm_cpu):
     assert "Remove --kv-cache-dtype-skip-layers" in message
 
 
+def _in_vllm_rope_fusion_pass(**engine_kwargs):
+    from tests.unit._vllm_cpu import engine_config, tiny_model
+
+    config = engine_config(tiny_model(), **engine_kwargs)
+    return config.compilation_config.pass_config.fuse_rope_kvcache_cat_mla
+
+
+@pytest.mark.parametrize("compilation", [{"use_inductor_graph_partition": True},
+                                         {"splitting_ops": []}], ids=str)
+def test_rope_kv_cache_fusion_pass_is_off_unless_asked_for(vllm_cpu, compilation):
+    """vLLM's -O2 defaults turn the pass on with these settings; for fp8_snapmla (target or
+    drafter) it stays off, and auto keeps vLLM's default."""
+    settings = {"enforce_eager": False, "compilation_config": compilation}
+    assert vllm_cpu.call(_in_vllm_rope_fusion_pass, kv_cache_dtype=KV, **settings) is False
+    assert vllm_cpu.call(_in_vllm_rope_fusion_pass, kv_cache_dtype="auto", **settings) is True
+
+
 @pytest.mark.parametrize("enforce_eager", [True, False])
 def test_rope_kv_cache_fusion_pass(vllm_cpu, enforce_eager):
     message = _startup_error(vllm_cpu, enforce_eager=enforce_eager, compilation_config={
         "pass_config": {"fuse_rope_kvcache_cat_mla": True}})
     assert "fusion pass (pass_config.fuse_rope_kvcache_cat_mla)" in message
     assert '"fuse_rope_kvcache_cat_mla": false' in message
+    # Also when only the drafter uses fp8_snapmla: the pass rewrites its cache writes too.
+    message = _startup_error(vllm_cpu, kv_cache_dtype="auto", model_overrides=WITH_MTP_LAYER,
+                             speculative_config={**MTP, "kv_cache_dtype": KV},
+                             compilation_config={
+                                 "pass_config": {"fuse_rope_kvcache_cat_mla": True}})
+    assert "fusion pass (pass_config.fuse_rope_kvcache_cat_mla)" in message
 
 
 def test_all_problems_reported_together(vllm_cpu):

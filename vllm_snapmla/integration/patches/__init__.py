@@ -3,8 +3,8 @@
 vLLM 0.26.0 has no registry for new KV-cache dtypes (the dtype set is a closed ``Literal``
 matched on strings in several modules), so we patch the few private names involved.  Each module
 starts with its record: what it changes, why, how it is checked, and when it can go.  The hook
-numbers (H1..H15) name the places in vLLM 0.26.0 that the plugin touches; H6-H8, H10, H11 and
-H13 need no patch (``integration/backend.py`` overrides and a start-up refusal), and H15
+numbers (H1..H15) name the places in vLLM 0.26.0 that the plugin touches; H6-H8, H10 and H11
+need no patch (``integration/backend.py`` overrides), and H15
 (``context_merge_bound``) corrects the metadata the backend's builder returns rather than
 patching vLLM, though it reads vLLM's private prefill metadata.
 
@@ -26,6 +26,7 @@ from vllm_snapmla.integration.patches import (
     backend_selection,
     cache_dtype,
     page_size,
+    rope_kvcache_fusion,
     storage_dtype,
 )
 from vllm_snapmla.integration.patches._common import KV_CACHE_DTYPE, literal_options
@@ -37,6 +38,7 @@ def apply_all() -> None:
     storage_dtype.apply()
     page_size.apply()
     backend_selection.apply()
+    rope_kvcache_fusion.apply()
     self_check()
 
 
