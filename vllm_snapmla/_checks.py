@@ -6,8 +6,9 @@ index tensors, which on a GPU means a host sync: they run on CPU tensors, and on
 only when asked (``validate=True``, or ``SNAPMLA_VALIDATE=1`` in the environment).  Without them
 the CUDA kernels still never read outside the cache: a request whose length its table row cannot
 hold comes out NaN, so do the rows that attend to a live page naming a block outside the cache
-(``ops.decode``), and ``append_kv`` skips slots outside the cache.  Every violation raises ``TypeError`` (a wrong kind of argument) or
-``ValueError`` (a wrong shape or value) naming the argument, what was expected and what came.
+(``ops.decode``), and ``append_kv`` skips slots outside the cache.  Every violation raises
+``TypeError`` (a wrong kind of argument) or ``ValueError`` (a wrong shape or value) naming the
+argument, what was expected and what came.
 """
 
 from __future__ import annotations
