@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.provenance import describe, run_info
-from benchmarks.vllm_engine import read_csv, run_number, write_csv
+from benchmarks.vllm_engine import merge_by_key, read_csv, run_number, write_csv
 from vllm_snapmla import format as fmt
 from vllm_snapmla import ops, reference
 from vllm_snapmla._native import native
@@ -349,13 +349,6 @@ def _row_key(r) -> tuple:
                                          "ragged", "timing"))
 
 
-def merge_runs(old: list[dict], new: list[dict]) -> list[dict]:
-    """``old`` with the rows ``new`` measures again replaced in place, the others appended."""
-    merged = {_row_key(r): r for r in old}
-    merged.update({_row_key(r): r for r in new})
-    return list(merged.values())
-
-
 def _shape_generator(B, H, N, s_q) -> torch.Generator:
     """Each shape's own seed: its (ragged) lengths and inputs do not depend on the shape list."""
     return torch.Generator().manual_seed(((B * 1009 + H) * 100003 + N) * 7 + s_q)
@@ -487,7 +480,8 @@ def main():
                 r[f"speedup_vs_{base}"] = t / r["us"] if t else None
         rows += shape_rows
         # After every shape: a cut-short run keeps what it measured.
-        _write_csv(merge_runs(old_rows, rows), out_dir / "decode.csv", runs)
+        write_csv(merge_by_key(old_rows, rows, _row_key), out_dir / "decode.csv", CSV_COLUMNS,
+                  runs)
         del inp, runners, with_metadata
         torch.cuda.empty_cache()
 
@@ -498,9 +492,6 @@ def main():
     print(f"wrote {out_dir / 'decode.csv'} (this run: {run})", flush=True)
     _plot(rows, out_dir / "decode.png")
 
-
-def _write_csv(rows, path, runs):
-    write_csv(rows, path, CSV_COLUMNS, runs)
 
 
 def _fmt(v):

@@ -171,13 +171,13 @@ def number(value) -> float | None:
     return None if value in (None, "") else float(value)
 
 
-def merge_by_key(old: list[dict], new: list[dict], key, order) -> list[dict]:
+def merge_by_key(old: list[dict], new: list[dict], key, order=None) -> list[dict]:
     """``old`` with each row whose ``key(row)`` a row of ``new`` shares replaced by that row, the
-    rest of ``new`` added; sorted by ``order(key)``.  How every benchmark merges a run into the
-    results already in its output folder."""
+    rest of ``new`` added; sorted by ``order(key)``, or in the order keys first appear without
+    one.  How every benchmark merges a run into the results already in its output folder."""
     merged = {key(r): r for r in old}
     merged.update({key(r): r for r in new})
-    return [merged[k] for k in sorted(merged, key=order)]
+    return [merged[k] for k in (merged if order is None else sorted(merged, key=order))]
 
 
 def read_csv(path: Path) -> tuple[list[str], list[dict]]:

@@ -228,30 +228,19 @@ def nan_in_cache_content(c, b, gen):
     """An e4m3 NaN byte in a token every query of request b sees: all of b's rows."""
     pos = _token_every_query_sees(c, b, gen)
     col = int(torch.randint(fmt.KV_LORA_RANK, (1,), generator=gen))
-    rows = torch.zeros(c.q_nope.shape[:3], dtype=torch.bool)
-    rows[b] = True
-    return c.replace(kv_cache=_cache_byte(c, b, pos, fmt.CONTENT_OFFSET + col, 0x7F)), rows
+    return (c.replace(kv_cache=_cache_byte(c, b, pos, fmt.CONTENT_OFFSET + col, 0x7F)),
+            _whole_request(c, b))
 
 
 def nan_scale_at(c: DecodeCase, b: int, pos: int) -> DecodeCase:
     """A NaN scale at position ``pos`` of request b (a live token without a valid scale)."""
-    cache = c.kv_cache.clone()
-    blk = int(c.block_table[b, pos // fmt.PAGE_SIZE])
-    cache[blk, pos % fmt.PAGE_SIZE, fmt.SCALE_OFFSET:fmt.PAD_OFFSET] = torch.tensor(
-        [float("nan")], dtype=torch.float32).view(torch.uint8)
-    return c.replace(kv_cache=cache)
+    nan = torch.tensor([float("nan")], dtype=torch.float32).view(torch.uint8)
+    return c.replace(kv_cache=_cache_byte(c, b, pos, slice(fmt.SCALE_OFFSET, fmt.PAD_OFFSET), nan))
 
 
 def nan_in_cache_scale(c, b, gen):
     """A NaN scale in a token every query of request b sees: all of b's rows."""
-    pos = _token_every_query_sees(c, b, gen)
-    cache = c.kv_cache.clone()
-    blk = int(c.block_table[b, pos // fmt.PAGE_SIZE])
-    cache[blk, pos % fmt.PAGE_SIZE, fmt.SCALE_OFFSET:fmt.PAD_OFFSET] = torch.tensor(
-        [float("nan")], dtype=torch.float32).view(torch.uint8)
-    rows = torch.zeros(c.q_nope.shape[:3], dtype=torch.bool)
-    rows[b] = True
-    return c.replace(kv_cache=cache), rows
+    return nan_scale_at(c, b, _token_every_query_sees(c, b, gen)), _whole_request(c, b)
 
 
 NON_FINITE = {

@@ -208,8 +208,9 @@ def decode_indices(block_table: torch.Tensor, seq_lens: torch.Tensor, batch: int
                          f"(seq_lens[{b}] = {int(lens[b])})")
 
 
-def slots(slot_mapping: torch.Tensor, num_blocks: int) -> None:
-    """Slots below ``num_blocks * 64`` (negative slots are skipped by design), each written once."""
+def slots(slot_mapping: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """Slots below ``num_blocks * 64`` (negative slots are skipped by design), each written once.
+    Returns which entries are written (the non-negative ones), on the CPU."""
     flat = slot_mapping.flatten().long().cpu()
     limit = num_blocks * fmt.PAGE_SIZE
     bad = flat >= limit
@@ -218,13 +219,14 @@ def slots(slot_mapping: torch.Tensor, num_blocks: int) -> None:
         raise ValueError(f"slot_mapping[{t}] = {int(flat[t])} is outside the cache's {limit} slots "
                          f"({num_blocks} blocks x {fmt.PAGE_SIZE}); use a negative slot to skip "
                          "a token")
-    written = flat[flat >= 0]
-    values, counts = torch.unique(written, return_counts=True)
+    written = flat >= 0
+    values, counts = torch.unique(flat[written], return_counts=True)
     if (counts > 1).any():
         slot = int(values[_first(counts > 1)])
         first, second = (int(i) for i in (flat == slot).nonzero()[:2, 0])
         raise ValueError(f"slot_mapping[{first}] and slot_mapping[{second}] are both slot {slot}: "
                          "two tokens written to one cache row")
+    return written
 
 
 def finite_rows(name: str, t: torch.Tensor, rows: torch.Tensor | None = None) -> None:

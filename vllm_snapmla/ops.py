@@ -98,8 +98,7 @@ def append_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
     n = slot_mapping.numel()
     _kv_pair(kv_c, k_pe, n, exact=False)
     if _checks.data_checks_on(validate, kv_cache):
-        _checks.slots(slot_mapping, kv_cache.shape[0])
-        written = slot_mapping.flatten().cpu() >= 0     # skipped rows are never stored
+        written = _checks.slots(slot_mapping, kv_cache.shape[0])   # skipped rows: not stored
         _checks.finite_rows("kv_c", kv_c[:n], written)
         _checks.finite_rows("k_pe", k_pe[:n], written)
     if kv_cache.is_cuda:

@@ -140,9 +140,8 @@ def speculative_problems(vllm_config) -> list[str]:
 
 def layer_problems(vllm_config) -> list[str]:
     """What no attention layer on fp8_snapmla, the target's or the drafter's, can run with."""
-    import vllm.envs as envs
-
     import torch
+    import vllm.envs as envs
 
     problems = []
     model_config = vllm_config.model_config

@@ -80,7 +80,8 @@ def test_csv_keeps_the_new_timings_and_reads_files_without_them(tmp_path):
         r.update(table_width=2560, ragged=1, timing="graph", host_us=41.5, eager_us=55.25,
                  metadata_host_us=12.0 if r["backend"].startswith("flashmla") else None,
                  metadata_eager_us=None, metadata_us=3.5)
-    bench._write_csv(rows, tmp_path / "decode.csv", ["2026-12-04 | commit abc | H200"])
+    bench.write_csv(rows, tmp_path / "decode.csv", bench.CSV_COLUMNS,
+                    ["2026-12-04 | commit abc | H200"])
     back = bench._read_csv(tmp_path / "decode.csv")
     assert [r["table_width"] for r in back] == [2560] * 3 and back[0]["ragged"] == 1
     assert back[0]["timing"] == "graph" and back[2]["host_us"] == pytest.approx(41.5)
@@ -102,10 +103,10 @@ def test_a_run_replaces_only_what_it_measures_again():
               "ragged": 0, "timing": "graph", "us": 10.0} for b in ("ours", "flashmla-bf16")
              for h in (16, 128)]
     again = [{**first[0], "run": 2, "us": 9.0}]
-    merged = bench.merge_runs(first, again)
+    merged = bench.merge_by_key(first, again, bench._row_key)
     assert len(merged) == 4 and merged[0]["run"] == 2 and merged[0]["us"] == 9.0
     assert [r["run"] for r in merged[1:]] == [1, 1, 1]
-    assert len(bench.merge_runs(first, [{**first[0], "timing": "eager"}])) == 5
+    assert len(bench.merge_by_key(first, [{**first[0], "timing": "eager"}], bench._row_key)) == 5
 
 
 def test_each_shape_draws_its_own_inputs():
