@@ -18,8 +18,8 @@ with a block table as wide as the context; this matrix measures what users meet 
   smaller format);
 - max_model_len ``wide``: 163840 as DeepSeek-V3.1 ships, so every block table is as wide as
   that whatever the context: 2560 pages of 64 tokens (FlashMLA, fp8_snapmla), 10240 of 16 for
-  vLLM's BF16 default on Hopper (FlashAttention MLA); ``tight``: the smallest max_model_len that holds the cell's context and
-  generated tokens.  Tight engines are grouped by context: contexts in ascending order, a context
+  vLLM's BF16 default on Hopper (FlashAttention MLA); ``tight``: the smallest max_model_len
+  that holds the cell's context and generated tokens.  Tight engines are grouped by context: contexts in ascending order, a context
   joins the group of the smallest context not yet served while the group's table width (pages
   of its largest need) stays within TIGHT_WIDTH_FACTOR (2x) of that smallest context's need, so
   that no context runs with a table more than 2x wider than it needs.  (The default contexts are
