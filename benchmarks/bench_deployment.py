@@ -29,9 +29,16 @@ the GPU, while the GPU work of the 4-layer proxy's 2-4 ms steps is about half of
 times also move with the batch more than its GPU work can explain.  ``--moe-layers N`` runs a deeper
 proxy (the KV budget and batch per layer stay those of the full model) to see how a ratio
 moves as the GPU's share grows.
-**Communication is not modelled** (TP all-reduces, EP dispatch/combine, DP synchronization): on
-H200 NVLink these are reported at tens of microseconds per layer and per step, comparable
-between the KV formats, so they shrink every ratio here towards 1.
+**Communication is not modelled** (TP all-reduces, EP dispatch/combine, DP synchronization).
+Which way it moves a ratio depends on how it scales.  A ratio is (B_ours / B_bf16) x (T_bf16 /
+T_ours), and ours takes the longer step (the larger batch).  Time per step that is the same for
+both formats, t, makes it (B_ours / B_bf16) x (T_bf16 + t) / (T_ours + t): higher, towards the
+batch ratio.  Time that grows with the batch, like the GEMMs', pulls it towards 1.  At these
+batches (tens of tokens per rank: a few MB per layer, microseconds on NVLink) the collectives
+are latency-bound, the first case.  For scale: DeepEP's low-latency kernels take 77 us
+(dispatch) and 114 us (combine) per MoE layer at EP8 with 128 tokens per rank (measured on H800
+over RDMA: deepseek-ai/DeepEP, docs/legacy.md), up to 11 ms per step over 58 MoE layers if
+nothing overlaps them; deployments overlap them with a second micro-batch.
 
 **Routing.** vLLM's dummy weights (uniform in +-1e-3) make DeepSeek's router degenerate: the
 sigmoid scores differ by ~1e-5 between experts, the score-correction bias by ~1e-3, so every
