@@ -110,9 +110,13 @@ inline int max_splits_for(int64_t programs, int slots, int64_t table_pages) {
   return splits > 1 ? static_cast<int>(splits) : 1;
 }
 
-#ifdef __CUDACC__
-// The planner's body, for one warp of a kernel (lane = threadIdx.x % 32).
-__device__ __forceinline__ void plan_splits_warp(const SplitPlanParams& p, int lane) {
+// The planner's body for one warp: `warp.lane` (0-31) and `warp.xor_shuffle(v, offset)` (the
+// value of lane ^ offset; every lane calls it at the same points).  A template over the warp, so
+// that the unit test (tests/unit/kernels/test_split_planner.py) runs this code on the host with
+// 32 threads for the lanes; kernels use plan_splits_warp.
+template <typename Warp>
+__host__ __device__ __forceinline__ int plan_splits(const SplitPlanParams& p, const Warp& warp) {
+  const int lane = warp.lane;
   int max_pages = 0;
   long long total_pages = 0;
   for (int b = lane; b < p.batch; b += 32) {
@@ -122,9 +126,9 @@ __device__ __forceinline__ void plan_splits_warp(const SplitPlanParams& p, int l
   }
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) {
-    const int other = __shfl_xor_sync(0xffffffffu, max_pages, o);
+    const int other = warp.xor_shuffle(max_pages, o);
     max_pages = other > max_pages ? other : max_pages;
-    total_pages += __shfl_xor_sync(0xffffffffu, total_pages, o);
+    total_pages += warp.xor_shuffle(total_pages, o);
   }
   const int limit = max_pages < p.max_splits ? max_pages : p.max_splits;
   long long best_cost = -1;
@@ -147,15 +151,31 @@ __device__ __forceinline__ void plan_splits_warp(const SplitPlanParams& p, int l
   // Lanes without a candidate (limit < 32) lose every comparison.
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) {
-    const long long other_cost = __shfl_xor_sync(0xffffffffu, best_cost, o);
-    const int other = __shfl_xor_sync(0xffffffffu, best, o);
+    const long long other_cost = warp.xor_shuffle(best_cost, o);
+    const int other = warp.xor_shuffle(best, o);
     const bool take = other_cost >= 0 &&
                       (best_cost < 0 || other_cost < best_cost ||
                        (other_cost == best_cost && other < best));
     best_cost = take ? other_cost : best_cost;
     best = take ? other : best;
   }
-  if (lane == 0) *p.pages_per_split = max_pages > 0 ? (max_pages + best - 1) / best : 1;
+  return max_pages > 0 ? (max_pages + best - 1) / best : 1;
+}
+
+#ifdef __CUDACC__
+// A warp of the calling kernel (lane = threadIdx.x % 32) for plan_splits.
+struct KernelWarp {
+  int lane;
+  template <typename T>
+  __device__ __forceinline__ T xor_shuffle(T v, int offset) const {
+    return __shfl_xor_sync(0xffffffffu, v, offset);
+  }
+};
+
+// The planner in one warp of a kernel; lane 0 stores the plan.
+__device__ __forceinline__ void plan_splits_warp(const SplitPlanParams& p, int lane) {
+  const int pages_per_split = plan_splits(p, KernelWarp{lane});
+  if (lane == 0) *p.pages_per_split = pages_per_split;
 }
 #endif  // __CUDACC__
 

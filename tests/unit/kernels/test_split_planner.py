@@ -1,0 +1,173 @@
+"""The split planner's C++ (csrc/split_kv.h ``plan_splits``, what every decode launch runs on the
+GPU) against its Python model (``vllm_snapmla.kernels.splits.pages_per_split_for``), on the host:
+``plan_splits`` is a template over the warp, so the probe below runs it with 32 threads for the
+lanes and a barrier-backed shuffle.  The GPU test ``test_planner_matches_its_python_model`` runs
+the launch itself; this one runs thousands of shapes in CI, where no GPU is."""
+
+import random
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.unit.kernels.test_vt_layout import _nvcc
+from vllm_snapmla.kernels import splits
+
+CSRC = Path(__file__).resolve().parents[3] / "csrc"
+
+# Reads cases "table_pages batch programs slots max_splits overhead len..." from stdin, one a
+# line, and prints each plan.  A shuffle is two rounds of a 32-thread barrier: every lane posts
+# its value, then reads its partner's.
+_PROBE = r"""
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "split_kv.h"
+
+class Barrier {
+ public:
+  explicit Barrier(int n) : n_(n) {}
+  void wait() {
+    std::unique_lock<std::mutex> lock(m_);
+    const long gen = gen_;
+    if (++count_ == n_) {
+      count_ = 0;
+      ++gen_;
+      cv_.notify_all();
+    } else {
+      cv_.wait(lock, [&] { return gen_ != gen; });
+    }
+  }
+
+ private:
+  std::mutex m_;
+  std::condition_variable cv_;
+  int n_, count_ = 0;
+  long gen_ = 0;
+};
+
+struct Exchange {
+  Barrier barrier{32};
+  unsigned long long slot[32];
+};
+
+struct HostWarp {
+  int lane;
+  Exchange* x;
+  template <typename T>
+  T xor_shuffle(T v, int offset) const {
+    static_assert(sizeof(T) <= sizeof(unsigned long long), "one slot per lane");
+    unsigned long long bits = 0;
+    std::memcpy(&bits, &v, sizeof(T));
+    x->slot[lane] = bits;
+    x->barrier.wait();
+    const unsigned long long other = x->slot[lane ^ offset];
+    x->barrier.wait();
+    T out;
+    std::memcpy(&out, &other, sizeof(T));
+    return out;
+  }
+};
+
+int main() {
+  std::string line;
+  while (std::getline(std::cin, line)) {
+    std::istringstream in(line);
+    snapmla::SplitPlanParams p{};
+    std::vector<int32_t> lens;
+    in >> p.table_pages >> p.batch >> p.programs >> p.slots >> p.max_splits >> p.overhead_pages;
+    for (int32_t v; in >> v;) lens.push_back(v);
+    p.seq_lens = lens.data();
+    Exchange x;
+    int plans[32];
+    std::vector<std::thread> lanes;
+    for (int lane = 0; lane < 32; ++lane) {
+      lanes.emplace_back([&, lane] { plans[lane] = snapmla::plan_splits(p, HostWarp{lane, &x}); });
+    }
+    for (auto& t : lanes) t.join();
+    for (int lane = 1; lane < 32; ++lane) {
+      if (plans[lane] != plans[0]) {
+        std::printf("lanes disagree\n");
+        return 1;
+      }
+    }
+    std::printf("%d\n", plans[0]);
+  }
+  return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def planner(tmp_path_factory):
+    """Runs the C++ planner on a list of cases, returning its plans."""
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("no nvcc to compile csrc/split_kv.h with")
+    tmp = tmp_path_factory.mktemp("split_planner")
+    (tmp / "probe.cu").write_text(_PROBE)
+    build = subprocess.run([nvcc, "-std=c++17", f"-I{CSRC}", "-o", str(tmp / "probe"),
+                            str(tmp / "probe.cu")], capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-3000:]
+
+    def run(cases):
+        text = "".join(" ".join(map(str, [tp, len(lens), programs, slots, max_splits,
+                                          splits.SPLIT_OVERHEAD_PAGES, *lens])) + "\n"
+                       for tp, lens, programs, slots, max_splits in cases)
+        out = subprocess.run([str(tmp / "probe")], input=text, capture_output=True, text=True,
+                             timeout=600)
+        assert out.returncode == 0, out.stdout[-500:] + out.stderr[-500:]
+        return [int(v) for v in out.stdout.split()]
+    return run
+
+
+def _random_cases(rng, n):
+    """Shapes as the decode launches them (max_splits from max_splits_for, one or a few row
+    blocks, the H200's 132 SMs and others) and as tests force them; lengths uniform, ragged,
+    with empty and invalid requests and lengths past the table."""
+    cases = []
+    for _ in range(n):
+        batch = rng.choice([1, 2, 3, 4, 8, 16, 31, 32, 33, 64, 100, 131, 200])
+        row_blocks = rng.choice([1, 1, 2, 4])
+        slots = rng.choice([132, 132, 114, 78, 264])
+        table_pages = rng.choice([8, 64, 512, 2048, 2560])
+        programs = batch * row_blocks
+        max_splits = (splits.max_splits_for(programs, slots, table_pages) if rng.random() < 0.7
+                      else rng.randint(1, 300))
+        top = table_pages * 64
+        kind = rng.random()
+        if kind < 0.3:
+            lens = [rng.randint(1, top)] * batch
+        else:
+            lens = [rng.randint(0, top) for _ in range(batch)]
+        if kind > 0.8 and batch > 2:
+            lens[0] = 0
+            lens[1] = -rng.randint(1, 100)
+            lens[2] = top + rng.randint(1, 100)
+        cases.append((table_pages, lens, programs, slots, max_splits))
+    return cases
+
+
+def test_the_cpp_planner_matches_its_python_model(planner):
+    rng = random.Random(7)
+    cases = _random_cases(rng, 400)
+    cases += [(2048, [0] * 5, 5, 132, 8), (64, [64 * 64], 1, 132, 64), (2560, [1], 1, 132, 264),
+              (2560, [131072] * 4, 8, 132, 33), (512, [32768] + [4096] * 15, 32, 132, 9)]
+    got = planner(cases)
+    want = [splits.pages_per_split_for(lens, programs, slots, max_splits, tp)
+            for tp, lens, programs, slots, max_splits in cases]
+    mismatches = [(case, g, w) for case, g, w in zip(cases, got, want) if g != w]
+    if mismatches:
+        (table_pages, lens, programs, slots, max_splits), g, w = mismatches[0]
+        pytest.fail(f"{len(mismatches)} of {len(cases)} plans differ; first: C++ {g}, Python {w} "
+                    f"for table_pages={table_pages}, programs={programs}, slots={slots}, "
+                    f"max_splits={max_splits}, lengths={lens[:8]}{'...' if len(lens) > 8 else ''}")
+    assert len(set(want)) > 20   # the cases reach many different plans
+
