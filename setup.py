@@ -2,6 +2,10 @@
 
 Environment:
   SNAPMLA_SKIP_BUILD=1   pure-Python install, no extension (CUDA tensors then get a clear error).
+                         The same happens, with a message, when no CUDA toolkit (nvcc under
+                         CUDA_HOME, /usr/local/cuda or on the PATH) is found: CPU-only machines
+                         install and run the CPU paths; on a GPU, fp8_snapmla then refuses to
+                         start until the package is reinstalled with a toolkit.
   SNAPMLA_ARCHS          GPU targets, e.g. "89+PTX;90a" (default) or "90a" for a quick H200 build;
                          "+PTX" also embeds that target's PTX for GPUs newer than the list.
   SNAPMLA_PTXAS_VERBOSE=1  print ptxas register / spill reports.
@@ -12,6 +16,7 @@ Install: ``pip install --no-build-isolation --no-deps -e .`` (built against the 
 
 import os
 import re
+import sys
 from pathlib import Path
 
 from setuptools import setup
@@ -51,11 +56,18 @@ def torch_library_dirs() -> list[str]:
     return dirs
 
 
-def native_extensions():
+def cuda_toolkit() -> str | None:
+    """The CUDA toolkit the extension would be built with, or None if it has no nvcc."""
     # torch guesses CUDA_HOME from the nvcc on PATH; a /usr/local/bin/nvcc shim makes that guess
     # /usr/local, which has no CUDA headers.
     if not os.environ.get("CUDA_HOME") and Path("/usr/local/cuda/include/cuda_runtime.h").exists():
         os.environ["CUDA_HOME"] = "/usr/local/cuda"
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    return CUDA_HOME if CUDA_HOME and (Path(CUDA_HOME) / "bin" / "nvcc").exists() else None
+
+
+def native_extensions():
     from torch.utils.cpp_extension import CUDAExtension
 
     # Every .cu / .cpp under csrc/ (csrc/sm90/ included) is part of the one library.
@@ -85,6 +97,12 @@ def native_extensions():
 
 
 if os.environ.get("SNAPMLA_SKIP_BUILD") == "1":
+    setup()
+elif cuda_toolkit() is None:
+    where = os.environ.get("CUDA_HOME") or "CUDA_HOME, /usr/local/cuda or the PATH"
+    print(f"vllm-snapmla: no CUDA toolkit found (no nvcc in {where}): installing without the "
+          "native extension vllm_snapmla._C. The CPU paths work; on a GPU, fp8_snapmla refuses to "
+          "start until the package is reinstalled with a CUDA 13 toolkit.", file=sys.stderr)
     setup()
 else:
     os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))

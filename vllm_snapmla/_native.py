@@ -32,7 +32,8 @@ def missing_reason() -> str:
     if _load_error:
         return (f"the native extension vllm_snapmla._C is there but does not load "
                 f"({_load_error[0]}); it must be built against the installed torch")
-    return "the native extension vllm_snapmla._C was not built (SNAPMLA_SKIP_BUILD=1?)"
+    return ("the native extension vllm_snapmla._C was not built (SNAPMLA_SKIP_BUILD=1, or no CUDA "
+            "toolkit was found when the package was installed)")
 
 
 def require_native(what: str):

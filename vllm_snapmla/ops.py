@@ -194,6 +194,13 @@ def _use_sm90(device: torch.device) -> bool:
     raise ValueError(f"SNAPMLA_DECODE_KERNEL={choice!r}; expected one of {DECODE_KERNELS}")
 
 
+def decode_kernel(device: torch.device | str | int) -> str:
+    """Which kernel ``decode`` runs for CUDA tensors on ``device``: ``"sm90"`` (the Hopper
+    kernels) or ``"triton"`` (the portable kernel), as ``SNAPMLA_DECODE_KERNEL`` and the build
+    decide (module docstring)."""
+    return "sm90" if _use_sm90(torch.device(device)) else "triton"
+
+
 def _check_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale,
                   validate: bool | None) -> float:
     """The whole contract of ``decode``; returns the scale as a float."""

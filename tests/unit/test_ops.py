@@ -430,3 +430,31 @@ def test_a_cache_with_spaced_blocks_works_like_a_contiguous_one():
     got = [ops.gather_kv(cache, torch.empty(200, 576), case.block_table, cu, t2s, 200)
            for cache in (contiguous, spaced)]
     assert torch.equal(got[0], got[1]) and torch.isfinite(got[0]).all()
+
+
+def test_decode_kernel_names_what_decode_runs(monkeypatch):
+    """``decode_kernel``: the Triton kernel where the Hopper kernels cannot run (no sm_90 GPU here
+    or no sm_90a code), an error for SNAPMLA_DECODE_KERNEL=sm90 there, and any other value
+    refused by name."""
+    from vllm_snapmla.kernels import sm90
+
+    device = torch.device("cuda", 0)
+    ops._sm90_available.cache_clear()
+    monkeypatch.setattr(sm90, "available", lambda device=None: False)
+    try:
+        monkeypatch.delenv("SNAPMLA_DECODE_KERNEL", raising=False)
+        assert ops.decode_kernel(device) == "triton"
+        monkeypatch.setenv("SNAPMLA_DECODE_KERNEL", "sm90")
+        with pytest.raises(RuntimeError, match="SNAPMLA_DECODE_KERNEL=sm90 needs"):
+            ops.decode_kernel(device)
+        monkeypatch.setattr(sm90, "available", lambda device=None: True)
+        ops._sm90_available.cache_clear()
+        assert ops.decode_kernel(device) == "sm90"
+        monkeypatch.setenv("SNAPMLA_DECODE_KERNEL", "triton")
+        assert ops.decode_kernel(device) == "triton"
+        monkeypatch.setenv("SNAPMLA_DECODE_KERNEL", "hopper")
+        with pytest.raises(ValueError, match="'hopper'"):
+            ops.decode_kernel(device)
+    finally:
+        ops._sm90_available.cache_clear()
+

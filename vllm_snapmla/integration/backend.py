@@ -8,6 +8,7 @@ touches the cache bytes).
 
 from __future__ import annotations
 
+import functools
 from typing import ClassVar
 
 import torch
@@ -33,6 +34,7 @@ from vllm_snapmla import format as fmt
 from vllm_snapmla import ops as snapmla_ops
 from vllm_snapmla.integration import startup_checks
 from vllm_snapmla.integration.patches import prefill_gather
+from vllm_snapmla.integration.patches._common import LOGGER_NAME
 from vllm_snapmla.integration.patches.context_merge_bound import fix_context_merge_bound
 
 KV_CACHE_DTYPE = fmt.KV_CACHE_DTYPE
@@ -162,6 +164,8 @@ class SnapMLAImpl(MLACommonImpl[MLACommonMetadata]):
         # H11: decode takes BF16 queries and quantizes them per (token, head) itself.
         self.supports_quant_query_input = False
         prefill_gather.apply()   # H9
+        if torch.cuda.is_available():
+            log_decode_kernel(torch.cuda.current_device())
 
     def do_kv_cache_update(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor | None,
@@ -185,6 +189,22 @@ class SnapMLAImpl(MLACommonImpl[MLACommonMetadata]):
                                   decode.seq_lens, attn_metadata.num_decodes, self.scale,
                                   return_lse=self.need_to_return_lse_for_decode)
         return out.to(q_nope.dtype), lse
+
+
+@functools.cache
+def log_decode_kernel(device: int) -> None:
+    """Say once per process and GPU which decode kernel serves it (``ops.decode_kernel``), so that
+    a build without the Hopper kernels does not pass unnoticed."""
+    from vllm.logger import init_logger
+
+    kernel = snapmla_ops.decode_kernel(device)
+    note = ""
+    if kernel == "triton" and torch.cuda.get_device_capability(device) == (9, 0):
+        note = (" (slower than the Hopper kernels: this build has no sm_90a code, or "
+                "SNAPMLA_DECODE_KERNEL=triton; build with SNAPMLA_ARCHS containing 90a)")
+    init_logger(LOGGER_NAME).info(
+        "fp8_snapmla decode kernel on cuda:%d: %s%s", device,
+        "the Hopper kernels (sm_90a)" if kernel == "sm90" else "the portable Triton kernel", note)
 
 
 def decode_uniform(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,

@@ -197,6 +197,20 @@ def settle_block_size(cache_config) -> None:
         cache_config.user_specified_block_size = True
 
 
+def native_problem() -> str | None:
+    """Why fp8_snapmla cannot run on this process's GPU, if it has one and the native extension
+    (the cache ops every kernel choice needs) did not load; None otherwise."""
+    import torch
+
+    from vllm_snapmla._native import missing_reason, native
+
+    if not torch.cuda.is_available() or native() is not None:
+        return None
+    return (f"fp8_snapmla's cache and decode ops need the native extension on the GPU, but "
+            f"{missing_reason()}. Reinstall from the source tree with a CUDA 13 toolkit (nvcc) on "
+            "the PATH: pip install --no-build-isolation --force-reinstall --no-deps -e .")
+
+
 def check_snapmla_config(vllm_config, device_capability=None) -> None:
     """Refuse, with what to do instead, every configuration fp8_snapmla cannot serve yet.
 
@@ -208,6 +222,9 @@ def check_snapmla_config(vllm_config, device_capability=None) -> None:
     if vllm_config.model_config is not None:
         problems += _model_problems(vllm_config.model_config)
 
+    problem = native_problem()
+    if problem is not None:
+        problems.append(problem)
     if device_capability is not None and tuple(device_capability) < MIN_CAPABILITY:
         problems.append(
             "fp8_snapmla needs a GPU with FP8 support (compute capability 8.9 or newer: Ada, "

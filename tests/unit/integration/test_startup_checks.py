@@ -399,3 +399,22 @@ def test_impl_refuses(vllm_cpu, settings, expected):
         vllm_cpu.call(_in_vllm_build_impl, **settings)
     assert err.value.exc_type == "ValueError"
     assert expected in err.value.message
+
+
+def test_a_gpu_without_the_native_extension_is_refused_with_how_to_build(monkeypatch):
+    """A GPU process whose package was installed without the extension (no toolkit, or
+    SNAPMLA_SKIP_BUILD=1) is refused at start-up, saying how to reinstall, not at the first
+    cache write after the model has loaded; without a GPU there is nothing to refuse."""
+    import torch
+
+    from vllm_snapmla import _native
+    from vllm_snapmla.integration import startup_checks
+
+    monkeypatch.setattr(_native, "native", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    problem = startup_checks.native_problem()
+    assert problem is not None
+    assert "was not built" in problem and "CUDA 13 toolkit" in problem
+    assert "pip install --no-build-isolation --force-reinstall --no-deps -e ." in problem
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert startup_checks.native_problem() is None
