@@ -222,3 +222,34 @@ def test_forward_mqa_refuses_non_uniform_token_counts():
     metadata = SimpleNamespace(decode=SimpleNamespace(block_table=bt, seq_lens=sl), num_decodes=3)
     with pytest.raises(ValueError, match="uniform query lengths"):
         _impl(False).forward_mqa((ql_nope, q_pe), cache, metadata, None)
+
+
+@pytest.mark.parametrize("kernel, capability, note", [("sm90", (9, 0), False),
+                                                      ("triton", (9, 0), True),
+                                                      ("triton", (8, 9), False)])
+def test_the_log_names_the_decode_kernel(monkeypatch, kernel, capability, note):
+    """Once per process and GPU the backend logs which decode kernel serves it, with a note where
+    a Hopper GPU gets the slower Triton kernel (a build without sm_90a code)."""
+    import vllm.logger
+
+    from vllm_snapmla.integration import backend
+
+    lines = []
+
+    class Logger:
+        def info(self, message, *args):
+            lines.append(message % args)
+
+    monkeypatch.setattr(vllm.logger, "init_logger", lambda name: Logger())
+    monkeypatch.setattr(backend.snapmla_ops, "decode_kernel", lambda device: kernel)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability)
+    backend.log_decode_kernel.cache_clear()
+    try:
+        backend.log_decode_kernel(0)
+        backend.log_decode_kernel(0)
+    finally:
+        backend.log_decode_kernel.cache_clear()
+    assert len(lines) == 1 and lines[0].startswith("fp8_snapmla decode kernel on cuda:0: ")
+    named = lines[0].removeprefix("fp8_snapmla decode kernel on cuda:0: ")
+    assert named.startswith("the Hopper kernels" if kernel == "sm90" else "the portable Triton")
+    assert ("SNAPMLA_ARCHS containing 90a" in lines[0]) == note
