@@ -9,6 +9,10 @@ import torch
 
 _load_error: list[str] = []   # why an extension that is there did not load
 
+# What to do about a missing extension, for every error that reports one.
+REBUILD = ("Rebuild from the source tree with a CUDA 13 toolkit (nvcc) on the PATH: "
+           "`pip install --no-build-isolation --force-reinstall --no-deps -e .`")
+
 
 @functools.cache
 def native():
@@ -42,6 +46,5 @@ def require_native(what: str):
     if ops is None:
         raise RuntimeError(
             f"{what} on a CUDA tensor needs the native extension: {missing_reason()}. "
-            "Rebuild from the source tree with a CUDA 13 toolkit (nvcc) on the PATH: "
-            "`pip install --no-build-isolation --force-reinstall --no-deps -e .`")
+            + REBUILD)
     return ops

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -25,7 +27,6 @@ def test_without_a_toolkit_setup_skips_the_extension_and_says_so(tmp_path):
 def test_with_a_toolkit_setup_does_not_warn():
     toolkit = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
     if not (toolkit / "bin" / "nvcc").exists():
-        import pytest
         pytest.skip("no CUDA toolkit on this machine")
     run = _setup_name({"CUDA_HOME": str(toolkit)})
     assert run.returncode == 0, run.stderr[-2000:]

@@ -202,13 +202,12 @@ def native_problem() -> str | None:
     (the cache ops every kernel choice needs) did not load; None otherwise."""
     import torch
 
-    from vllm_snapmla._native import missing_reason, native
+    from vllm_snapmla._native import REBUILD, missing_reason, native
 
     if not torch.cuda.is_available() or native() is not None:
         return None
     return (f"fp8_snapmla's cache and decode ops need the native extension on the GPU, but "
-            f"{missing_reason()}. Reinstall from the source tree with a CUDA 13 toolkit (nvcc) on "
-            "the PATH: pip install --no-build-isolation --force-reinstall --no-deps -e .")
+            f"{missing_reason()}. {REBUILD}")
 
 
 def check_snapmla_config(vllm_config, device_capability=None) -> None:

@@ -2,18 +2,15 @@
 GPU) against its Python model (``vllm_snapmla.kernels.splits.pages_per_split_for``), on the host:
 ``plan_splits`` is a template over the warp, so the probe below runs it with 32 threads for the
 lanes and a barrier-backed shuffle.  The GPU test ``test_planner_matches_its_python_model`` runs
-the launch itself; this one runs thousands of shapes in CI, where no GPU is."""
+the launch itself; this one runs hundreds of shapes in CI, where no GPU is."""
 
 import random
 import subprocess
-from pathlib import Path
 
 import pytest
 
-from tests.unit.kernels.test_vt_layout import _nvcc
+from tests.unit.kernels.host_probe import build_probe
 from vllm_snapmla.kernels import splits
-
-CSRC = Path(__file__).resolve().parents[3] / "csrc"
 
 # Reads cases "table_pages batch programs slots max_splits overhead len..." from stdin, one a
 # line, and prints each plan.  A shuffle is two rounds of a 32-thread barrier: every lane posts
@@ -108,20 +105,13 @@ int main() {
 @pytest.fixture(scope="module")
 def planner(tmp_path_factory):
     """Runs the C++ planner on a list of cases, returning its plans."""
-    nvcc = _nvcc()
-    if nvcc is None:
-        pytest.skip("no nvcc to compile csrc/split_kv.h with")
-    tmp = tmp_path_factory.mktemp("split_planner")
-    (tmp / "probe.cu").write_text(_PROBE)
-    build = subprocess.run([nvcc, "-std=c++17", f"-I{CSRC}", "-o", str(tmp / "probe"),
-                            str(tmp / "probe.cu")], capture_output=True, text=True, timeout=300)
-    assert build.returncode == 0, build.stderr[-3000:]
+    probe = build_probe(tmp_path_factory, "split_planner", _PROBE, "csrc/split_kv.h")
 
     def run(cases):
         text = "".join(" ".join(map(str, [tp, len(lens), programs, slots, max_splits,
                                           splits.SPLIT_OVERHEAD_PAGES, *lens])) + "\n"
                        for tp, lens, programs, slots, max_splits in cases)
-        out = subprocess.run([str(tmp / "probe")], input=text, capture_output=True, text=True,
+        out = subprocess.run([str(probe)], input=text, capture_output=True, text=True,
                              timeout=600)
         assert out.returncode == 0, out.stdout[-500:] + out.stderr[-500:]
         return [int(v) for v in out.stdout.split()]

@@ -7,15 +7,12 @@ phase of both instructions in 8 different 16-byte bank groups.  The GPU tests ch
 results; this pins the map down where a wrong one would be a hunt.  The per-step arithmetic of
 ``build_vt`` (step q's offsets) is mirrored in ``_build``: change the two together."""
 
-import os
-import shutil
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-CSRC = Path(__file__).resolve().parents[3] / "csrc"
+from tests.unit.kernels.host_probe import build_probe
 
 PAGE, COLS, ROW = 64, 256, 128          # tokens, columns of one half, swizzled row bytes
 TILE = PAGE * ROW                       # one 64 x 128 e4m3 content tile
@@ -44,27 +41,11 @@ int main() {
 """
 
 
-def _nvcc() -> str | None:
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
-    candidate = os.path.join(home, "bin", "nvcc")
-    return candidate if os.access(candidate, os.X_OK) else None
-
-
 @pytest.fixture(scope="module")
 def vt_maps(tmp_path_factory):
     """``make_vt_map(warp, lane)`` of the header, for the 4 warps x 32 lanes of a warpgroup."""
-    nvcc = _nvcc()
-    if nvcc is None:
-        pytest.skip("no nvcc to compile csrc/sm90/vt_map.h with")
-    tmp = tmp_path_factory.mktemp("vt_map")
-    (tmp / "probe.cu").write_text(_PROBE)
-    build = subprocess.run([nvcc, "-std=c++17", f"-I{CSRC}", "-o", str(tmp / "probe"),
-                            str(tmp / "probe.cu")], capture_output=True, text=True, timeout=300)
-    assert build.returncode == 0, build.stderr[-3000:]
-    rows = subprocess.run([str(tmp / "probe")], capture_output=True, text=True, check=True,
+    probe = build_probe(tmp_path_factory, "vt_map", _PROBE, "csrc/sm90/vt_map.h")
+    rows = subprocess.run([str(probe)], capture_output=True, text=True, check=True,
                           timeout=60).stdout.split("\n")
     maps = {}
     for i, row in enumerate(r for r in rows if r):
