@@ -5,7 +5,7 @@
 //
 // A decode launch has a fixed grid of `max_splits` splits per (request, row block): fixed, so
 // that a CUDA graph captured once replays for any lengths.  Which of them work is decided on the
-// GPU per call: the planner (one warp, fused into the query quantization's launch) writes
+// GPU per call: the planner (one warp, in the query quantization's launch or its own) writes
 // `pages_per_split` from the batch's lengths (a cost model that counts every request's runs,
 // below), and each request's pages are cut into runs of that many pages (more only where
 // `max_splits` runs would not cover it).  Splits past a
@@ -96,7 +96,7 @@ struct CombineParams {
   int num_rows;                     // s_q x num_heads
 };
 
-// The planner alone (one warp); the decode ops fuse it into launch_quantize_q instead.
+// The planner alone (one warp), where no query quantization launch carries it.
 cudaError_t launch_split_plan(const SplitPlanParams& params, cudaStream_t stream);
 
 cudaError_t launch_combine(const CombineParams& params, cudaStream_t stream);

@@ -3,7 +3,8 @@
 //
 // decode_sm90 is what vLLM calls once per layer and step, so its host cost matters as much as
 // the kernels' (eager mode runs it for every mixed prefill+decode batch): one op call from
-// Python, two or three launches (query quantization with the split planner in one more block;
+// Python, one to three launches (the split planner, in one more block of the query
+// quantization's launch, or alone where the 64-row kernel quantizes the query in its prologue;
 // the decode; the combine only when some request can be cut into several runs), no host sync,
 // nothing computed per call that depends only on the device.
 #include <cfloat>
@@ -152,19 +153,61 @@ std::tuple<at::Tensor, at::Tensor> check_decode_inputs(const char* op, const at:
           narrowed_int32(seq_lens.narrow(0, 0, batch), kInt32Max).contiguous()};
 }
 
-// The decode and, where some request may take several runs, the combine.  `q8`, `q_scale`,
-// `q_pe_scaled` are checked; `pages_per_split` is the planner's output (undefined: equal cut).
-std::tuple<at::Tensor, at::Tensor> run_decode(const char* op, const at::Tensor& q8,
-                                              const at::Tensor& q_scale,
-                                              const at::Tensor& q_pe_scaled,
+SplitPlanParams plan_params(const at::Tensor& lens, int64_t table_pages, int64_t batch,
+                            const at::Tensor& pages_per_split, const LaunchShape& shape) {
+  SplitPlanParams plan{};
+  plan.seq_lens = lens.data_ptr<int32_t>();
+  plan.table_pages = static_cast<int>(table_pages);
+  plan.batch = static_cast<int>(batch);
+  plan.programs = shape.programs;
+  plan.slots = shape.slots;
+  plan.max_splits = shape.max_splits;
+  plan.overhead_pages = kSplitOverheadPages;
+  plan.pages_per_split = pages_per_split.data_ptr<int32_t>();
+  return plan;
+}
+
+// The query fields of DecodeParams: [B, s_q, H, 512] `nope` and [B, s_q, H, 64] `pe` (checked,
+// rows 16-byte aligned) of `type`, and for kE4m3 their [B, s_q, H] scales.
+void set_query(sm90::DecodeParams& p, sm90::QueryType type, const at::Tensor& nope,
+               const at::Tensor& pe, const at::Tensor* scale) {
+  p.q_type = type;
+  p.q_nope = static_cast<const uint8_t*>(nope.data_ptr());
+  p.q_pe = static_cast<const uint8_t*>(pe.data_ptr());
+  p.q_scale = scale != nullptr ? scale->data_ptr<float>() : nullptr;
+  for (int d = 0; d < 3; ++d) {
+    p.q_nope_stride[d] = nope.stride(d) * nope.element_size();
+    p.q_pe_stride[d] = pe.stride(d) * pe.element_size();
+    p.q_scale_stride[d] = scale != nullptr ? scale->stride(d) : 0;
+  }
+}
+
+// The split planner's launch where the planner decides (num_splits 0, more than one split per
+// request possible, something to decode): its one-int32 output, else an undefined tensor (equal
+// cut).
+at::Tensor plan_splits(const char* op, const at::Tensor& lens, int64_t table_pages, int64_t batch,
+                       int64_t rows, int64_t num_splits, const LaunchShape& shape) {
+  at::Tensor pages_per_split;
+  if (num_splits == 0 && shape.max_splits > 1 && batch > 0 && rows > 0) {
+    pages_per_split = at::empty({1}, lens.options().dtype(at::kInt));
+    check_launch(op, launch_split_plan(plan_params(lens, table_pages, batch, pages_per_split,
+                                                   shape),
+                                       c10::cuda::getCurrentCUDAStream()));
+  }
+  return pages_per_split;
+}
+
+// The decode and, where some request may take several runs, the combine, for `p` with its query
+// fields set (set_query); `pages_per_split` is the planner's output (undefined: equal cut).
+std::tuple<at::Tensor, at::Tensor> run_decode(const char* op, sm90::DecodeParams p,
+                                              int64_t batch, int64_t s_q, int64_t heads,
+                                              const at::TensorOptions& opts,
                                               const at::Tensor& kv_cache,
                                               const at::Tensor& table, const at::Tensor& lens,
                                               double softmax_scale, bool causal,
                                               const LaunchShape& shape, int64_t schedule,
                                               const at::Tensor& pages_per_split) {
-  const int64_t batch = q8.size(0), s_q = q8.size(1), heads = q8.size(2);
   const int64_t rows = s_q * heads;
-  const auto opts = q8.options();
   at::Tensor out = at::empty({batch, s_q, heads, kKvLoraRank}, opts.dtype(at::kBFloat16));
   at::Tensor lse = at::empty({batch, heads, s_q}, opts.dtype(at::kFloat));
   if (batch == 0 || rows == 0) return {out, lse};
@@ -172,15 +215,6 @@ std::tuple<at::Tensor, at::Tensor> run_decode(const char* op, const at::Tensor& 
   if (shape.max_splits > 1) {
     part_out = at::empty({batch, shape.max_splits, rows, kKvLoraRank}, opts.dtype(at::kFloat));
     part_lse = at::empty({batch, shape.max_splits, rows}, opts.dtype(at::kFloat));
-  }
-  sm90::DecodeParams p{};
-  p.q8 = static_cast<const uint8_t*>(q8.data_ptr());
-  p.q_scale = q_scale.data_ptr<float>();
-  p.q_pe = static_cast<const uint8_t*>(q_pe_scaled.data_ptr());
-  for (int d = 0; d < 3; ++d) {
-    p.q8_stride[d] = q8.stride(d);
-    p.q_scale_stride[d] = q_scale.stride(d);
-    p.q_pe_stride[d] = q_pe_scaled.stride(d) * 2;
   }
   p.block_table = table.data_ptr<int32_t>();
   p.block_table_stride = table.stride(0);
@@ -222,19 +256,6 @@ std::tuple<at::Tensor, at::Tensor> run_decode(const char* op, const at::Tensor& 
   return {out, lse};
 }
 
-SplitPlanParams plan_params(const at::Tensor& lens, int64_t table_pages, int64_t batch,
-                            const at::Tensor& pages_per_split, const LaunchShape& shape) {
-  SplitPlanParams plan{};
-  plan.seq_lens = lens.data_ptr<int32_t>();
-  plan.table_pages = static_cast<int>(table_pages);
-  plan.batch = static_cast<int>(batch);
-  plan.programs = shape.programs;
-  plan.slots = shape.slots;
-  plan.max_splits = shape.max_splits;
-  plan.overhead_pages = kSplitOverheadPages;
-  plan.pages_per_split = pages_per_split.data_ptr<int32_t>();
-  return plan;
-}
 
 // What both decode entries settle before their first launch: the limits, the GPU, the inputs,
 // the kernel and the launch shape.  The caller holds the device guard.
@@ -280,6 +301,24 @@ std::tuple<at::Tensor, at::Tensor> decode_sm90(const at::Tensor& q_nope, const a
   const DecodeSetup d = setup_decode(op, device, batch, rows, kv_cache, block_table, seq_lens,
                                      softmax_scale, num_splits, schedule);
 
+  sm90::DecodeParams p{};
+  if (d.schedule != sm90::kScheduleNarrow && dtype != FloatType::kFloat32) {
+    // The 64-row kernel quantizes 16-bit query rows in its prologue (stage_query), reading them
+    // in place (vLLM's [T, H, 512] bmm output viewed as [B, s_q, H, 512] included): no launch
+    // and no e4m3 copy of the query in global memory.  The planner is then a launch of its own.
+    const at::Tensor pages_per_split =
+        plan_splits(op, d.lens, d.table.size(1), batch, rows, num_splits, d.shape);
+    // Named: a copy vector_ready makes must outlive the launch (run_decode's allocations could
+    // otherwise reuse its memory before the kernel reads it).
+    const at::Tensor nope = vector_ready(q_nope), pe = vector_ready(q_pe);
+    set_query(p, dtype == FloatType::kBFloat16 ? sm90::QueryType::kBFloat16
+                                               : sm90::QueryType::kFloat16,
+              nope, pe, nullptr);
+    return run_decode(op, p, batch, s_q, heads, q_nope.options(), kv_cache, d.table, d.lens,
+                      softmax_scale, causal, d.shape, d.schedule, pages_per_split);
+  }
+  // The narrow kernels (and float32 queries): one launch quantizes the query, with the split
+  // planner riding in one more block.
   const auto opts = q_nope.options();
   at::Tensor q8 = at::empty({batch, s_q, heads, kKvLoraRank}, opts.dtype(at::kFloat8_e4m3fn));
   at::Tensor q_scale = at::empty({batch, s_q, heads}, opts.dtype(at::kFloat));
@@ -303,7 +342,8 @@ std::tuple<at::Tensor, at::Tensor> decode_sm90(const at::Tensor& q_nope, const a
                          q_pe_scaled.data_ptr(), planned ? &plan : nullptr,
                          c10::cuda::getCurrentCUDAStream()));
   }
-  return run_decode(op, q8, q_scale, q_pe_scaled, kv_cache, d.table, d.lens, softmax_scale,
+  set_query(p, sm90::QueryType::kE4m3, q8, q_pe_scaled, &q_scale);
+  return run_decode(op, p, batch, s_q, heads, opts, kv_cache, d.table, d.lens, softmax_scale,
                     causal, d.shape, d.schedule, pages_per_split);
 }
 
@@ -327,15 +367,12 @@ std::tuple<at::Tensor, at::Tensor> decode_sm90_quantized(
   const c10::cuda::CUDAGuard guard(device);
   const DecodeSetup d = setup_decode(op, device, batch, rows, kv_cache, block_table, seq_lens,
                                      softmax_scale, num_splits, schedule);
-  at::Tensor pages_per_split;
-  if (num_splits == 0 && d.shape.max_splits > 1 && batch > 0) {
-    pages_per_split = at::empty({1}, q8.options().dtype(at::kInt));
-    check_launch(op, launch_split_plan(plan_params(d.lens, d.table.size(1), batch,
-                                                   pages_per_split, d.shape),
-                                       c10::cuda::getCurrentCUDAStream()));
-  }
-  return run_decode(op, q8, q_scale, q_pe_scaled, kv_cache, d.table, d.lens, softmax_scale,
-                    causal, d.shape, d.schedule, pages_per_split);
+  const at::Tensor pages_per_split =
+      plan_splits(op, d.lens, d.table.size(1), batch, rows, num_splits, d.shape);
+  sm90::DecodeParams p{};
+  set_query(p, sm90::QueryType::kE4m3, q8, q_pe_scaled, &q_scale);
+  return run_decode(op, p, batch, s_q, heads, q8.options(), kv_cache, d.table, d.lens,
+                    softmax_scale, causal, d.shape, d.schedule, pages_per_split);
 }
 
 bool has_sm90a_code() { return sm90::has_sm90a_code(); }

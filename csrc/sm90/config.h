@@ -93,6 +93,11 @@ constexpr int kSmemQpe = kSmemQ8 + kContentTiles * kBlockRows * kSwizzleRowBytes
 // them hold all 512 columns, contiguously.
 constexpr int kVtBytes = kOutColsPerWarpgroup * kSwizzleRowBytes;               // 32 KB
 constexpr int kSmemVt = kSmemQpe + kBlockRows * kSwizzleRowBytes;
+// A query that comes as 16-bit rows is staged there, raw, before the prologue quantizes it
+// (stage_query): [kBlockRows][kQStageRowBytes], over the V^T and hand-over buffers, which the
+// page loop only starts to use after the prologue.
+constexpr int kQStageRowBytes = (kKvLoraRank + kRopeDim) * 2;                   // 1152
+constexpr int kSmemQStage = kSmemVt;
 // kScheduleSplitRoles: per page, WG1 hands WG2's thread wg_tid the e4m3 P fragment (8 words) and
 // gamma (2), stored word-major ([word][thread]) so a warp's accesses hit 32 banks; two buffers,
 // by page parity.  After the last page WG1 hands over its row state m, peak, amax, l (2 each)
@@ -104,13 +109,16 @@ constexpr int kRowStateBytes = 8 * 128 * 4;                                     
 constexpr int kSmemHandOver = kSmemVt + kConsumerWarpgroups * kVtBytes;
 constexpr int kSmemRowState = kSmemHandOver + kHandOverBuffers * kHandOverBytes;
 constexpr int kSmemBarriers = kSmemRowState + kRowStateBytes;
-// mbarriers: full[kStages], empty[kStages].
-constexpr int kSmemBytes = kSmemBarriers + 2 * kStages * 8;
+// mbarriers: full[kStages], empty[kStages]; then the query rows' scales (stage_query).
+constexpr int kSmemQScale = kSmemBarriers + 2 * kStages * 8;
+constexpr int kSmemBytes = kSmemQScale + kBlockRows * 4;
 constexpr int kSmemAlloc = kSmemBytes + 1024;  // slack to align the dynamic base to 1024 bytes
 
 static_assert(kStageBytes % 1024 == 0 && kSmemQ8 % 1024 == 0 && kSmemQpe % 1024 == 0 &&
                   kSmemVt % 1024 == 0, "swizzled tiles must be 1024-byte aligned");
 static_assert(kSmemAlloc <= 227 * 1024, "exceeds Hopper's per-block shared memory");
+static_assert(kSmemQStage + kBlockRows * kQStageRowBytes <= kSmemRowState &&
+                  kQStageRowBytes % 16 == 0, "the query staging overruns the buffers it borrows");
 static_assert(2 * kRopeDim == kSwizzleRowBytes, "a bf16 RoPE row is one 128-byte swizzle row");
 static_assert((kQkPromoteCols % kWgmmaK8 == 0 && kSwizzleRowBytes % kQkPromoteCols == 0) ||
                   (kQkPromoteCols % kSwizzleRowBytes == 0 && kKvLoraRank % kQkPromoteCols == 0),

@@ -8,13 +8,20 @@
 
 namespace snapmla::sm90 {
 
+// How the query arrives: e4m3 rows with their scales and the RoPE part pre-divided (every
+// kernel), or 16-bit rows of the model, which the 64-row kernel quantizes in its prologue (the
+// format's query quantization, bit for bit that of quantize_q).
+enum class QueryType : int { kE4m3 = 0, kBFloat16 = 1, kFloat16 = 2, kFloat32 = 3 };
+
 struct DecodeParams {
-  const uint8_t* q8;              // e4m3 [B, s_q, H, 512], rows 16-byte aligned
-  const float* q_scale;           // [B, s_q, H]
-  const uint8_t* q_pe;            // bf16 [B, s_q, H, 64] as bytes, rows 16-byte aligned
-  int64_t q8_stride[3];           // bytes, over (b, s_q, h)
-  int64_t q_scale_stride[3];      // elements
+  QueryType q_type;
+  const uint8_t* q_nope;          // [B, s_q, H, 512] of q_type, rows 16-byte aligned (kFloat32:
+                                  // no kernel takes it)
+  const uint8_t* q_pe;            // [B, s_q, H, 64]: bf16 pre-divided (kE4m3) or of q_type
+  const float* q_scale;           // [B, s_q, H] (kE4m3 only)
+  int64_t q_nope_stride[3];       // bytes, over (b, s_q, h)
   int64_t q_pe_stride[3];         // bytes
+  int64_t q_scale_stride[3];      // elements
   const int32_t* block_table;     // [B, max_blocks]
   int64_t block_table_stride;
   const int32_t* seq_lens;        // [B]

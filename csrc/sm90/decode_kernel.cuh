@@ -24,6 +24,7 @@
 #include <cfloat>
 #include <cstdint>
 
+#include "quantize_row.cuh"
 #include "sm90/config.h"
 #include "sm90/decode.h"
 #include "sm90/ptx.h"
@@ -78,8 +79,7 @@ __device__ __forceinline__ void build_vt(uint32_t tile, uint32_t vt, const VtMap
 // from them) out of the caller's page loop, where they would hold registers across the QK and
 // softmax.
 __device__ __forceinline__ VtMap fresh_vt_map() {
-  uint32_t tid;
-  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  const uint32_t tid = fresh_thread_index();
   return make_vt_map(tid % 128 / 32, tid % 32);
 }
 
@@ -159,13 +159,20 @@ __device__ __forceinline__ void produce_pages(const CUtensorMap* content_map,
   }
 }
 
-// Query rows row0 .. row0 + kRows - 1 of request b (zeros past num_rows) into swizzled WGMMA
-// tiles of 128-byte rows: q8 as four [kRows][128] tiles `q8_tile_bytes` apart, q_pe as one.
-// Threads tid, tid + nthreads, ... share the 16-byte chunks.
+// The byte address of query row g (< num_rows) of request b in a [B, s_q, H, width] tensor.
+__device__ __forceinline__ const uint8_t* query_row(const uint8_t* base, const int64_t (&stride)[3],
+                                                    const DecodeParams& p, int b, int g) {
+  return base + b * stride[0] + (g / p.num_heads) * stride[1] + (g % p.num_heads) * stride[2];
+}
+
+// Rows row0 + r, r < kRows, of request b, already e4m3 (QueryType::kE4m3), into swizzled WGMMA
+// tiles of 128-byte rows (zeros past num_rows): the content as four [kRows][128] tiles
+// `q8_tile_bytes` apart, the pre-divided RoPE part as one.  Threads tid, tid + nthreads, ...
+// share the 16-byte chunks.
 template <int kRows>
-__device__ __forceinline__ void stage_query(uint8_t* q8_tiles, int q8_tile_bytes, uint8_t* qpe_tile,
-                                            const DecodeParams& p, int b, int row0, int tid,
-                                            int nthreads) {
+__device__ __forceinline__ void copy_query(uint8_t* q8_tiles, int q8_tile_bytes, uint8_t* qpe_tile,
+                                           const DecodeParams& p, int b, int row0, int tid,
+                                           int nthreads) {
   for (int idx = tid; idx < kRows * (kKvLoraRank / 16); idx += nthreads) {
     const int r = idx / (kKvLoraRank / 16);
     const int chunk = idx % (kKvLoraRank / 16);
@@ -173,8 +180,9 @@ __device__ __forceinline__ void stage_query(uint8_t* q8_tiles, int q8_tile_bytes
     uint4 v = make_uint4(0, 0, 0, 0);
     if (g < p.num_rows) {
       const int qi = g / p.num_heads, qh = g % p.num_heads;
-      v = *reinterpret_cast<const uint4*>(p.q8 + b * p.q8_stride[0] + qi * p.q8_stride[1] +
-                                          qh * p.q8_stride[2] + chunk * 16);
+      v = *reinterpret_cast<const uint4*>(p.q_nope + b * p.q_nope_stride[0] +
+                                          qi * p.q_nope_stride[1] + qh * p.q_nope_stride[2] +
+                                          chunk * 16);
     }
     const int tile = chunk / (kSwizzleRowBytes / 16);
     *reinterpret_cast<uint4*>(q8_tiles + tile * q8_tile_bytes +
@@ -191,6 +199,93 @@ __device__ __forceinline__ void stage_query(uint8_t* q8_tiles, int q8_tile_bytes
                                           qh * p.q_pe_stride[2] + chunk * 16);
     }
     *reinterpret_cast<uint4*>(qpe_tile + sw128_offset(r, chunk * 16)) = v;
+  }
+}
+
+// Rows row0 + r, r < kRows, of request b in the model's 16-bit type T, quantized as quantize_q
+// does (RowQuantizer, bit for bit) into the tiles.  The rows are first copied raw into `stage`
+// ([kRows][kQStageRowBytes]) with cp.async, all at once, so that a thread waits for memory once;
+// then each warp quantizes rows warp, warp + warps, ... from there, one at a time.  `barrier`
+// is a named barrier the nthreads threads (whole warps) may use.
+template <typename T, int kRows, typename ScaleStore>
+__device__ __forceinline__ void quantize_query(uint8_t* q8_tiles, int q8_tile_bytes,
+                                               uint8_t* qpe_tile, uint8_t* stage,
+                                               const DecodeParams& p, int b, int row0, int tid,
+                                               int nthreads, uint32_t barrier,
+                                               ScaleStore store_scale) {
+  using Row = RowQuantizer<T>;
+  static_assert(sizeof(T) == 2, "16-bit query rows");
+  constexpr int kContentChunks = kKvLoraRank * 2 / 16;   // 64
+  constexpr int kRowChunks = kQStageRowBytes / 16;        // 72: the content, then the RoPE part
+  const int live_rows = min(kRows, p.num_rows - row0);
+  for (int idx = tid; idx < live_rows * kRowChunks; idx += nthreads) {
+    const int r = idx / kRowChunks, chunk = idx % kRowChunks;
+    const uint8_t* src =
+        chunk < kContentChunks
+            ? query_row(p.q_nope, p.q_nope_stride, p, b, row0 + r) + 16 * chunk
+            : query_row(p.q_pe, p.q_pe_stride, p, b, row0 + r) + 16 * (chunk - kContentChunks);
+    cp_async_16(smem_addr(stage + r * kQStageRowBytes + 16 * chunk), src);
+  }
+  cp_async_wait_all();
+  named_barrier_sync(barrier, nthreads);
+
+  const int lane = tid % 32;
+#pragma unroll 1
+  for (int r = tid / 32; r < kRows; r += nthreads / 32) {
+    const auto content_store = [&](int vec, typename Row::ContentBytes v) {
+      const int byte = vec * Row::kVec;   // kVec e4m3 bytes a vector
+      *reinterpret_cast<typename Row::ContentBytes*>(
+          q8_tiles + (byte / kSwizzleRowBytes) * q8_tile_bytes +
+          sw128_offset(r, byte % kSwizzleRowBytes)) = v;
+    };
+    const auto rope_store = [&](__nv_bfloat162 v) {
+      *reinterpret_cast<__nv_bfloat162*>(qpe_tile + sw128_offset(r, 4 * lane)) = v;
+    };
+    if (r < live_rows) {
+      const T* row = reinterpret_cast<const T*>(stage + r * kQStageRowBytes);
+      Row q;
+      q.template load<false>(row, row + kKvLoraRank, lane);
+      float min_abs;
+      const float s = q.scale(min_abs);
+      q.store_to(s, min_abs, lane, content_store, rope_store);
+      if (lane == 0) store_scale(r, s);
+    } else {   // padding rows: zeros
+#pragma unroll
+      for (int j = 0; j < Row::kContentVecs; ++j) {
+        content_store(j * 32 + lane, typename Row::ContentBytes{});
+      }
+      rope_store(__floats2bfloat162_rn(0.f, 0.f));
+      if (lane == 0) store_scale(r, 0.f);
+    }
+  }
+}
+
+// The 64-row kernel's query rows row0 .. row0 + kRows - 1 of request b into the tiles of
+// copy_query, and every row's query scale to store_scale(r, scale) (0 past num_rows), by threads
+// tid = 0 .. nthreads - 1 (whole warps).  16-bit rows are quantized here, through `stage`
+// (quantize_query): one pass over them, no launch and no e4m3 copy in global memory.
+template <int kRows, typename ScaleStore>
+__device__ __forceinline__ void stage_query(uint8_t* q8_tiles, int q8_tile_bytes, uint8_t* qpe_tile,
+                                            uint8_t* stage, const DecodeParams& p, int b,
+                                            int row0, int tid, int nthreads, uint32_t barrier,
+                                            ScaleStore store_scale) {
+  if (p.q_type == QueryType::kBFloat16) {
+    quantize_query<__nv_bfloat16, kRows>(q8_tiles, q8_tile_bytes, qpe_tile, stage, p, b, row0,
+                                         tid, nthreads, barrier, store_scale);
+  } else if (p.q_type == QueryType::kFloat16) {
+    quantize_query<__half, kRows>(q8_tiles, q8_tile_bytes, qpe_tile, stage, p, b, row0, tid,
+                                  nthreads, barrier, store_scale);
+  } else {
+    copy_query<kRows>(q8_tiles, q8_tile_bytes, qpe_tile, p, b, row0, tid, nthreads);
+    for (int r = tid; r < kRows; r += nthreads) {
+      const int g = row0 + r;
+      float s = 0.f;
+      if (g < p.num_rows) {
+        s = p.q_scale[b * p.q_scale_stride[0] + (g / p.num_heads) * p.q_scale_stride[1] +
+                      (g % p.num_heads) * p.q_scale_stride[2]];
+      }
+      store_scale(r, s);
+    }
   }
 }
 
@@ -313,15 +408,14 @@ struct ConsumerState {
     for (int h = 0; h < 2; ++h) {
       const int g = row0 + 16 * warp + lane / 4 + 8 * h;
       const bool row_ok = g < p.num_rows;
-      const int qi = row_ok ? g / p.num_heads : 0, qh = row_ok ? g % p.num_heads : 0;
+      const int qi = row_ok ? g / p.num_heads : 0;
       // Query i of s_q sees positions < seq_len - s_q + i + 1 when causal.
       rows.visible[h] = row_ok ? seq_len - p.causal * (p.s_q - 1 - qi) : 0;
       // Positive and normal (softmax's FFMA multiplies -inf by it), or NaN from a NaN query
       // scale, kept so that the row comes out NaN; padding rows' Q is zero.
-      const float q_row_scale = row_ok ? p.q_scale[b * p.q_scale_stride[0] +
-                                                   qi * p.q_scale_stride[1] +
-                                                   qh * p.q_scale_stride[2]] * p.qk_scale_log2
-                                       : 1.f;
+      const float* q_scales = reinterpret_cast<const float*>(smem + kSmemQScale);
+      const float q_row_scale =
+          row_ok ? q_scales[16 * warp + lane / 4 + 8 * h] * p.qk_scale_log2 : 1.f;
       rows.row_scale[h] =
           q_row_scale != q_row_scale ? q_row_scale : fmaxf(q_row_scale, FLT_MIN);
     }
@@ -518,9 +612,11 @@ struct ConsumerState {
                                                const float (&o_pieces)[kPieces][kVals],
                                                int col0) const {
     constexpr int kPieceN = 2 * kVals;
+    // Recomputed, not kept through the page loop.
+    const int t = static_cast<int>(fresh_thread_index()) % 128;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int g = row0 + 16 * warp + lane / 4 + 8 * h;
+      const int g = row0 + 16 * (t / 32) + (t % 32) / 4 + 8 * h;
       if (g >= p.num_rows) continue;
       const bool seen_any = !(rows.l[h] == 0.f);   // NaN l: NaN out and LSE, never a quiet zero
       const float norm =
@@ -777,10 +873,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int split = blockIdx.z;
   const int warpgroup = threadIdx.x / 128;
 
-  const auto [seq_len, first_page, num_iters, direct, valid] = split_pages(p, b, split);
   // Splits past the request's last run (the planner cut it into fewer): nothing to do.  Split 0
   // always runs, so that a request with no tokens still gets its zeros and LSE -inf.
-  if (split > 0 && num_iters == 0) return;
+  if (split > 0 && split_pages(p, b, split).num_iters == 0) return;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -792,20 +887,27 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
 
   if (warpgroup == 0) {
-    run_producer(content_map, rope_map, scale_map, p, b, first_page, num_iters, smem_base,
-                 full_bar, empty_bar);
+    const SplitPages pages = split_pages(p, b, split);
+    run_producer(content_map, rope_map, scale_map, p, b, pages.first_page, pages.num_iters,
+                 smem_base, full_bar, empty_bar);
     return;
   }
 
   // ------------------------------------------------------------------ consumers
   setmaxnreg_inc<kConsumerRegs>();
-  const ConsumerState<kSchedule> cs(p, smem, smem_base, b, row_block, split, direct, warpgroup);
   // The block's query rows into the swizzled WGMMA A tiles (zeros past num_rows), once; threads
-  // 0..255 over both consumer warpgroups.
-  stage_query<kBlockRows>(smem + kSmemQ8, kContentTileBytes, smem + kSmemQpe, p, b, cs.row0,
-                          threadIdx.x - 128, 256);
+  // 0..255 over both consumer warpgroups.  (Before the consumer's state is set up: its
+  // registers would be live across the query quantization, which then spills.)
+  float* const q_scales = reinterpret_cast<float*>(smem + kSmemQScale);
+  stage_query<kBlockRows>(smem + kSmemQ8, kContentTileBytes, smem + kSmemQpe, smem + kSmemQStage,
+                          p, b, row_block * kBlockRows, threadIdx.x - 128, 256, 1,
+                          [&](int r, float s) { q_scales[r] = s; });
   fence_proxy_async();
   named_barrier_sync(1, 256);
+  // (Read again rather than kept from the split test above: that would keep them live across
+  // the query quantization, which then spills.)
+  const auto [seq_len, first_page, num_iters, direct, valid] = split_pages(p, b, split);
+  const ConsumerState<kSchedule> cs(p, smem, smem_base, b, row_block, split, direct, warpgroup);
   RowState rows;
   cs.init_rows(rows, seq_len, valid);
   // The last page's live tokens.  Never read without pages (num_iters 0: an empty or invalid

@@ -444,8 +444,7 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
   const NarrowConsumer<kRows> cs(p, smem, smem_base);
 
   // The query rows into the swizzled B tiles (zeros past num_rows), once.
-  stage_query<kRows>(smem + C::kQ8, C::kQTileBytes, smem + C::kQpe, p, b, row0, threadIdx.x,
-                     256);
+  copy_query<kRows>(smem + C::kQ8, C::kQTileBytes, smem + C::kQpe, p, b, row0, threadIdx.x, 256);
   fence_proxy_async();
 
   // Per-row state of the thread's query rows (slots).  Query i of s_q sees positions

@@ -1,4 +1,4 @@
-// PTX wrappers of the sm_90a instructions the decode kernels use: mbarriers, TMA, named
+// PTX wrappers of the sm_90a instructions the decode kernels use: mbarriers, TMA, cp.async, named
 // barriers, setmaxnreg, WGMMA (FP8 and BF16, shared-memory and register A operands) and their
 // descriptors, the 128-byte swizzle, and a few approximate math and packing helpers.  Each is
 // one instruction or a short fixed sequence; the kernels (decode_kernel.cuh,
@@ -68,6 +68,25 @@ __device__ __forceinline__ void tma_load_page(uint32_t dst, const CUtensorMap* m
 
 __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+// A 16-byte global -> shared copy that passes neither registers nor L1; this thread's copies
+// are complete after cp_async_wait_all.
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_all;" ::: "memory");
+}
+
+// threadIdx.x, read afresh (volatile): the compiler cannot reuse an index computed before, so a
+// loop or the code after it recomputes what it derives from it instead of keeping (or spilling)
+// registers through the loop.
+__device__ __forceinline__ uint32_t fresh_thread_index() {
+  uint32_t t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  return t;
 }
 
 // Generic-proxy shared-memory writes become visible to the async proxy (WGMMA operand reads).

@@ -225,8 +225,9 @@ def test_wide_table_equals_tight_table(H, s_q):
 
 @pytest.mark.parametrize("H, s_q", [(16, 1), (32, 1), (128, 1), (128, 2)])
 def test_fused_decode_equals_quantized_path(H, s_q):
-    """``decode_sm90`` (query quantization and split planner fused in one launch, the vLLM path)
-    equals quantizing first and then decoding, bit for bit, with a wide table."""
+    """``decode_sm90`` (the vLLM path: the 64-row kernel quantizes the query in its prologue, the
+    narrow kernels after a quantization launch that carries the split planner) equals quantizing
+    first and then decoding, bit for bit, with a wide table."""
     q, qp, cache, bt, sl = _case(RAGGED + [4000], H, s_q, seed=80 + H)
     wide = _widen(bt, 2560)
     out, lse = sm90.decode_sm90(q, qp, cache, wide, sl, SCALE)
@@ -234,6 +235,115 @@ def test_fused_decode_equals_quantized_path(H, s_q):
     x_out, x_lse = decode(q8, qs, qpe, cache, wide, sl, SCALE)
     assert torch.equal(out, x_out) and torch.equal(lse, x_lse)
     _check(out, lse, q, qp, cache, bt, sl)
+
+
+def _special_query_rows(q, qp):
+    """Rows that take the quantizer's other branches, in place: exact zeros and signed zeros
+    (the exactly rounded division, not the hoisted reciprocal), tiny values (below 2^-100 in
+    bf16), a large row, a RoPE part that alone sets the scale, an all-zero row (the scale
+    floor); sized to stay finite in the query's type."""
+    bf16 = q.dtype == torch.bfloat16
+    q[0, 0, 0, :8] = 0.0
+    q[0, 0, 0, 8:16] = -0.0
+    q[0, 0, 1, :] *= 2.0**-110 if bf16 else 2.0**-20
+    q[0, 0, 2, :] *= 2.0**20 if bf16 else 2.0**7
+    qp[0, 0, 3, :] *= 2.0**12
+    q[0, 0, 4, :] = 0.0
+    qp[0, 0, 4, :] = 0.0
+    assert q.isfinite().all() and qp.isfinite().all()
+
+
+def _bits_equal(a, b):
+    """Equal bit for bit (NaN included)."""
+    ints = {2: torch.int16, 4: torch.int32}
+    return a.dtype == b.dtype and torch.equal(a.view(ints[a.element_size()]),
+                                              b.view(ints[b.element_size()]))
+
+
+def _in_wider_rows(q, offset, width):
+    """``q`` as a strided view into rows ``width`` wide at element ``offset``, the rest NaN."""
+    wide = torch.full((*q.shape[:-1], width), float("nan"), dtype=q.dtype, device=q.device)
+    wide[..., offset:offset + q.shape[-1]] = q
+    view = wide[..., offset:offset + q.shape[-1]]
+    assert not view.is_contiguous()
+    return view
+
+
+@pytest.mark.parametrize("schedule", ["split-roles", "free"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("H, s_q, num_splits", [(128, 1, None), (40, 1, None), (40, 2, None),
+                                                (128, 3, None), (128, 1, 1)])
+def test_prologue_quantization_equals_quantize_q(H, s_q, num_splits, dtype, schedule):
+    """The 64-row kernel's prologue quantization (stage_query) gives the bytes the quantize_q op
+    writes, so the decode is bit for bit that of the quantized path: both schedules, bf16 and
+    fp16 queries, partial row blocks (40 heads: 24 padding rows per block; s_q = 3: a block
+    across query tokens), one split (no planner, no combine: the decode is the only launch), the
+    quantizer's special values, and a query read in place from a strided view (vLLM's bmm
+    output is [T, H, 512] inside a wider buffer)."""
+    from vllm_snapmla import ops
+
+    q, qp, cache, bt, sl = _case(RAGGED, H, s_q, seed=90 + H + s_q)
+    q, qp = q.to(dtype), qp.to(dtype)
+    _special_query_rows(q, qp)
+    table = _widen(bt, 2560)
+    out, lse = sm90.decode_sm90(_in_wider_rows(q, 64, 640), qp, cache, table, sl, SCALE,
+                                num_splits=num_splits, schedule=schedule)
+    q8, qs, qpe = ops.quantize_q(q, qp)
+    x_out, x_lse = decode(q8, qs, qpe, cache, table, sl, SCALE, num_splits=num_splits,
+                          schedule=schedule)
+    assert _bits_equal(out, x_out) and _bits_equal(lse, x_lse)
+    assert out.isfinite().all()
+
+
+_UNALIGNED_QUERY_SCRIPT = """
+import torch
+from vllm_snapmla import ops
+from vllm_snapmla.kernels import sm90
+from tests.gpu.kernels.test_decode import RAGGED, SCALE, _case
+from tests.gpu.kernels.test_sm90 import _bits_equal, _in_wider_rows
+q, qp, cache, bt, sl = _case(RAGGED, 128, 1, seed=97)
+out, lse = sm90.decode_sm90(_in_wider_rows(q, 4, 520), _in_wider_rows(qp, 4, 72), cache, bt,
+                            sl, SCALE)
+q8, qs, qpe = ops.quantize_q(q, qp)
+x_out, x_lse = sm90.snapmla_decode_sm90(q8, qs, qpe, cache, bt, sl, SCALE)
+assert _bits_equal(out, x_out) and _bits_equal(lse, x_lse)
+print("ok")
+"""
+
+
+def test_prologue_quantization_of_an_unaligned_query_without_the_caching_allocator():
+    """Rows that do not start 16-byte aligned are copied before the kernel reads them; the copy
+    must live until the decode has run.  Without PyTorch's caching allocator a copy freed early
+    is a fault, not a silent reuse, so this runs in a process that has it off."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    env = {**os.environ, "PYTORCH_NO_CUDA_MEMORY_CACHING": "1",
+           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", _UNALIGNED_QUERY_SCRIPT], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_prologue_quantization_carries_a_nan_query(dtype):
+    """A NaN in one query row makes that row's output and LSE NaN, as with quantize_q first; the
+    other rows are untouched."""
+    from vllm_snapmla import ops
+
+    q, qp, cache, bt, sl = _case([300, 70], 128, 1, seed=95)
+    q, qp = q.to(dtype), qp.to(dtype)
+    q[1, 0, 5, 17] = float("nan")
+    out, lse = sm90.decode_sm90(q, qp, cache, bt, sl, SCALE)
+    q8, qs, qpe = ops.quantize_q(q, qp)
+    x_out, x_lse = decode(q8, qs, qpe, cache, bt, sl, SCALE)
+    assert _bits_equal(out, x_out) and _bits_equal(lse, x_lse)
+    assert lse[1, 5].isnan().all() and out[1, :, 5].isnan().all()
+    lse[1, 5] = 0.0
+    out[1, :, 5] = 0.0
+    assert not lse.isnan().any() and not out.isnan().any()
 
 
 def test_planner_matches_its_python_model():
