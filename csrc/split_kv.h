@@ -5,7 +5,7 @@
 //
 // A decode launch has a fixed grid of `max_splits` splits per (request, row block): fixed, so
 // that a CUDA graph captured once replays for any lengths.  Which of them work is decided on the
-// GPU per call: the planner (one warp, in the query quantization's launch or its own) writes
+// GPU per call: the planner (one warp, in every CTA of the 64-row kernel or in a launch) writes
 // `pages_per_split` from the batch's lengths (a cost model that counts every request's runs,
 // below), and each request's pages are cut into runs of that many pages (more only where
 // `max_splits` runs would not cover it).  Splits past a
@@ -96,7 +96,7 @@ struct CombineParams {
   int num_rows;                     // s_q x num_heads
 };
 
-// The planner alone (one warp), where no query quantization launch carries it.
+// The planner alone (one warp), where no other launch carries it.
 cudaError_t launch_split_plan(const SplitPlanParams& params, cudaStream_t stream);
 
 cudaError_t launch_combine(const CombineParams& params, cudaStream_t stream);
@@ -110,10 +110,26 @@ inline int max_splits_for(int64_t programs, int slots, int64_t table_pages) {
   return splits > 1 ? static_cast<int>(splits) : 1;
 }
 
+// The planner's cost of candidate run length `run` (pages) whose runs over the batch number
+// `runs`, with `total_pages` pages in all: CTA waves of run + overhead pages (above).
+__host__ __device__ __forceinline__ long long split_plan_cost(const SplitPlanParams& p,
+                                                              long long total_pages,
+                                                              long long runs, int run) {
+  // Total cost over all CTAs, in pages: row blocks (programs / batch) x (pages + runs x fixed).
+  const long long work = p.programs * (total_pages + runs * p.overhead_pages);
+  const long long wave = static_cast<long long>(p.batch) * p.slots * (run + p.overhead_pages);
+  return (work + wave - 1) / wave * (run + p.overhead_pages);
+}
+
 // The planner's body for one warp: `warp.lane` (0-31) and `warp.xor_shuffle(v, offset)` (the
-// value of lane ^ offset; every lane calls it at the same points).  A template over the warp, so
-// that the unit test (tests/unit/kernels/test_split_planner.py) runs this code on the host with
-// 32 threads for the lanes; kernels use plan_splits_warp.
+// value of lane ^ offset; every lane calls it at the same points); the pages per split, in every
+// lane.  A template over the warp, so that the unit test (tests/unit/kernels/
+// test_split_planner.py) runs this code on the host with 32 threads for the lanes; kernels use
+// KernelWarp.  Candidates s = 1 .. limit (limit <= max_splits) each need a sum over the batch.
+// Where there are at least as many candidates as requests, lanes take candidates and loop over
+// the batch; otherwise lanes take requests and the warp sums each candidate in turn.  Either way
+// a lane does about limit x batch / 32 steps (limit x batch is at most about 2 x slots + batch,
+// by max_splits_for), and the result is the same: the cheapest, the fewest splits on ties.
 template <typename Warp>
 __host__ __device__ __forceinline__ int plan_splits(const SplitPlanParams& p, const Warp& warp) {
   const int lane = warp.lane;
@@ -133,31 +149,45 @@ __host__ __device__ __forceinline__ int plan_splits(const SplitPlanParams& p, co
   const int limit = max_pages < p.max_splits ? max_pages : p.max_splits;
   long long best_cost = -1;
   int best = 1;
-  for (int s = lane + 1; s <= limit; s += 32) {
-    const int run = (max_pages + s - 1) / s;
-    long long runs = 0;
-    for (int b = 0; b < p.batch; ++b) {
-      runs += (request_pages(p.seq_lens[b], p.table_pages) + run - 1) / run;
+  if (limit >= p.batch) {
+    for (int s = lane + 1; s <= limit; s += 32) {
+      const int run = (max_pages + s - 1) / s;
+      long long runs = 0;
+      for (int b = 0; b < p.batch; ++b) {
+        runs += (request_pages(p.seq_lens[b], p.table_pages) + run - 1) / run;
+      }
+      const long long cost = split_plan_cost(p, total_pages, runs, run);
+      if (best_cost < 0 || cost < best_cost) {
+        best_cost = cost;
+        best = s;
+      }
     }
-    // Total cost over all CTAs, in pages: row blocks (programs / batch) x (pages + runs x fixed).
-    const long long work = p.programs * (total_pages + runs * p.overhead_pages);
-    const long long wave = static_cast<long long>(p.batch) * p.slots * (run + p.overhead_pages);
-    const long long cost = (work + wave - 1) / wave * (run + p.overhead_pages);
-    if (best_cost < 0 || cost < best_cost) {
-      best_cost = cost;
-      best = s;
-    }
-  }
-  // Lanes without a candidate (limit < 32) lose every comparison.
+    // Lanes without a candidate (limit < 32) lose every comparison.
 #pragma unroll
-  for (int o = 16; o > 0; o /= 2) {
-    const long long other_cost = warp.xor_shuffle(best_cost, o);
-    const int other = warp.xor_shuffle(best, o);
-    const bool take = other_cost >= 0 &&
-                      (best_cost < 0 || other_cost < best_cost ||
-                       (other_cost == best_cost && other < best));
-    best_cost = take ? other_cost : best_cost;
-    best = take ? other : best;
+    for (int o = 16; o > 0; o /= 2) {
+      const long long other_cost = warp.xor_shuffle(best_cost, o);
+      const int other = warp.xor_shuffle(best, o);
+      const bool take = other_cost >= 0 &&
+                        (best_cost < 0 || other_cost < best_cost ||
+                         (other_cost == best_cost && other < best));
+      best_cost = take ? other_cost : best_cost;
+      best = take ? other : best;
+    }
+  } else {
+    for (int s = 1; s <= limit; ++s) {   // the same in every lane
+      const int run = (max_pages + s - 1) / s;
+      long long runs = 0;
+      for (int b = lane; b < p.batch; b += 32) {
+        runs += (request_pages(p.seq_lens[b], p.table_pages) + run - 1) / run;
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o /= 2) runs += warp.xor_shuffle(runs, o);
+      const long long cost = split_plan_cost(p, total_pages, runs, run);
+      if (best_cost < 0 || cost < best_cost) {
+        best_cost = cost;
+        best = s;
+      }
+    }
   }
   return max_pages > 0 ? (max_pages + best - 1) / best : 1;
 }

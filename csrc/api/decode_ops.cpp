@@ -3,10 +3,10 @@
 //
 // decode_sm90 is what vLLM calls once per layer and step, so its host cost matters as much as
 // the kernels' (eager mode runs it for every mixed prefill+decode batch): one op call from
-// Python, one to three launches (the split planner, in one more block of the query
-// quantization's launch, or alone where the 64-row kernel quantizes the query in its prologue;
-// the decode; the combine only when some request can be cut into several runs), no host sync,
-// nothing computed per call that depends only on the device.
+// Python, one to three launches (for the narrow kernels the query quantization, with the split
+// planner in one more block; the decode, where the 64-row kernel quantizes a 16-bit query and
+// plans the splits itself; the combine only when some request can be cut into several runs),
+// no host sync, nothing computed per call that depends only on the device.
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -182,17 +182,23 @@ void set_query(sm90::DecodeParams& p, sm90::QueryType type, const at::Tensor& no
   }
 }
 
-// The split planner's launch where the planner decides (num_splits 0, more than one split per
-// request possible, something to decode): its one-int32 output, else an undefined tensor (equal
-// cut).
-at::Tensor plan_splits(const char* op, const at::Tensor& lens, int64_t table_pages, int64_t batch,
-                       int64_t rows, int64_t num_splits, const LaunchShape& shape) {
+// Where the planner decides (num_splits 0, more than one split per request possible, something
+// to decode): its one-int32 output, written by the 64-row kernel itself (`p.plan_slots`, no
+// launch) or else by a split_plan launch here; an undefined tensor otherwise (equal cut).
+at::Tensor plan_splits(const char* op, sm90::DecodeParams& p, const at::Tensor& lens,
+                       int64_t table_pages, int64_t batch, int64_t rows, int64_t num_splits,
+                       int64_t schedule, const LaunchShape& shape) {
   at::Tensor pages_per_split;
   if (num_splits == 0 && shape.max_splits > 1 && batch > 0 && rows > 0) {
     pages_per_split = at::empty({1}, lens.options().dtype(at::kInt));
-    check_launch(op, launch_split_plan(plan_params(lens, table_pages, batch, pages_per_split,
-                                                   shape),
-                                       c10::cuda::getCurrentCUDAStream()));
+    if (schedule != sm90::kScheduleNarrow) {
+      p.plan_slots = shape.slots;
+      p.plan_overhead_pages = kSplitOverheadPages;
+    } else {
+      check_launch(op, launch_split_plan(plan_params(lens, table_pages, batch, pages_per_split,
+                                                     shape),
+                                         c10::cuda::getCurrentCUDAStream()));
+    }
   }
   return pages_per_split;
 }
@@ -225,6 +231,8 @@ std::tuple<at::Tensor, at::Tensor> run_decode(const char* op, sm90::DecodeParams
   p.part_out = part_out.defined() ? part_out.data_ptr<float>() : nullptr;
   p.part_lse = part_lse.defined() ? part_lse.data_ptr<float>() : nullptr;
   p.pages_per_split = pages_per_split.defined() ? pages_per_split.data_ptr<int32_t>() : nullptr;
+  TORCH_CHECK(p.plan_slots == 0 || p.pages_per_split != nullptr, op,
+              ": a kernel that plans its splits needs the plan's buffer");
   p.num_heads = static_cast<int>(heads);
   p.s_q = static_cast<int>(s_q);
   p.num_rows = static_cast<int>(rows);
@@ -304,10 +312,11 @@ std::tuple<at::Tensor, at::Tensor> decode_sm90(const at::Tensor& q_nope, const a
   sm90::DecodeParams p{};
   if (d.schedule != sm90::kScheduleNarrow && dtype != FloatType::kFloat32) {
     // The 64-row kernel quantizes 16-bit query rows in its prologue (stage_query), reading them
-    // in place (vLLM's [T, H, 512] bmm output viewed as [B, s_q, H, 512] included): no launch
-    // and no e4m3 copy of the query in global memory.  The planner is then a launch of its own.
-    const at::Tensor pages_per_split =
-        plan_splits(op, d.lens, d.table.size(1), batch, rows, num_splits, d.shape);
+    // in place (vLLM's [T, H, 512] bmm output viewed as [B, s_q, H, 512] included), and plans
+    // its splits itself: the decode and, where requests may be cut, the combine are the only
+    // launches, and no e4m3 copy of the query goes through global memory.
+    const at::Tensor pages_per_split = plan_splits(op, p, d.lens, d.table.size(1), batch, rows,
+                                                   num_splits, d.schedule, d.shape);
     // Named: a copy vector_ready makes must outlive the launch (run_decode's allocations could
     // otherwise reuse its memory before the kernel reads it).
     const at::Tensor nope = vector_ready(q_nope), pe = vector_ready(q_pe);
@@ -367,9 +376,9 @@ std::tuple<at::Tensor, at::Tensor> decode_sm90_quantized(
   const c10::cuda::CUDAGuard guard(device);
   const DecodeSetup d = setup_decode(op, device, batch, rows, kv_cache, block_table, seq_lens,
                                      softmax_scale, num_splits, schedule);
-  const at::Tensor pages_per_split =
-      plan_splits(op, d.lens, d.table.size(1), batch, rows, num_splits, d.shape);
   sm90::DecodeParams p{};
+  const at::Tensor pages_per_split = plan_splits(op, p, d.lens, d.table.size(1), batch, rows,
+                                                 num_splits, d.schedule, d.shape);
   set_query(p, sm90::QueryType::kE4m3, q8, q_pe_scaled, &q_scale);
   return run_decode(op, p, batch, s_q, heads, q8.options(), kv_cache, d.table, d.lens,
                     softmax_scale, causal, d.shape, d.schedule, pages_per_split);

@@ -23,6 +23,7 @@ constexpr int kScheduleSplitRoles = 1;   // WG1: S, softmax and P8 of every page
 // 2 + c consumer c's reductions and P8^T hand-off.
 constexpr int kPageBarrier = 4;
 constexpr int kVtFreeBarrier = 5;        // and 6
+constexpr int kPlanBarrier = 7;          // the producer's split plan is in shared memory (all)
 
 // Register budgets after setmaxnreg (multiples of 8).  The CTA starts with its launch budget,
 // 65536 / 384 = 168 per thread, and setmaxnreg moves registers within that pool: a consumer's
@@ -109,9 +110,11 @@ constexpr int kRowStateBytes = 8 * 128 * 4;                                     
 constexpr int kSmemHandOver = kSmemVt + kConsumerWarpgroups * kVtBytes;
 constexpr int kSmemRowState = kSmemHandOver + kHandOverBuffers * kHandOverBytes;
 constexpr int kSmemBarriers = kSmemRowState + kRowStateBytes;
-// mbarriers: full[kStages], empty[kStages]; then the query rows' scales (stage_query).
+// mbarriers: full[kStages], empty[kStages]; then the query rows' scales (stage_query) and the
+// split plan, where the kernel plans (DecodeParams::plan_slots).
 constexpr int kSmemQScale = kSmemBarriers + 2 * kStages * 8;
-constexpr int kSmemBytes = kSmemQScale + kBlockRows * 4;
+constexpr int kSmemPlan = kSmemQScale + kBlockRows * 4;
+constexpr int kSmemBytes = kSmemPlan + 16;
 constexpr int kSmemAlloc = kSmemBytes + 1024;  // slack to align the dynamic base to 1024 bytes
 
 static_assert(kStageBytes % 1024 == 0 && kSmemQ8 % 1024 == 0 && kSmemQpe % 1024 == 0 &&

@@ -110,10 +110,14 @@ const char* launch_decode_sm90(const DecodeParams& params, const uint8_t* kv_cac
                 CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA)) {
     return "decode_sm90: cuTensorMapEncodeTiled rejected the kv_cache layout";
   }
-  // The 64-row kernel takes e4m3 or 16-bit query rows, the narrow kernels e4m3 rows.
+  // The 64-row kernel takes e4m3 or 16-bit query rows and can plan its splits; the narrow
+  // kernels take e4m3 rows and a plan.
   if (params.q_type != QueryType::kE4m3 &&
       (params.schedule == kScheduleNarrow || params.q_type == QueryType::kFloat32)) {
     return "decode_sm90: this kernel cannot take the query's type (an internal error)";
+  }
+  if (params.plan_slots > 0 && params.schedule == kScheduleNarrow) {
+    return "decode_sm90: the narrow kernels do not plan their splits (an internal error)";
   }
   if (params.schedule == kScheduleNarrow) {
     // One CTA per (request, split): the grid's x is the request.

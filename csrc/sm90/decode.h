@@ -34,7 +34,12 @@ struct DecodeParams {
   float* lse;
   float* part_out;
   float* part_lse;
-  const int32_t* pages_per_split; // the split planner's output (null: equal cut into max_splits)
+  // The split planner's output (null: equal cut into max_splits).  With plan_slots > 0 (the
+  // 64-row kernel) every CTA plans the splits itself, as a split_plan launch with `slots` CTAs at
+  // once and plan_overhead_pages would, and CTA (0, 0, 0) stores the plan here for the combine.
+  int32_t* pages_per_split;
+  int plan_slots;
+  int plan_overhead_pages;
   int num_heads;
   int s_q;
   int num_rows;                   // s_q * num_heads

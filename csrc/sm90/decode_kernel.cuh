@@ -106,11 +106,33 @@ struct SplitPages {
   bool direct, valid;
 };
 
-__device__ __forceinline__ SplitPages split_pages(const DecodeParams& p, int b, int split) {
+// The pages per split the launch was given (0: equal cut).
+__device__ __forceinline__ int given_pages_per_split(const DecodeParams& p) {
+  return p.pages_per_split != nullptr ? *p.pages_per_split : 0;
+}
+
+__device__ __forceinline__ SplitPages split_pages(const DecodeParams& p, int b, int split,
+                                                  int pages_per_split) {
   const int seq_len = p.seq_lens[b];
-  const int chunk = p.pages_per_split != nullptr ? *p.pages_per_split : 0;
-  const SplitRange r = split_range(seq_len, p.table_pages, chunk, p.max_splits, split);
+  const SplitRange r = split_range(seq_len, p.table_pages, pages_per_split, p.max_splits, split);
   return {seq_len, r.first_page, r.num_pages, r.num_splits == 1, r.valid};
+}
+
+__device__ __forceinline__ SplitPages split_pages(const DecodeParams& p, int b, int split) {
+  return split_pages(p, b, split, given_pages_per_split(p));
+}
+
+// The split plan of this launch, as split_plan would compute it (p.plan_slots > 0), by one warp.
+__device__ __forceinline__ int plan_in_kernel(const DecodeParams& p, int lane) {
+  SplitPlanParams plan{};
+  plan.seq_lens = p.seq_lens;
+  plan.table_pages = p.table_pages;
+  plan.batch = static_cast<int>(gridDim.x);
+  plan.programs = static_cast<int>(gridDim.x * gridDim.y);
+  plan.slots = p.plan_slots;
+  plan.max_splits = p.max_splits;
+  plan.overhead_pages = p.plan_overhead_pages;
+  return plan_splits(plan, KernelWarp{lane});
 }
 
 // The row sum a row starts from: 0, or NaN for an invalid request, which the epilogue's
@@ -202,21 +224,20 @@ __device__ __forceinline__ void copy_query(uint8_t* q8_tiles, int q8_tile_bytes,
   }
 }
 
-// Rows row0 + r, r < kRows, of request b in the model's 16-bit type T, quantized as quantize_q
-// does (RowQuantizer, bit for bit) into the tiles.  The rows are first copied raw into `stage`
-// ([kRows][kQStageRowBytes]) with cp.async, all at once, so that a thread waits for memory once;
-// then each warp quantizes rows warp, warp + warps, ... from there, one at a time.  `barrier`
-// is a named barrier the nthreads threads (whole warps) may use.
-template <typename T, int kRows, typename ScaleStore>
-__device__ __forceinline__ void quantize_query(uint8_t* q8_tiles, int q8_tile_bytes,
-                                               uint8_t* qpe_tile, uint8_t* stage,
-                                               const DecodeParams& p, int b, int row0, int tid,
-                                               int nthreads, uint32_t barrier,
-                                               ScaleStore store_scale) {
-  using Row = RowQuantizer<T>;
-  static_assert(sizeof(T) == 2, "16-bit query rows");
+// The 64-row kernel's query prologue for 16-bit rows (QueryType::kBFloat16, kFloat16), in two
+// steps, so that the copy is in flight while the CTA settles its split plan:
+// issue_query_copy starts copying rows row0 + r, r < kRows, of request b raw into `stage`
+// ([kRows][kQStageRowBytes], the content then the RoPE part) with cp.async, all at once, so
+// that a thread waits for memory once; quantize_staged_query waits for the copies and has each
+// warp quantize rows warp, warp + warps, ... from there, one at a time, as quantize_q does
+// (RowQuantizer, bit for bit), into the tiles of copy_query, each row's scale to
+// store_scale(r, scale) (0 past num_rows).  Threads tid = 0 .. nthreads - 1 (whole warps);
+// `barrier` is a named barrier they may use.
+template <int kRows>
+__device__ __forceinline__ void issue_query_copy(uint8_t* stage, const DecodeParams& p, int b,
+                                                 int row0, int tid, int nthreads) {
   constexpr int kContentChunks = kKvLoraRank * 2 / 16;   // 64
-  constexpr int kRowChunks = kQStageRowBytes / 16;        // 72: the content, then the RoPE part
+  constexpr int kRowChunks = kQStageRowBytes / 16;        // 72
   const int live_rows = min(kRows, p.num_rows - row0);
   for (int idx = tid; idx < live_rows * kRowChunks; idx += nthreads) {
     const int r = idx / kRowChunks, chunk = idx % kRowChunks;
@@ -226,9 +247,19 @@ __device__ __forceinline__ void quantize_query(uint8_t* q8_tiles, int q8_tile_by
             : query_row(p.q_pe, p.q_pe_stride, p, b, row0 + r) + 16 * (chunk - kContentChunks);
     cp_async_16(smem_addr(stage + r * kQStageRowBytes + 16 * chunk), src);
   }
+}
+
+template <typename T, int kRows, typename ScaleStore>
+__device__ __forceinline__ void quantize_staged_query(uint8_t* q8_tiles, int q8_tile_bytes,
+                                                      uint8_t* qpe_tile, const uint8_t* stage,
+                                                      const DecodeParams& p, int row0, int tid,
+                                                      int nthreads, uint32_t barrier,
+                                                      ScaleStore store_scale) {
+  using Row = RowQuantizer<T>;
+  static_assert(sizeof(T) == 2, "16-bit query rows");
   cp_async_wait_all();
   named_barrier_sync(barrier, nthreads);
-
+  const int live_rows = min(kRows, p.num_rows - row0);
   const int lane = tid % 32;
 #pragma unroll 1
   for (int r = tid / 32; r < kRows; r += nthreads / 32) {
@@ -261,20 +292,20 @@ __device__ __forceinline__ void quantize_query(uint8_t* q8_tiles, int q8_tile_by
 }
 
 // The 64-row kernel's query rows row0 .. row0 + kRows - 1 of request b into the tiles of
-// copy_query, and every row's query scale to store_scale(r, scale) (0 past num_rows), by threads
-// tid = 0 .. nthreads - 1 (whole warps).  16-bit rows are quantized here, through `stage`
-// (quantize_query): one pass over them, no launch and no e4m3 copy in global memory.
+// copy_query, and every row's query scale to store_scale(r, scale) (0 past num_rows), after
+// issue_query_copy (for 16-bit rows, which are quantized here: one pass over them, no launch and
+// no e4m3 copy in global memory).
 template <int kRows, typename ScaleStore>
 __device__ __forceinline__ void stage_query(uint8_t* q8_tiles, int q8_tile_bytes, uint8_t* qpe_tile,
-                                            uint8_t* stage, const DecodeParams& p, int b,
+                                            const uint8_t* stage, const DecodeParams& p, int b,
                                             int row0, int tid, int nthreads, uint32_t barrier,
                                             ScaleStore store_scale) {
   if (p.q_type == QueryType::kBFloat16) {
-    quantize_query<__nv_bfloat16, kRows>(q8_tiles, q8_tile_bytes, qpe_tile, stage, p, b, row0,
-                                         tid, nthreads, barrier, store_scale);
+    quantize_staged_query<__nv_bfloat16, kRows>(q8_tiles, q8_tile_bytes, qpe_tile, stage, p,
+                                                row0, tid, nthreads, barrier, store_scale);
   } else if (p.q_type == QueryType::kFloat16) {
-    quantize_query<__half, kRows>(q8_tiles, q8_tile_bytes, qpe_tile, stage, p, b, row0, tid,
-                                  nthreads, barrier, store_scale);
+    quantize_staged_query<__half, kRows>(q8_tiles, q8_tile_bytes, qpe_tile, stage, p, row0, tid,
+                                         nthreads, barrier, store_scale);
   } else {
     copy_query<kRows>(q8_tiles, q8_tile_bytes, qpe_tile, p, b, row0, tid, nthreads);
     for (int r = tid; r < kRows; r += nthreads) {
@@ -874,8 +905,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warpgroup = threadIdx.x / 128;
 
   // Splits past the request's last run (the planner cut it into fewer): nothing to do.  Split 0
-  // always runs, so that a request with no tokens still gets its zeros and LSE -inf.
-  if (split > 0 && split_pages(p, b, split).num_iters == 0) return;
+  // always runs, so that a request with no tokens still gets its zeros and LSE -inf.  A CTA
+  // that plans its launch's splits itself (p.plan_slots > 0) knows for sure only after
+  // planning, but a split that is empty under the equal cut (0) is empty under every plan (runs
+  // are never shorter than that cut's): most empty splits of a wide table still leave here.
+  const bool plans = p.plan_slots > 0;
+  if (split > 0 && split_pages(p, b, split, plans ? 0 : given_pages_per_split(p)).num_iters == 0) {
+    return;
+  }
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -885,28 +922,57 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
+  int* const plan = reinterpret_cast<int*>(smem + kSmemPlan);
 
   if (warpgroup == 0) {
-    const SplitPages pages = split_pages(p, b, split);
+    // The plan, by the producer's first warp, before it gives up its registers; the consumers
+    // wait for it at kPlanBarrier.  An empty split's producer streams nothing.
+    int pages_per_split = 0;
+    if (plans) {
+      if (threadIdx.x < 32) {
+        pages_per_split = plan_in_kernel(p, threadIdx.x);
+        if (threadIdx.x == 0) {
+          *plan = pages_per_split;
+          if (b == 0 && row_block == 0 && split == 0) *p.pages_per_split = pages_per_split;
+        }
+      }
+      named_barrier_arrive(kPlanBarrier, kThreads);
+    } else {
+      pages_per_split = given_pages_per_split(p);
+    }
+    const SplitPages pages = split_pages(p, b, split, pages_per_split);
     run_producer(content_map, rope_map, scale_map, p, b, pages.first_page, pages.num_iters,
                  smem_base, full_bar, empty_bar);
     return;
   }
 
   // ------------------------------------------------------------------ consumers
-  setmaxnreg_inc<kConsumerRegs>();
   // The block's query rows into the swizzled WGMMA A tiles (zeros past num_rows), once; threads
-  // 0..255 over both consumer warpgroups.  (Before the consumer's state is set up: its
-  // registers would be live across the query quantization, which then spills.)
+  // 0..255 over both consumer warpgroups.  16-bit rows start copying before anything waits.
+  const int row0 = row_block * kBlockRows;
+  const bool quantizes = p.q_type == QueryType::kBFloat16 || p.q_type == QueryType::kFloat16;
+  if (quantizes) {
+    issue_query_copy<kBlockRows>(smem + kSmemQStage, p, b, row0, threadIdx.x - 128, 256);
+  }
+  setmaxnreg_inc<kConsumerRegs>();
+  if (plans) {
+    named_barrier_sync(kPlanBarrier, kThreads);
+    if (split > 0 && split_pages(p, b, split, *plan).num_iters == 0) {
+      cp_async_wait_all();
+      return;
+    }
+  }
+  // (The consumer's state is set up after this: its registers would be live across the query
+  // quantization, which then spills.)
   float* const q_scales = reinterpret_cast<float*>(smem + kSmemQScale);
   stage_query<kBlockRows>(smem + kSmemQ8, kContentTileBytes, smem + kSmemQpe, smem + kSmemQStage,
-                          p, b, row_block * kBlockRows, threadIdx.x - 128, 256, 1,
+                          p, b, row0, threadIdx.x - 128, 256, 1,
                           [&](int r, float s) { q_scales[r] = s; });
   fence_proxy_async();
   named_barrier_sync(1, 256);
-  // (Read again rather than kept from the split test above: that would keep them live across
-  // the query quantization, which then spills.)
-  const auto [seq_len, first_page, num_iters, direct, valid] = split_pages(p, b, split);
+  // (Read again rather than kept from the split test above, for the same reason.)
+  const auto [seq_len, first_page, num_iters, direct, valid] =
+      split_pages(p, b, split, plans ? *plan : given_pages_per_split(p));
   const ConsumerState<kSchedule> cs(p, smem, smem_base, b, row_block, split, direct, warpgroup);
   RowState rows;
   cs.init_rows(rows, seq_len, valid);

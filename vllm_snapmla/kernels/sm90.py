@@ -1,11 +1,11 @@
 """SnapMLA split-KV decode on Hopper: the sm_90a kernels of ``csrc/sm90/``.
 
 ``decode_sm90`` is the path ``vllm_snapmla.ops.decode`` takes on sm_90 GPUs, and so vLLM's: one
-op call per decode that runs the split planner, the decode kernel and, where a request is cut
-into several runs, the combine (``kernels/splits.py``).  The 64-row kernel quantizes a bf16 or
-fp16 query in its prologue; for the narrow kernels (and float32 queries) a launch quantizes it
-first, with the planner in the same launch.  ``snapmla_decode_sm90`` takes an already quantized
-query (``ops.quantize_q``), for tests and benchmarks of the kernels alone.
+op call per decode that runs the decode kernel and, where a request can be cut into several
+runs, the combine (``kernels/splits.py``).  The 64-row kernel quantizes a bf16 or fp16 query
+and plans the splits itself; for the narrow kernels (and float32 queries) a launch quantizes the
+query first, with the split planner in the same launch.  ``snapmla_decode_sm90`` takes an
+already quantized query (``ops.quantize_q``), for tests and benchmarks of the kernels alone.
 
 Two kernels, picked by query rows per request (``s_q x heads``): the narrow kernel up to
 ``NARROW_MAX_ROWS`` (a 16-row form up to 16 rows, a 32-row form above; S^T = K Q^T, so nothing is

@@ -347,12 +347,18 @@ def test_prologue_quantization_carries_a_nan_query(dtype):
 
 
 def test_planner_matches_its_python_model():
-    """The GPU planner's pages_per_split equals ``splits.pages_per_split_for``."""
+    """The GPU planner's pages_per_split equals ``splits.pages_per_split_for``, both where its
+    lanes take candidate split counts (at least as many as requests) and where they take
+    requests; the 64-row kernel runs the same planner in every CTA."""
     from vllm_snapmla.kernels import splits
     gen = torch.Generator().manual_seed(3)
-    for batch, programs, slots, max_splits in [(1, 1, 132, 264), (4, 8, 132, 33), (64, 64, 132, 5),
-                                               (300, 300, 132, 1), (33, 66, 132, 4),
-                                               (16, 32, 132, 9), (128, 256, 132, 3)]:
+    shapes = [(1, 1, 132, 264), (4, 8, 132, 33), (64, 64, 132, 5), (300, 300, 132, 1),
+              (33, 66, 132, 4), (16, 32, 132, 9), (128, 256, 132, 3), (40, 40, 132, 60),
+              (20, 40, 132, 20), (2, 4, 132, 66)]
+    shapes += [(b, b * rb, 132, int(torch.randint(1, 300, (1,), generator=gen)))
+               for b, rb in zip(torch.randint(1, 200, (30,), generator=gen).tolist(),
+                                torch.randint(1, 5, (30,), generator=gen).tolist())]
+    for batch, programs, slots, max_splits in shapes:
         lens = torch.randint(0, 140000, (batch,), generator=gen, dtype=torch.int32)
         if batch > 1:
             lens[0] = 0                                     # an empty request among others
