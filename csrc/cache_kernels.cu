@@ -17,6 +17,7 @@
 #include <type_traits>
 
 #include "cache_kernels.h"
+#include "dependent_launch.h"
 #include "format.h"
 #include "split_kv.h"
 
@@ -311,6 +312,7 @@ __global__ void __launch_bounds__(kThreads)
 quantize_q_kernel(StridedRows q_nope, StridedRows q_pe, int64_t heads, int64_t num_rows,
                   uint8_t* q8, float* q_scale, __nv_bfloat16* q_pe_scaled, SplitPlanParams plan,
                   bool with_plan) {
+  allow_dependent_launch();   // the decode kernel after it is a dependent launch
   const int lane = threadIdx.x % kWarp;
   // The decode's split planner rides in the last block of this launch: one launch fewer.
   if (with_plan && blockIdx.x == gridDim.x - 1) {

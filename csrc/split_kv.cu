@@ -3,12 +3,14 @@
 
 #include <cmath>
 
+#include "dependent_launch.h"
 #include "split_kv.h"
 
 namespace snapmla {
 namespace {
 
 __global__ void __launch_bounds__(32) split_plan_kernel(const SplitPlanParams p) {
+  allow_dependent_launch();   // the decode kernel after it is a dependent launch
   plan_splits_warp(p, threadIdx.x);
 }
 

@@ -1,4 +1,5 @@
 // Host launcher of the sm_90a SnapMLA decode kernel: TMA tensor maps over the paged cache, launch.
+#include "dependent_launch.h"
 #include "sm90/decode_kernel.cuh"
 #include "sm90/decode_narrow_kernel.cuh"
 
@@ -77,8 +78,11 @@ const char* launch(dim3 grid, int threads, int smem_bytes, int device,
                    const CUtensorMap& content_map, const CUtensorMap& rope_map,
                    const CUtensorMap& scale_map, const DecodeParams& params, cudaStream_t stream) {
   if (const char* err = prepare_once<kKernel>(smem_bytes, device)) return err;
-  kKernel<<<grid, threads, smem_bytes, stream>>>(content_map, rope_map, scale_map, params);
-  const cudaError_t err = cudaGetLastError();
+  // A dependent launch (dependent_launch.h): the CTAs are placed while the query
+  // quantization (or the planner) drains, and wait for it in the kernel.
+  const cudaError_t err = launch_dependent(kKernel, grid, dim3(threads), smem_bytes, stream,
+                                           content_map, rope_map, scale_map, params);
+  if (err != cudaSuccess) cudaGetLastError();   // clear it for the next launch
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
 

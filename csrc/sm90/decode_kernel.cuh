@@ -24,6 +24,7 @@
 #include <cfloat>
 #include <cstdint>
 
+#include "dependent_launch.h"
 #include "sm90/config.h"
 #include "sm90/decode.h"
 #include "sm90/ptx.h"
@@ -777,6 +778,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int split = blockIdx.z;
   const int warpgroup = threadIdx.x / 128;
 
+  // A dependent launch (dependent_launch.h): no global memory before the wait.
+  wait_for_prior_grids();
   const auto [seq_len, first_page, num_iters, direct, valid] = split_pages(p, b, split);
   // Splits past the request's last run (the planner cut it into fewer): nothing to do.  Split 0
   // always runs, so that a request with no tokens still gets its zeros and LSE -inf.

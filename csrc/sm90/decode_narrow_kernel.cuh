@@ -415,6 +415,8 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
   const int b = blockIdx.x;
   constexpr int row0 = 0;
   const int split = blockIdx.z;
+  // A dependent launch (dependent_launch.h): no global memory before the wait.
+  wait_for_prior_grids();
   const auto [seq_len, first_page, num_iters, direct, valid] = split_pages(p, b, split);
   // Splits past the request's last run: nothing to do (split 0 always runs, see decode_kernel).
   if (split > 0 && num_iters == 0) return;

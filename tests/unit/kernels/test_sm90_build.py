@@ -140,3 +140,19 @@ def test_setmaxnreg_budgets_fit_the_register_pool(decode_kernels, launch_registe
         assert len(dealloc) == 1 and len(alloc) == 1, (name, dealloc, alloc)
         pool = 3 * launch_registers[name.rstrip(":")]
         assert dealloc[0] + 2 * alloc[0] <= pool, (name, dealloc[0], alloc[0], pool)
+
+
+# Instructions that read or write global memory (plain, generic, atomic, TMA, async copies).
+_GLOBAL_ACCESS = re.compile(r"\b(LDG|STG|LD|ST|ATOMG|ATOM|RED|REDG|UTMALDG|UTMASTG|UBLKCP|LDGSTS)\b")
+
+
+def test_decode_kernels_wait_for_the_launch_ahead(decode_kernels):
+    # Each decode kernel is launched as a programmatic dependent of the query quantization
+    # (csrc/dependent_launch.h): its CTAs may start while that kernel still writes the query, so
+    # griddepcontrol.wait (ACQBULK) must come before the first global memory access.
+    for name, body in decode_kernels.items():
+        code = [line for line in body.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", line)]
+        waits = [i for i, line in enumerate(code) if "ACQBULK" in line]
+        assert len(waits) == 1, (name, waits)
+        before = [line.strip() for line in code[:waits[0]] if _GLOBAL_ACCESS.search(line)]
+        assert not before, (name, before)
