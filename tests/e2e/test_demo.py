@@ -16,7 +16,8 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_gpu_demo_runs_both_formats_and_reports_the_capacity():
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(REPO_ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
     out = subprocess.run([sys.executable, "-m", "vllm_snapmla.demo"], env=env,
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]

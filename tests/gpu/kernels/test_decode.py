@@ -87,7 +87,7 @@ def _rel(a, b):
     return ((a.double() - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
-def _check(out, lse, q, qp, cache, bt, sl, causal=True, check_exact=True):
+def _check(out, lse, q, qp, cache, bt, sl, causal=True, check_exact=True, same_alg_tol=1e-2):
     """Compare a kernel result with both references (see the module docstring)."""
     B, s_q, H, _ = q.shape
     assert out.shape == (B, s_q, H, fmt.KV_LORA_RANK) and out.dtype == torch.bfloat16
@@ -103,7 +103,7 @@ def _check(out, lse, q, qp, cache, bt, sl, causal=True, check_exact=True):
     assert (lse.double() - r_lse)[~empty].abs().max().item() <= 1e-2
     for b in range(B):                       # per request, so one wrong short request shows up
         if not empty[b].all():
-            assert _rel(out[b], r_out[b]) <= 1e-2, f"request {b} (seq_len {int(sl[b])})"
+            assert _rel(out[b], r_out[b]) <= same_alg_tol, f"request {b} (seq_len {int(sl[b])})"
     if not check_exact:
         return
     e_out, e_lse = ref.decode(q, qp, cache, bt, sl, SCALE, causal, exact=True)
@@ -248,6 +248,29 @@ def test_tiny_token_scales(H, s_q, decode):
     the logits still spread."""
     q, qp, cache, bt, sl = _case([700, 65, 1], H, s_q, seed=13, q_std=1e36,
                                  content_std=1e-36, rope_std=1e-36)
+    q8, qs, qpe = ref.quantize_q(q, qp)
+    out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, num_splits=2)
+    # With sigma_P at its absolute floor, P8 = e4m3(448 exp(logit - m)) depends on the running
+    # maximum m, so on where the pages are cut (splits restart m; the narrow kernel's two
+    # consumers keep one each over alternate pages), while the reference runs uncut.  The two
+    # are different FP8 roundings of the same size: measured 0.75-1.2% apart from the
+    # reference (0.17% above the floor), and no farther from exact attention than the
+    # reference algorithm, which the exact bound checks.
+    _check(out, lse, q, qp, cache, bt, sl, same_alg_tol=2e-2)
+
+
+@pytest.mark.parametrize("H, s_q", [(64, 2), (16, 1), (16, 2)])   # 16 heads: the narrow kernel
+def test_huge_token_scales(H, s_q, decode, request):
+    """Tokens of magnitude 1e37 (token scales near 2^115, the top of what a bf16 input can
+    need: 3.4e38 / 448 = 2^119.2), with the query scaled down so that the logits spread."""
+    kernel = request.node.callspec.params["decode"]
+    if kernel.startswith("sm90-") or (kernel == "sm90" and H * s_q > 32):
+        # Known limit of the 64-row kernel (docs/decode-kernels.md, "Value range"): S sigma_K
+        # and P'' = 2^16 P sigma_K overflow FP32 once sigma_K passes about 2^111, and the
+        # output holds NaN (75% of it here).  The narrow and Triton kernels pass.
+        request.applymarker(pytest.mark.xfail(strict=True, reason="64-row kernel overflows"))
+    q, qp, cache, bt, sl = _case([700, 65, 1], H, s_q, seed=13, q_std=1e-37, content_std=1e37,
+                                 rope_std=1e37)
     q8, qs, qpe = ref.quantize_q(q, qp)
     out, lse = decode(q8, qs, qpe, cache, bt, sl, SCALE, num_splits=2)
     _check(out, lse, q, qp, cache, bt, sl)
