@@ -19,6 +19,14 @@
 
 #include "format.h"
 
+// `#pragma unroll` for nvcc; host compilers (the torch-facing API includes this header) have no
+// such pragma and would warn.
+#if defined(__CUDACC__)
+#define SNAPMLA_UNROLL _Pragma("unroll")
+#else
+#define SNAPMLA_UNROLL
+#endif
+
 namespace snapmla {
 
 // The pages of one split: [first_page, first_page + num_pages) of its request, which has
@@ -124,7 +132,7 @@ __host__ __device__ __forceinline__ int plan_splits(const SplitPlanParams& p, co
     max_pages = pages > max_pages ? pages : max_pages;
     total_pages += pages;
   }
-#pragma unroll
+SNAPMLA_UNROLL
   for (int o = 16; o > 0; o /= 2) {
     const int other = warp.xor_shuffle(max_pages, o);
     max_pages = other > max_pages ? other : max_pages;
@@ -149,7 +157,7 @@ __host__ __device__ __forceinline__ int plan_splits(const SplitPlanParams& p, co
     }
   }
   // Lanes without a candidate (limit < 32) lose every comparison.
-#pragma unroll
+SNAPMLA_UNROLL
   for (int o = 16; o > 0; o /= 2) {
     const long long other_cost = warp.xor_shuffle(best_cost, o);
     const int other = warp.xor_shuffle(best, o);
