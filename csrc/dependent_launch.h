@@ -1,5 +1,7 @@
-// Programmatic dependent launch (PDL, sm_90 and later) between the query quantization (with the
-// split planner), or the planner alone, and the Hopper decode kernel after it.  (The combine
+// Programmatic dependent launch (PDL, sm_90 and later) of the Hopper decode kernel right after our
+// own query quantization (with the split planner) or the planner alone.  After any other kernel
+// (a pre-quantized query with a fixed split count) it is an ordinary launch: that kernel's
+// author made no promise about the kernels before it.  (The combine
 // after the decode kernel stays an ordinary launch: as a dependent launch it made 4 x 128 x 4k
 // 6% slower, docs/decode-kernels.md.)
 //
@@ -34,11 +36,12 @@ __device__ __forceinline__ void allow_dependent_launch() {
 #endif
 }
 
-// kernel<<<grid, block, smem_bytes, stream>>>(args...) as a programmatic dependent of the previous
-// kernel in `stream` (the kernel must follow the rules above).
+// kernel<<<grid, block, smem_bytes, stream>>>(args...), as a programmatic dependent of the
+// previous kernel in `stream` when `dependent` is true (the kernel must then follow the rules
+// above).
 template <typename... Params, typename... Args>
-cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, int smem_bytes,
-                             cudaStream_t stream, Args&&... args) {
+cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, int smem_bytes,
+                          cudaStream_t stream, bool dependent, Args&&... args) {
   cudaLaunchAttribute attribute{};
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute.val.programmaticStreamSerializationAllowed = 1;
@@ -48,7 +51,7 @@ cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, i
   config.dynamicSmemBytes = static_cast<size_t>(smem_bytes);
   config.stream = stream;
   config.attrs = &attribute;
-  config.numAttrs = 1;
+  config.numAttrs = dependent ? 1 : 0;
   return cudaLaunchKernelEx(&config, kernel, static_cast<Args&&>(args)...);
 }
 

@@ -153,7 +153,8 @@ std::tuple<at::Tensor, at::Tensor> check_decode_inputs(const char* op, const at:
 }
 
 // The decode and, where some request may take several runs, the combine.  `q8`, `q_scale`,
-// `q_pe_scaled` are checked; `pages_per_split` is the planner's output (undefined: equal cut).
+// `q_pe_scaled` are checked; `pages_per_split` is the planner's output (undefined: equal cut);
+// `after_own_launch`: the last kernel in the stream is our quantization or planner.
 std::tuple<at::Tensor, at::Tensor> run_decode(const char* op, const at::Tensor& q8,
                                               const at::Tensor& q_scale,
                                               const at::Tensor& q_pe_scaled,
@@ -161,7 +162,8 @@ std::tuple<at::Tensor, at::Tensor> run_decode(const char* op, const at::Tensor& 
                                               const at::Tensor& table, const at::Tensor& lens,
                                               double softmax_scale, bool causal,
                                               const LaunchShape& shape, int64_t schedule,
-                                              const at::Tensor& pages_per_split) {
+                                              const at::Tensor& pages_per_split,
+                                              bool after_own_launch) {
   const int64_t batch = q8.size(0), s_q = q8.size(1), heads = q8.size(2);
   const int64_t rows = s_q * heads;
   const auto opts = q8.options();
@@ -201,7 +203,7 @@ std::tuple<at::Tensor, at::Tensor> run_decode(const char* op, const at::Tensor& 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const char* err = sm90::launch_decode_sm90(
       p, static_cast<const uint8_t*>(kv_cache.data_ptr()), kv_cache.size(0), kv_cache.stride(0),
-      static_cast<int>(batch), stream);
+      static_cast<int>(batch), stream, after_own_launch);
   TORCH_CHECK(err == nullptr, op, ": ", err);
   if (shape.max_splits > 1) {
     CombineParams c{};
@@ -303,8 +305,9 @@ std::tuple<at::Tensor, at::Tensor> decode_sm90(const at::Tensor& q_nope, const a
                          q_pe_scaled.data_ptr(), planned ? &plan : nullptr,
                          c10::cuda::getCurrentCUDAStream()));
   }
+  // The quantization is the last kernel in the stream (without rows run_decode launches none).
   return run_decode(op, q8, q_scale, q_pe_scaled, kv_cache, d.table, d.lens, softmax_scale,
-                    causal, d.shape, d.schedule, pages_per_split);
+                    causal, d.shape, d.schedule, pages_per_split, /*after_own_launch=*/true);
 }
 
 std::tuple<at::Tensor, at::Tensor> decode_sm90_quantized(
@@ -335,7 +338,8 @@ std::tuple<at::Tensor, at::Tensor> decode_sm90_quantized(
                                        c10::cuda::getCurrentCUDAStream()));
   }
   return run_decode(op, q8, q_scale, q_pe_scaled, kv_cache, d.table, d.lens, softmax_scale,
-                    causal, d.shape, d.schedule, pages_per_split);
+                    causal, d.shape, d.schedule, pages_per_split,
+                    /*after_own_launch=*/pages_per_split.defined());
 }
 
 bool has_sm90a_code() { return sm90::has_sm90a_code(); }

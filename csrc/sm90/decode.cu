@@ -76,12 +76,13 @@ const char* prepare_once(int smem_bytes, int device) {
 template <auto kKernel>
 const char* launch(dim3 grid, int threads, int smem_bytes, int device,
                    const CUtensorMap& content_map, const CUtensorMap& rope_map,
-                   const CUtensorMap& scale_map, const DecodeParams& params, cudaStream_t stream) {
+                   const CUtensorMap& scale_map, const DecodeParams& params, cudaStream_t stream,
+                   bool dependent) {
   if (const char* err = prepare_once<kKernel>(smem_bytes, device)) return err;
-  // A dependent launch (dependent_launch.h): the CTAs are placed while the query
+  // As a dependent launch (dependent_launch.h) the CTAs are placed while the query
   // quantization (or the planner) drains, and wait for it in the kernel.
-  const cudaError_t err = launch_dependent(kKernel, grid, dim3(threads), smem_bytes, stream,
-                                           content_map, rope_map, scale_map, params);
+  const cudaError_t err = launch_kernel(kKernel, grid, dim3(threads), smem_bytes, stream,
+                                        dependent, content_map, rope_map, scale_map, params);
   if (err != cudaSuccess) cudaGetLastError();   // clear it for the next launch
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
@@ -95,7 +96,7 @@ bool has_sm90a_code() {
 
 const char* launch_decode_sm90(const DecodeParams& params, const uint8_t* kv_cache,
                                int64_t num_blocks, int64_t block_stride, int batch,
-                               cudaStream_t stream) {
+                               cudaStream_t stream, bool after_own_launch) {
   // The op layer (csrc/api) checked the GPU's architecture, the row count and the schedule.
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return "decode_sm90: cannot query the CUDA device";
@@ -120,17 +121,17 @@ const char* launch_decode_sm90(const DecodeParams& params, const uint8_t* kv_cac
     return params.num_rows <= 16
                ? launch<decode_narrow_kernel<16>>(grid, kNarrowThreads,
                         NarrowConfig<16>::kSmemAlloc, device, content_map, rope_map, scale_map,
-                        params, stream)
+                        params, stream, after_own_launch)
                : launch<decode_narrow_kernel<32>>(grid, kNarrowThreads,
                         NarrowConfig<32>::kSmemAlloc, device, content_map, rope_map, scale_map,
-                        params, stream);
+                        params, stream, after_own_launch);
   }
   const dim3 grid(batch, (params.num_rows + kBlockRows - 1) / kBlockRows, params.max_splits);
   return params.schedule == kScheduleSplitRoles
              ? launch<decode_kernel<kScheduleSplitRoles>>(grid, kThreads, kSmemAlloc, device,
-                      content_map, rope_map, scale_map, params, stream)
+                      content_map, rope_map, scale_map, params, stream, after_own_launch)
              : launch<decode_kernel<kScheduleFree>>(grid, kThreads, kSmemAlloc, device,
-                      content_map, rope_map, scale_map, params, stream);
+                      content_map, rope_map, scale_map, params, stream, after_own_launch);
 }
 
 }  // namespace snapmla::sm90

@@ -44,8 +44,10 @@ bool has_sm90a_code();
 // Launches the decode of `batch` requests over `kv_cache` (uint8 [num_blocks, 64, 656], blocks
 // `block_stride` bytes apart).  Returns nullptr on success, else a description of the failure
 // (a device that is not sm_90, a build without sm_90a code, a CUDA error).
+// `after_own_launch`: the last kernel in `stream` is our query quantization or split planner,
+// which lets the decode be a programmatic dependent of it (csrc/dependent_launch.h).
 const char* launch_decode_sm90(const DecodeParams& params, const uint8_t* kv_cache,
                                int64_t num_blocks, int64_t block_stride, int batch,
-                               cudaStream_t stream);
+                               cudaStream_t stream, bool after_own_launch);
 
 }  // namespace snapmla::sm90
