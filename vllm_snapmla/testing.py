@@ -165,6 +165,13 @@ def _entry_point_dir() -> str:
     return str(meta)
 
 
+def with_pythonpath(env, *paths: str) -> dict:
+    """A copy of ``env`` with ``paths`` first on ``PYTHONPATH``; what was there stays after them."""
+    env = dict(env)
+    env["PYTHONPATH"] = os.pathsep.join([*paths, *[p for p in [env.get("PYTHONPATH")] if p]])
+    return env
+
+
 def subprocess_env(extra: dict | None = None) -> dict:
     """Environment for a vLLM process that must load this plugin from this source tree.
 
@@ -172,11 +179,10 @@ def subprocess_env(extra: dict | None = None) -> dict:
     worker; when vllm-snapmla is not pip-installed, a ``.dist-info`` on ``PYTHONPATH``
     declares the entry point.
     """
-    env = dict(os.environ)
     paths = [str(pathlib.Path(__file__).resolve().parent.parent)]
     if not _plugin_visible():
         paths.append(_entry_point_dir())
-    env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [env.get("PYTHONPATH")] if p])
+    env = with_pythonpath(os.environ, *paths)
     env.setdefault("HF_HUB_OFFLINE", "1")
     try:
         import flashinfer  # noqa: F401

@@ -10,14 +10,15 @@ import sys
 
 import pytest
 
+from vllm_snapmla.testing import with_pythonpath
+
 pytestmark = pytest.mark.e2e
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_gpu_demo_runs_both_formats_and_reports_the_capacity():
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(REPO_ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    env = with_pythonpath(os.environ, str(REPO_ROOT))
     out = subprocess.run([sys.executable, "-m", "vllm_snapmla.demo"], env=env,
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -102,17 +102,13 @@ def test_register_accepts_a_local_build_of_the_pinned_version(vllm_cpu):
     vllm_cpu.call(_in_vllm_register_under_version, version="0.26.0+cu130")
 
 
-def _env_with_repo() -> dict:
-    """This environment with the source tree first on PYTHONPATH (what was there is kept)."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(REPO_ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
-
-
 def test_package_import_does_not_import_vllm():
     code = ("import sys, vllm_snapmla, vllm_snapmla.ops, vllm_snapmla.demo; "
             "assert 'vllm' not in sys.modules, sorted(m for m in sys.modules if 'vllm' in m); "
             "print(vllm_snapmla.__version__)")
-    env = _env_with_repo()
+    from vllm_snapmla.testing import with_pythonpath
+
+    env = with_pythonpath(os.environ, str(REPO_ROOT))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
@@ -584,7 +580,9 @@ def test_tiny_deepseek_v3_checkpoint_loads_in_transformers(tmp_path):
 @pytest.mark.skipif(__import__("torch").cuda.is_available(),
                     reason="the GPU branch runs instead (tests/e2e/test_demo.py)")
 def test_demo_without_gpu_reports_reference_accuracy():
-    env = _env_with_repo()
+    from vllm_snapmla.testing import with_pythonpath
+
+    env = with_pythonpath(os.environ, str(REPO_ROOT))
     out = subprocess.run([sys.executable, "-m", "vllm_snapmla.demo"], env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
