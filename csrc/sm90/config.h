@@ -67,9 +67,11 @@ constexpr float kPScaleFloor = 0x1p-126f;   // floor on a page's amax(P') before
 constexpr float kPScaleRange = 0x1p-32f;    // sigma_P never drops below this fraction of the peak
 constexpr float kLn2 = 0.6931471805599453f;
 // The 64-row kernel carries P' scaled by kPShift (decode_kernel.cuh, softmax): the
-// quantization multiplier 448 / amax then stays finite down to the floor.
-constexpr float kPShiftLog2 = 16.f;
-constexpr float kPShift = 65536.f;   // 2^kPShiftLog2
+// quantization multiplier 448 / amax then stays finite down to the floor
+// (448 / (2^-126 2^8) = 2^126.8), and P'' = 2^8 P' stays finite up to the largest token scale a
+// bf16 input can need (3.4e38 / 448 = 2^119.2: P'' <= 2^127.2).
+constexpr float kPShiftLog2 = 8.f;
+constexpr float kPShift = 256.f;   // 2^kPShiftLog2
 
 // Shared memory: every WGMMA operand tile is [rows][128 bytes] with the 128-byte swizzle (the
 // layout TMA writes with CU_TENSOR_MAP_SWIZZLE_128B), 1024-byte aligned.

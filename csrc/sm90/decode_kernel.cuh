@@ -21,7 +21,6 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include <cfloat>
 #include <cstdint>
 
 #include "dependent_launch.h"
@@ -317,14 +316,15 @@ struct ConsumerState {
       const int qi = row_ok ? g / p.num_heads : 0, qh = row_ok ? g % p.num_heads : 0;
       // Query i of s_q sees positions < seq_len - s_q + i + 1 when causal.
       rows.visible[h] = row_ok ? seq_len - p.causal * (p.s_q - 1 - qi) : 0;
-      // Positive and normal (softmax's FFMA multiplies -inf by it), or NaN from a NaN query
-      // scale, kept so that the row comes out NaN; padding rows' Q is zero.
+      // Positive (softmax's FFMA multiplies -inf by it; a subnormal product is kept: the build
+      // does not flush, and a query below ~3e-35 against keys past ~1e35 needs it), or NaN
+      // from a NaN query scale, kept so that the row comes out NaN; padding rows' Q is zero.
       const float q_row_scale = row_ok ? p.q_scale[b * p.q_scale_stride[0] +
                                                    qi * p.q_scale_stride[1] +
                                                    qh * p.q_scale_stride[2]] * p.qk_scale_log2
                                        : 1.f;
       rows.row_scale[h] =
-          q_row_scale != q_row_scale ? q_row_scale : fmaxf(q_row_scale, FLT_MIN);
+          q_row_scale != q_row_scale ? q_row_scale : fmaxf(q_row_scale, 0x1p-149f);
     }
   }
 
@@ -442,19 +442,42 @@ struct ConsumerState {
                                           float (&s)[32], float (&k_scale)[16],
                                           uint32_t (&p8)[2][4], float (&gamma)[2]) const {
     const int page = ring.first_page + i;
-    // t = s sigma_K; the logit in log2 units is t * row_scale (> 0), so the row's largest t
-    // gives its largest logit.
-#pragma unroll
-    for (int v = 0; v < 32; ++v) s[v] *= k_scale[2 * (v >> 2) + (v & 1)];
-    // Positions a row may not see (past seq_len, causal, padding rows) get -inf by select,
-    // which also drops NaN garbage, and empty slots a zero scale (P' = P sigma_V must be 0
-    // there); only the pages at the end of a row's range have any.
-    if ((page + 1) * kPageSize > min(rows.visible[0], rows.visible[1])) {
+    // Only the pages at the end of a row's range have positions it may not see (past seq_len,
+    // causal, padding rows) or empty slots.  Empty slots get a zero scale (P' = P sigma_V must
+    // be 0 there, and their garbage must not pick the shift below).
+    const bool tail = (page + 1) * kPageSize > min(rows.visible[0], rows.visible[1]);
+    if (tail) {
       const int live = ring.live_of(i);
 #pragma unroll
       for (int c = 0; c < 16; ++c) {
         k_scale[c] = 8 * (c >> 1) + 2 * quad + (c & 1) < live ? k_scale[c] : 0.f;
       }
+    }
+    // t = s sigma_K; the logit in log2 units is t * row_scale (> 0), so the row's largest t
+    // gives its largest logit.  A token scale past 2^64 (a token past ~1e21, never a model's)
+    // could overflow t: then the warp takes t = s sigma_K 2^-e and the row scale times 2^e,
+    // e the exponent of its largest scale (exact: powers of two; warp-uniform, so every row's
+    // t is in one unit).
+    float row_scale[2] = {rows.row_scale[0], rows.row_scale[1]};
+    float top = k_scale[0];
+#pragma unroll
+    for (int c = 1; c < 16; ++c) top = fmaxf(top, k_scale[c]);
+    if (__any_sync(0xffffffffu, top > 0x1p64f)) {
+#pragma unroll
+      for (int o = 16; o > 0; o /= 2) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
+      // An Inf scale (a corrupt cache) makes its rows Inf or NaN anyway: keep 2^-e normal.
+      const int e = min((__float_as_int(top) >> 23) - 127, 119);
+      const float down = __int_as_float((127 - e) << 23);
+#pragma unroll
+      for (int v = 0; v < 32; ++v) s[v] *= k_scale[2 * (v >> 2) + (v & 1)] * down;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) row_scale[h] *= __int_as_float((127 + e) << 23);
+    } else {
+#pragma unroll
+      for (int v = 0; v < 32; ++v) s[v] *= k_scale[2 * (v >> 2) + (v & 1)];
+    }
+    // Positions a row may not see get -inf by select, which also drops NaN garbage.
+    if (tail) {
 #pragma unroll
       for (int v = 0; v < 32; ++v) {
         const int pos = page * kPageSize + 8 * (v >> 2) + 2 * quad + (v & 1);
@@ -470,16 +493,16 @@ struct ConsumerState {
     for (int h = 0; h < 2; ++h) {
       const float t_max = quad_max(row_reduce(s, h, max_op));
       const float m_new =
-          fmaxf(rows.m[h], t_max == -INFINITY ? -INFINITY : t_max * rows.row_scale[h]);
+          fmaxf(rows.m[h], t_max == -INFINITY ? -INFINITY : t_max * row_scale[h]);
       m_ref[h] = m_new == -INFINITY ? 0.f : m_new;   // rows that have seen nothing yet
-      neg_m[h] = kPShiftLog2 - m_ref[h];   // exp2(. + 16): P'' = kPShift P
+      neg_m[h] = kPShiftLog2 - m_ref[h];   // exp2(. + 8): P'' = kPShift P
       alpha[h] = exp2_approx(rows.m[h] - m_ref[h]);
       rows.m[h] = m_new;
     }
 #pragma unroll
     for (int v = 0; v < 32; ++v) {
       const int h = (v >> 1) & 1;
-      s[v] = exp2_approx(fmaf(s[v], rows.row_scale[h], neg_m[h]));
+      s[v] = exp2_approx(fmaf(s[v], row_scale[h], neg_m[h]));
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) e_sum[h] = row_reduce(s, h, sum_op);
@@ -494,7 +517,7 @@ struct ConsumerState {
       rows.peak[h] = fmaxf(rows.peak[h] * alpha[h], page_amax);
       const float amax_new =
           fmaxf(fmaxf(page_amax, rows.peak[h] * kPScaleRange), kPScaleFloor * kPShift);
-      const float inv_amax = 1.f / amax_new;                         // <= 2**110
+      const float inv_amax = 1.f / amax_new;                         // <= 2**118
       to_fp8[h] = inv_amax * kFp8Max;                                // finite
       gamma[h] = alpha[h] * (rows.amax_prev[h] * inv_amax);          // exp(m_old - m) s_old / s
       rows.l[h] = rows.l[h] * alpha[h] + quad_sum(e_sum[h]) * (1.f / kPShift);
