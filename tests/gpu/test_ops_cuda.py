@@ -258,6 +258,41 @@ def test_one_column_table_may_have_any_stride(kernel):
     _assert_matches_reference(out, lse, case)
 
 
+def _poison_cached_memory(fill: int) -> None:
+    """Leave the caching allocator's free blocks filled with the byte ``fill``: every size class
+    a decode call allocates from (its outputs and the splits' partial results) is carved out
+    of blocks whose bytes are ``fill``."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    held = [torch.full((size,), fill, dtype=torch.uint8, device="cuda")
+            for size in [512 << k for k in range(12)] * 8 + [256 << 20]]
+    torch.cuda.synchronize()
+    del held
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("H, s_q", [(16, 1), (16, 2), (128, 1), (128, 2)])
+def test_decode_is_bitwise_repeatable_whatever_memory_it_gets(kernel, H, s_q):
+    """Two engines running the same batches must give the same tokens: no output bit may
+    depend on what the memory the op allocates held before (NaN bytes, other bytes) or on the
+    calls before it.  Ragged lengths in a table as wide as vLLM's (several splits, so the
+    partial results and the combine are used)."""
+    case = decode_case([1, 64, 700, 3001, 9000, 0], H, s_q, 7, spare_columns=2500).to("cuda")
+    runs = []
+    for fill in (0xFF, 0x00, 0x7F):   # NaN, zero, large finite bytes
+        _poison_cached_memory(fill)
+        runs.append(ops.decode(*case.args()))
+        # Another batch in between (other shapes, other plan) must leave nothing behind.
+        ops.decode(*decode_case([5000, 3], H, s_q, 8).to("cuda").args())
+    for out, lse in runs[1:]:
+        assert torch.equal(_bits(out), _bits(runs[0][0]))
+        assert torch.equal(_bits(lse), _bits(runs[0][1]))
+    _assert_matches_reference(*runs[0], case.to("cpu"))
+
+
 def test_append_skips_slots_past_the_cache():
     cache = torch.zeros(2, fmt.PAGE_SIZE, fmt.BYTES_PER_TOKEN, dtype=torch.uint8, device="cuda")
     kv_c = torch.randn(4, 512, device="cuda")
