@@ -147,6 +147,8 @@ def test_real_outputs_are_unchanged_by_dummy_batches(runs):
     stats = compare_greedy(without["rounds"], with_dummies["rounds"], "with dummy batches",
                            near_tie_nats=0.05)
     print(f"[{name}] " + describe_comparison(stats, "with vs without dummy batches"))
+    for problem in stats["problems"]:   # printed as found: a lost run still shows where
+        print(f"[{name}]   {problem}", flush=True)
     assert not stats["problems"], "\n".join(stats["problems"])
     assert stats["max |d logprob|"] <= MAX_LOGPROB_DIFF
     # The repeat of the long prompt reuses the pages written before the dummy batches.
