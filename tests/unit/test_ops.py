@@ -457,4 +457,3 @@ def test_decode_kernel_names_what_decode_runs(monkeypatch):
             ops.decode_kernel(device)
     finally:
         ops._sm90_available.cache_clear()
-

@@ -158,5 +158,6 @@ def test_decode_kernels_wait_for_the_launch_ahead(decode_kernels):
                 if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
         waits = [i for i, ins in enumerate(code) if "ACQBULK" in ins.split()]
         assert len(waits) == 1 and code[waits[0]] == "ACQBULK", (name, [code[i] for i in waits])
-        before = [ins for ins in code[:waits[0]] if ins.split()[0].split(".")[0] not in _BEFORE_WAIT]
+        before = [ins for ins in code[:waits[0]]
+                  if ins.split()[0].split(".")[0] not in _BEFORE_WAIT]
         assert not before, (name, before)
