@@ -1,13 +1,22 @@
-"""Decode attention, one layer: SnapMLA kernels vs vLLM 0.26.0's bundled FlashMLA, in one process.
+"""Decode attention, one layer: SnapMLA kernels vs vLLM 0.26.0's bundled FlashMLA and
+FlashAttention-3 MLA, in one process.
 
     python -m benchmarks.bench_decode --out out/bench_decode [--quick] [--shapes 64x16x1024 ...]
-        [--table-width 2560] [--ragged] [--backends snapmla,flashmla-bf16,flashmla-fp8]
+        [--table-width 2560] [--ragged] [--backends snapmla,flashmla-bf16,fa3-mla-bf16,...]
     python -m benchmarks.bench_decode --replot out/bench_decode/decode.csv --out DIR   # no GPU
 
 Backends, on the same random data and shapes (default: ``SHAPES``, the shapes FlashMLA's own
 H200/H800 decode figures are published for; ``--shapes BxHxN[xS_Q]`` instead):
 
-* ``flashmla-bf16``: FlashMLA over a bf16 cache (vLLM's default MLA decode);
+* ``flashmla-bf16``: FlashMLA over a bf16 cache (``--attention-backend FLASHMLA``), the
+  reference the kernel ratios are quoted against;
+* ``fa3-mla-bf16``: FlashAttention-3's MLA decode over a bf16 cache in 16-token pages
+  (``FLASH_ATTN_MLA``, what vLLM 0.26.0 picks on Hopper for a BF16 cache unless told
+  otherwise), called as vLLM calls it: the scheduling metadata from the real lengths
+  (``get_scheduler_metadata``), at most ``FA3_GRAPH_SPLITS`` splits as under FULL CUDA graphs,
+  or with ``--eager`` FlashAttention's own split count as in eager steps.  Its block
+  table holds 4 columns per 64-token page (``--table-width 2560`` is 10240 columns there, as
+  in vLLM);
 * ``flashmla-fp8``: FlashMLA's dense FP8 path (``--kv-cache-dtype fp8``): q and the 576-wide row
   in e4m3 with per-tensor scale 1.0; its q cast is not timed;
 * ``snapmla``: ``vllm_snapmla.ops.decode`` from the BF16 query, exactly what vLLM's backend calls
@@ -32,11 +41,12 @@ Times per backend and shape, in µs:
 * ``eager_us``: CUDA events around many back-to-back eager calls, divided by their number: the
   per-layer time of eager decode, the larger of the launch-bound host time and the GPU time (no
   buffer is rewritten between calls, so small caches stay in L2);
-* for FlashMLA, ``metadata_host_us``, ``metadata_eager_us`` and ``metadata_us``: the same three
-  for the scheduling metadata, which vLLM computes once per step for all layers (BF16:
-  ``get_mla_metadata``, whose schedule the first ``flash_mla_with_kvcache`` call computes; FP8:
-  ``get_mla_metadata_dense_fp8``), each the time of (fresh metadata + call) minus that of the
-  call with metadata computed before, which ``us``, ``host_us`` and ``eager_us`` time.
+* for FlashMLA and FlashAttention, ``metadata_host_us``, ``metadata_eager_us`` and
+  ``metadata_us``: the same three for the scheduling metadata, which vLLM computes once per step
+  for all layers (BF16: ``get_mla_metadata``, whose schedule the first ``flash_mla_with_kvcache``
+  call computes; FP8: ``get_mla_metadata_dense_fp8``; FlashAttention: ``get_scheduler_metadata``),
+  each the time of (fresh metadata + call) minus that of the call with metadata computed before,
+  which ``us``, ``host_us`` and ``eager_us`` time.
 
 TFLOP/s counts ``2*H*s_q*(sum of lengths)*(576+512)``; GB/s counts each backend's own cache bytes
 per token (1152 bf16, 576 fp8, 656 fp8_snapmla), both on ``us``.  Writes ``decode.csv`` and
@@ -84,6 +94,12 @@ SNAPMLA_KERNELS = {
 }
 OPS_DECODE = "snapmla"   # vllm_snapmla.ops.decode, BF16 query in
 FLASHMLA = ("flashmla-bf16", "flashmla-fp8")
+FA3_MLA = "fa3-mla-bf16"
+BASELINES = {"bf16": "flashmla-bf16", "fp8": "flashmla-fp8", "fa3": FA3_MLA}
+# vLLM's FLASH_ATTN_MLA runs 16-token pages (its default block size) and, under FULL CUDA
+# graphs, at most attention_config.flash_attn_max_num_splits_for_cuda_graph splits.
+FA3_PAGE_SIZE = 16
+FA3_GRAPH_SPLITS = 32
 
 # (batch, heads, context, s_q)
 SHAPES = [
@@ -96,7 +112,8 @@ SHAPES = [
 ]
 QUICK_SHAPES = [(32, 128, 4096, 1), (8, 128, 65536, 1), (64, 16, 32768, 1), (32, 128, 16384, 2)]
 
-BYTES_PER_TOKEN = {"flashmla-bf16": 2 * fmt.HEAD_SIZE, "flashmla-fp8": fmt.HEAD_SIZE}
+BYTES_PER_TOKEN = {"flashmla-bf16": 2 * fmt.HEAD_SIZE, "flashmla-fp8": fmt.HEAD_SIZE,
+                   FA3_MLA: 2 * fmt.HEAD_SIZE}
 # Relative error against BF16 FlashMLA above which a backend's result counts as wrong (the FP8
 # paths measure 2.7-3.6e-2 on the benchmark's N(0, 1) inputs).
 MAX_RELERR = 0.1
@@ -126,7 +143,7 @@ def block_table_rows(pages: list[list[int]], width: int) -> list[list[int]]:
     return [p + [0] * (width - len(p)) for p in pages]
 
 
-def _flashmla():
+def flashmla_ops():
     """vLLM's FlashMLA entry points, or the reason they cannot be used."""
     try:
         from vllm.v1.attention.ops import flashmla as fm
@@ -136,7 +153,34 @@ def _flashmla():
     return (fm, None) if ok else (None, reason)
 
 
-def _make_inputs(B, H, N, s_q, gen, table_width=None, ragged=False):
+def fa3_block_table(block_table: torch.Tensor, seq_lens: torch.Tensor,
+                    page_ratio: int) -> torch.Tensor:
+    """The block table of the same cache seen in pages ``page_ratio`` times smaller: 64-token
+    page p holds small pages p * page_ratio ... p * page_ratio + page_ratio - 1, in token order;
+    columns past a request's small pages are 0, as vLLM pads them."""
+    rows, width = block_table.shape
+    small = (block_table.unsqueeze(-1) * page_ratio
+             + torch.arange(page_ratio, dtype=block_table.dtype, device=block_table.device))
+    small = small.flatten(1)
+    used = -(-seq_lens.to(torch.int64) // (fmt.PAGE_SIZE // page_ratio))
+    columns = torch.arange(width * page_ratio, device=block_table.device)
+    return torch.where(columns < used.unsqueeze(1), small, 0).to(block_table.dtype).contiguous()
+
+
+def fa3_mla_ops():
+    """vLLM's FlashAttention-3 entry points (varlen call, scheduling metadata), or why not."""
+    try:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func, get_scheduler_metadata
+        from vllm.vllm_flash_attn.flash_attn_interface import fa_version_unsupported_reason
+    except Exception as e:  # noqa: BLE001  (any import failure means: not this backend)
+        return None, f"vLLM's FlashAttention not importable ({type(e).__name__}: {e})"
+    reason = fa_version_unsupported_reason(3)
+    if reason is not None:
+        return None, f"FlashAttention 3: {reason}"
+    return (flash_attn_varlen_func, get_scheduler_metadata), None
+
+
+def make_inputs(B, H, N, s_q, gen, table_width=None, ragged=False):
     """Random q and cache contents, request lengths, a shuffled block table padded to
     ``table_width`` columns, and every backend's cache layout."""
     dev = "cuda"
@@ -164,9 +208,11 @@ def _make_inputs(B, H, N, s_q, gen, table_width=None, ragged=False):
                 seq_lens=seq_lens, tokens=sum(lengths))
 
 
-def _runners(inp, fm, scale, quantize, wanted):
-    """name -> zero-argument callable returning (out, lse), for the backends in ``wanted``; and
-    for FlashMLA, name -> the same call with fresh scheduling metadata."""
+def decode_calls(inp, fm, fa3, scale, quantize, wanted, eager=False):
+    """name -> zero-argument callable returning (out [B, s_q, H, 512], lse), for the backends in
+    ``wanted``; and for FlashMLA and FlashAttention, name -> the same call with fresh scheduling
+    metadata.  ``eager``: FlashAttention as vLLM calls it outside CUDA graphs (its own split
+    heuristic instead of the graphs' bound)."""
     runners, with_metadata = {}, {}
     bt, sl = inp["block_table"], inp["seq_lens"]
     B, s_q, H, _ = inp["q_nope"].shape
@@ -193,6 +239,35 @@ def _runners(inp, fm, scale, quantize, wanted):
         runners["flashmla-fp8"] = fp8
         with_metadata["flashmla-fp8"] = lambda: fp8(
             lambda: fm.get_mla_metadata_dense_fp8(sl, s_q * H, 1))
+    if fa3 is not None and FA3_MLA in wanted:
+        varlen, schedule = fa3
+        # The same bytes in 16-token pages: [pages, 16, 576], split as vLLM's forward_mqa does.
+        cache = inp["bf16"].view(-1, FA3_PAGE_SIZE, fmt.HEAD_SIZE)
+        kv_c = cache[..., :fmt.KV_LORA_RANK].unsqueeze(-2)
+        k_pe = cache[..., fmt.KV_LORA_RANK:].unsqueeze(-2)
+        table = fa3_block_table(bt, sl, fmt.PAGE_SIZE // FA3_PAGE_SIZE)
+        cu_q = torch.arange(0, (B + 1) * s_q, s_q, dtype=torch.int32, device=sl.device)
+        q_nope, q_pe = inp["q_nope"].flatten(0, 1), inp["q_pe"].flatten(0, 1)
+        max_len = int(sl.max())
+        splits = 0 if eager else FA3_GRAPH_SPLITS
+
+        def fa3_metadata():
+            return schedule(batch_size=B, max_seqlen_q=s_q, max_seqlen_k=max_len, num_heads_q=H,
+                            num_heads_kv=1, headdim=fmt.ROPE_DIM, cache_seqlens=sl,
+                            qkv_dtype=torch.bfloat16, headdim_v=fmt.KV_LORA_RANK,
+                            page_size=FA3_PAGE_SIZE, cu_seqlens_q=cu_q, causal=True,
+                            num_splits=splits)
+        fa3_schedule = fa3_metadata()
+
+        def fa3_call(metadata_of=lambda: fa3_schedule):
+            out, lse = varlen(q=q_pe, k=k_pe, v=kv_c, q_v=q_nope, max_seqlen_q=s_q,
+                              cu_seqlens_q=cu_q, max_seqlen_k=max_len, seqused_k=sl,
+                              block_table=table, softmax_scale=scale, causal=True,
+                              return_softmax_lse=True, fa_version=3,
+                              scheduler_metadata=metadata_of(), num_splits=splits)
+            return out.unflatten(0, (B, s_q)), lse
+        runners[FA3_MLA] = fa3_call
+        with_metadata[FA3_MLA] = lambda: fa3_call(fa3_metadata)
     if OPS_DECODE in wanted:
         runners[OPS_DECODE] = lambda: ops.decode(inp["q_nope"], inp["q_pe"], inp["snap"], bt, sl,
                                                  scale)
@@ -326,7 +401,8 @@ def _plot(rows, path):
 # so that older files still read) the table options, what ``us`` timed and the other times.
 CSV_COLUMNS = ["run", "backend", "B", "H", "N", "s_q", "us", "tflops", "gbps", "relerr",
                "speedup_vs_bf16", "speedup_vs_fp8", "table_width", "ragged", "timing", "host_us",
-               "eager_us", "metadata_host_us", "metadata_eager_us", "metadata_us"]
+               "eager_us", "metadata_host_us", "metadata_eager_us", "metadata_us",
+               "speedup_vs_fa3"]
 _CSV_INTS = {"run", "B", "H", "N", "s_q", "table_width", "ragged"}
 _CSV_TEXT = {"backend", "timing"}
 
@@ -354,7 +430,7 @@ def _shape_generator(B, H, N, s_q) -> torch.Generator:
     return torch.Generator().manual_seed(((B * 1009 + H) * 100003 + N) * 7 + s_q)
 
 
-def _measure(fn, fresh, rep, warmup, eager, calls):
+def measure_call(fn, fresh, rep, warmup, eager, calls):
     """The times of one backend (see the module docstring); ``fresh``: for FlashMLA, the call
     with fresh metadata, whose excess over ``fn`` is the metadata's (two separate timings: a
     difference below zero is their noise and reads 0)."""
@@ -374,7 +450,8 @@ def main():
     parser.add_argument("--eager", action="store_true",
                         help="us times eager Python calls, not graph replays")
     parser.add_argument("--backends", help="comma-separated subset of: "
-                        + ", ".join([*FLASHMLA, OPS_DECODE, *SNAPMLA_KERNELS]) + " (default: all)")
+                        + ", ".join([*FLASHMLA, FA3_MLA, OPS_DECODE, *SNAPMLA_KERNELS])
+                        + " (default: all)")
     parser.add_argument("--heads", type=int, nargs="+", help="only the shapes of these head counts")
     parser.add_argument("--shapes", type=parse_shape, nargs="+", metavar="BxHxN[xS_Q]",
                         help="these shapes instead of the default list")
@@ -390,7 +467,7 @@ def main():
         Path(args.out).mkdir(parents=True, exist_ok=True)
         _plot(_read_csv(args.replot), Path(args.out) / "decode.png")
         return
-    known = {*FLASHMLA, OPS_DECODE, *SNAPMLA_KERNELS}
+    known = {*FLASHMLA, FA3_MLA, OPS_DECODE, *SNAPMLA_KERNELS}
     wanted = set(args.backends.split(",")) if args.backends else known
     if wanted - known:
         parser.error(f"unknown backends {sorted(wanted - known)}; known: {sorted(known)}")
@@ -413,9 +490,12 @@ def main():
     # each row names its run, described in the file's "# " header lines.
     runs, old_rows = read_csv(out_dir / "decode.csv")
     run = run_number(runs, header)
-    fm, why = _flashmla()
+    fm, why = flashmla_ops()
     if fm is None:
-        print(f"FlashMLA unavailable, timing ours only: {why}", flush=True)
+        print(f"FlashMLA unavailable, not timed: {why}", flush=True)
+    fa3, why = fa3_mla_ops() if FA3_MLA in wanted else (None, None)
+    if FA3_MLA in wanted and fa3 is None:
+        print(f"FlashAttention-3 MLA unavailable, not timed: {why}", flush=True)
     if native() is not None:
         quantize, quant_note = ops.quantize_q, "native quantize_q"
     else:
@@ -431,11 +511,11 @@ def main():
     rows = []
     for B, H, N, s_q in shapes:
         print(f"shape B={B} H={H} N={N} s_q={s_q} ...", flush=True)
-        inp = _make_inputs(B, H, N, s_q, _shape_generator(B, H, N, s_q), args.table_width,
+        inp = make_inputs(B, H, N, s_q, _shape_generator(B, H, N, s_q), args.table_width,
                            args.ragged)
-        runners, with_metadata = _runners(inp, fm, scale, quantize, wanted)
+        runners, with_metadata = decode_calls(inp, fm, fa3, scale, quantize, wanted, args.eager)
         flops = 2 * H * s_q * inp["tokens"] * (fmt.HEAD_SIZE + fmt.KV_LORA_RANK)
-        times, base_out, shape_rows = {}, None, []
+        times, base_name, base_out, shape_rows = {}, None, None, []
         for name, fn in list(runners.items()):
             try:
                 out = fn()[0].float()
@@ -443,18 +523,19 @@ def main():
                 print(f"  {name:24s} failed on this shape: {str(e).splitlines()[0][:120]}",
                       flush=True)
                 continue
-            if name == "flashmla-bf16":
-                base_out = out
+            if name in ("flashmla-bf16", FA3_MLA) and base_out is None:
+                base_name, base_out = name, out
             relerr = ((out - base_out).norm() / base_out.norm()).item() if base_out is not None \
                 else float("nan")
             if base_out is not None and not relerr <= MAX_RELERR:
                 # FP8 paths sit at 2.7-3.6e-2 of BF16 FlashMLA on these inputs: a time for a
                 # wrong result would only mislead.
                 print(f"  {name:24s} wrong result on this shape (relerr {relerr:.1e} against "
-                      f"flashmla-bf16): not timed", flush=True)
+                      f"{base_name}): not timed", flush=True)
                 continue
             try:
-                measured = _measure(fn, with_metadata.get(name), rep, warmup, args.eager, calls)
+                measured = measure_call(fn, with_metadata.get(name), rep, warmup, args.eager,
+                                        calls)
             except (RuntimeError, ValueError, AssertionError) as e:   # e.g. graph capture
                 print(f"  {name:24s} failed while timed: {str(e).splitlines()[0][:120]}",
                       flush=True)
@@ -475,8 +556,8 @@ def main():
                   f"{measured['host_us']:6.1f} us  eager {measured['eager_us']:7.1f} us"
                   f"{metadata}", flush=True)
         for r in shape_rows:
-            for base in ("bf16", "fp8"):
-                t = times.get(f"flashmla-{base}")
+            for base, backend in BASELINES.items():
+                t = times.get(backend)
                 r[f"speedup_vs_{base}"] = t / r["us"] if t else None
         rows += shape_rows
         # After every shape: a cut-short run keeps what it measured.

@@ -572,7 +572,7 @@ def merge_rows(old: list[dict], new: list[dict], key=None) -> list[dict]:
     return merge_by_key(old, new, key, _matrix_order if key is matrix_key else _serve_order)
 
 
-def _run_of(row: dict) -> tuple:
+def run_of(row: dict) -> tuple:
     """The run a row comes from (its date and commit stamp): ratios are only taken within one,
     never against a BF16 row another command measured, maybe with other settings or GPU."""
     return row.get("date") or "", row.get("commit") or ""
@@ -582,10 +582,10 @@ def add_ratios(rows: list[dict]) -> list[dict]:
     """``vs_bf16`` (decode tok/s over BF16's) and ``tpot_vs_bf16`` (TPOT over BF16's) against the
     ``auto`` row of the same cell and run; empty where either is not ``ok`` or was not lock-step
     (its B / step would overstate the throughput)."""
-    base = {(*matrix_key(r)[:5], *_run_of(r)): r for r in rows
+    base = {(*matrix_key(r)[:5], *run_of(r)): r for r in rows
             if r["kv"] == BASELINE_KV and r.get("status") == "ok"}
     for row in rows:
-        ref = (base.get((*matrix_key(row)[:5], *_run_of(row)))
+        ref = (base.get((*matrix_key(row)[:5], *run_of(row)))
                if row.get("status") == "ok" else None)
         if ref and (not_lock_step(row) or not_lock_step(ref)):
             ref = None
@@ -604,10 +604,10 @@ def add_serve_ratios(rows: list[dict]) -> list[dict]:
     ``tpot_p50_vs_bf16``: the ``auto`` row's median TPOT over ours (above 1: ours is faster).
     Arrivals are open-loop, so while an engine keeps up its output tok/s follows the arrival
     rate and ``vs_bf16`` stays near 1 whatever the kernels do: TPOT is then the comparison."""
-    base = {(*serve_key(r)[:2], *_run_of(r)): r for r in rows
+    base = {(*serve_key(r)[:2], *run_of(r)): r for r in rows
             if r["kv"] == BASELINE_KV and r.get("status") == "ok"}
     for row in rows:
-        ref = (base.get((*serve_key(row)[:2], *_run_of(row)))
+        ref = (base.get((*serve_key(row)[:2], *run_of(row)))
                if row.get("status") == "ok" else None)
         ours = number(row.get("output_tok_s"))
         theirs = number(ref.get("output_tok_s")) if ref else None
@@ -1025,10 +1025,10 @@ def main(argv=None) -> None:
                     with write_lock:
                         rows, _ = write_outputs(out, info, [row], plot=False,
                                                 switch_interval_ms=switch_ms)
-                    # BF16 of this run only, as the CSV's ratios (_run_of).
+                    # BF16 of this run only, as the CSV's ratios (run_of).
                     bf16 = next((r for r in rows if matrix_key(r)
                                  == matrix_key({**row, "kv": BASELINE_KV})
-                                 and _run_of(r) == (info["date"], info["commit"])), None)
+                                 and run_of(r) == (info["date"], info["commit"])), None)
                     print(_cell_line(row, bf16), flush=True)
                 elif kind == "serve":
                     print(f"    serve: {result.get('status')} "

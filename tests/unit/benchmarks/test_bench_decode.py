@@ -145,3 +145,28 @@ def test_table_width_narrower_than_a_shape_is_refused_before_any_gpu_work():
                            "1x16x8192", "--table-width", "64"], capture_output=True, text=True,
                           timeout=300, cwd=_ROOT)
     assert proc.returncode == 2 and "narrower than the pages" in proc.stderr
+
+
+def test_fa3_table_reads_the_same_tokens_in_16_token_pages():
+    # A cache whose every token holds its own position in the pool: gathering a request's
+    # tokens through the 64-token table and through the 16-token one must give the same list.
+    gen = torch.Generator().manual_seed(5)
+    lengths = [1, 64, 65, 200, 17]
+    pages = torch.randperm(40, generator=gen).tolist()
+    rows, start = [], 0
+    for n in lengths:
+        used = -(-n // 64)
+        rows.append(pages[start:start + used])
+        start += used
+    table = torch.tensor(bench.block_table_rows(rows, 6), dtype=torch.int32)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    pool = torch.arange(40 * 64)
+    small = bench.fa3_block_table(table, seq_lens, 4)
+    assert small.shape == (5, 24) and small.dtype == torch.int32 and small.is_contiguous()
+    for b, n in enumerate(lengths):
+        positions = torch.arange(n)
+        via_64 = pool.view(40, 64)[table[b, positions // 64].long(), positions % 64]
+        via_16 = pool.view(160, 16)[small[b, positions // 16].long(), positions % 16]
+        assert torch.equal(via_64, via_16)
+        # vLLM pads a row with 0 past the request's pages.
+        assert small[b, -(-n // 16):].eq(0).all()
