@@ -96,8 +96,10 @@ OPS_DECODE = "snapmla"   # vllm_snapmla.ops.decode, BF16 query in
 FLASHMLA = ("flashmla-bf16", "flashmla-fp8")
 FA3_MLA = "fa3-mla-bf16"
 BASELINES = {"bf16": "flashmla-bf16", "fp8": "flashmla-fp8", "fa3": FA3_MLA}
-# vLLM's FLASH_ATTN_MLA runs 16-token pages (its default block size) and, under FULL CUDA
-# graphs, at most attention_config.flash_attn_max_num_splits_for_cuda_graph splits.
+# vLLM's FLASH_ATTN_MLA runs 16-token pages (its default block size) and, in steps that replay
+# FULL CUDA graphs (up to max_cudagraph_capture_size tokens, 512 by default), at most
+# attention_config.flash_attn_max_num_splits_for_cuda_graph splits (32 by default); other steps
+# let FlashAttention choose.
 FA3_PAGE_SIZE = 16
 FA3_GRAPH_SPLITS = 32
 
@@ -158,7 +160,7 @@ def fa3_block_table(block_table: torch.Tensor, seq_lens: torch.Tensor,
     """The block table of the same cache seen in pages ``page_ratio`` times smaller: 64-token
     page p holds small pages p * page_ratio ... p * page_ratio + page_ratio - 1, in token order;
     columns past a request's small pages are 0, as vLLM pads them."""
-    rows, width = block_table.shape
+    width = block_table.shape[1]
     small = (block_table.unsqueeze(-1) * page_ratio
              + torch.arange(page_ratio, dtype=block_table.dtype, device=block_table.device))
     small = small.flatten(1)
@@ -209,10 +211,11 @@ def make_inputs(B, H, N, s_q, gen, table_width=None, ragged=False):
 
 
 def decode_calls(inp, fm, fa3, scale, quantize, wanted, eager=False):
-    """name -> zero-argument callable returning (out [B, s_q, H, 512], lse), for the backends in
-    ``wanted``; and for FlashMLA and FlashAttention, name -> the same call with fresh scheduling
-    metadata.  ``eager``: FlashAttention as vLLM calls it outside CUDA graphs (its own split
-    heuristic instead of the graphs' bound)."""
+    """name -> zero-argument callable returning (out [B, s_q, H, 512], lse in the backend's own
+    layout), for the backends in ``wanted``, the BF16 ones first (the first that runs is the
+    reference of the others' error); and for FlashMLA and FlashAttention, name -> the same call
+    with fresh scheduling metadata.  ``eager``: FlashAttention as vLLM calls it outside CUDA
+    graphs (its own split heuristic instead of the graphs' bound)."""
     runners, with_metadata = {}, {}
     bt, sl = inp["block_table"], inp["seq_lens"]
     B, s_q, H, _ = inp["q_nope"].shape
@@ -225,20 +228,6 @@ def decode_calls(inp, fm, fa3, scale, quantize, wanted, eager=False):
                                              softmax_scale=scale, causal=True)
         runners["flashmla-bf16"] = bf16
         with_metadata["flashmla-bf16"] = lambda: bf16(lambda: fm.get_mla_metadata()[0])
-    if fm is not None and "flashmla-fp8" in wanted:
-        q8 = q.to(torch.float8_e4m3fn)
-        cache8 = inp["bf16"].to(torch.float8_e4m3fn)
-        one = torch.ones(1, dtype=torch.float32, device="cuda")
-        metadata = fm.get_mla_metadata_dense_fp8(sl, s_q * H, 1)
-
-        def fp8(metadata_of=lambda: metadata):
-            sched, splits = metadata_of()
-            return fm.flash_mla_with_kvcache_fp8(
-                q8, cache8, bt, sl, fmt.KV_LORA_RANK, sched, splits, softmax_scale=scale,
-                causal=True, descale_q=one, descale_k=one)
-        runners["flashmla-fp8"] = fp8
-        with_metadata["flashmla-fp8"] = lambda: fp8(
-            lambda: fm.get_mla_metadata_dense_fp8(sl, s_q * H, 1))
     if fa3 is not None and FA3_MLA in wanted:
         varlen, schedule = fa3
         # The same bytes in 16-token pages: [pages, 16, 576], split as vLLM's forward_mqa does.
@@ -268,6 +257,20 @@ def decode_calls(inp, fm, fa3, scale, quantize, wanted, eager=False):
             return out.unflatten(0, (B, s_q)), lse
         runners[FA3_MLA] = fa3_call
         with_metadata[FA3_MLA] = lambda: fa3_call(fa3_metadata)
+    if fm is not None and "flashmla-fp8" in wanted:
+        q8 = q.to(torch.float8_e4m3fn)
+        cache8 = inp["bf16"].to(torch.float8_e4m3fn)
+        one = torch.ones(1, dtype=torch.float32, device="cuda")
+        metadata = fm.get_mla_metadata_dense_fp8(sl, s_q * H, 1)
+
+        def fp8(metadata_of=lambda: metadata):
+            sched, splits = metadata_of()
+            return fm.flash_mla_with_kvcache_fp8(
+                q8, cache8, bt, sl, fmt.KV_LORA_RANK, sched, splits, softmax_scale=scale,
+                causal=True, descale_q=one, descale_k=one)
+        runners["flashmla-fp8"] = fp8
+        with_metadata["flashmla-fp8"] = lambda: fp8(
+            lambda: fm.get_mla_metadata_dense_fp8(sl, s_q * H, 1))
     if OPS_DECODE in wanted:
         runners[OPS_DECODE] = lambda: ops.decode(inp["q_nope"], inp["q_pe"], inp["snap"], bt, sl,
                                                  scale)
@@ -431,9 +434,9 @@ def _shape_generator(B, H, N, s_q) -> torch.Generator:
 
 
 def measure_call(fn, fresh, rep, warmup, eager, calls):
-    """The times of one backend (see the module docstring); ``fresh``: for FlashMLA, the call
-    with fresh metadata, whose excess over ``fn`` is the metadata's (two separate timings: a
-    difference below zero is their noise and reads 0)."""
+    """The times of one backend (see the module docstring); ``fresh``: for FlashMLA and
+    FlashAttention, the call with fresh metadata, whose excess over ``fn`` is the metadata's
+    (two separate timings: a difference below zero is their noise and reads 0)."""
     times = dict(us=_time(fn, rep, warmup, eager), host_us=_host_us(fn, calls),
                  eager_us=_eager_us(fn, calls))
     if fresh is not None:

@@ -57,10 +57,10 @@ def test_cells_under_the_bound_are_picked_worst_first_within_one_run(tmp_path):
 
 def test_shape_is_the_middle_of_the_timed_windows_in_the_engines_table():
     row = _cell("fp8_snapmla", 1.0, context=8192, batch="fill", batch_size=301, max_tokens=400,
-                max_model_len_tokens=8576)
+                max_model_len_tokens=8600)
     settings = bm.Settings()
     B, H, N, width = ex.decode_shape(row, settings)
-    assert (B, H, width) == (301, 16, 134)   # 8576 tokens / 64, rounded up
+    assert (B, H, width) == (301, 16, 135)   # 8600 tokens / 64, rounded up
     assert N == 8192 + 400 - settings.windows * settings.steps // 2
     assert ex.decode_shape({**row, "max_tokens": 10}, settings)[2] == 8192
 
@@ -90,6 +90,29 @@ def test_step_splits_into_attention_and_rest():
     assert slow_kernel["mostly"] == "attention"
     faster = ex.explain(bf16, {**ours, "tpot_ms": 3.0, "vs_bf16": 1.07}, times, layers=4)
     assert faster["mostly"] == "no gap" and faster["gap_ms"] < 0
+
+
+def test_eager_cells_count_the_host_time_where_it_is_longer():
+    bf16, ours = _cell("auto", 20000.0, mode="eager"), _cell("fp8_snapmla", 16000.0, mode="eager")
+    ours["vs_bf16"] = 0.8
+    times = {"bf16": {"us": 150.0, "host_us": 40.0, "metadata_us": 8.0},
+             "ours": {"us": 20.0, "host_us": 35.0}}
+    row = ex.explain(bf16, ours, times, layers=4)
+    assert (row["layer_bf16_us"], row["layer_ours_us"]) == (150.0, 35.0)
+    assert row["attention_ours_ms"] == pytest.approx(0.14)
+    graph = ex.explain({**bf16, "mode": "graph"}, {**ours, "mode": "graph"}, times, layers=4)
+    assert graph["layer_ours_us"] == 20.0
+
+
+def test_fill_cells_keep_each_sides_own_batch():
+    # 4 GiB hold 1.76x the tokens in fp8_snapmla: the fill batches differ, and so may N.
+    bf16 = _cell("auto", 20000.0, batch="fill", batch_size=109, max_tokens=300)
+    ours = {**_cell("fp8_snapmla", 30000.0, batch="fill", batch_size=193, max_tokens=340),
+            "vs_bf16": 1.5}
+    row = ex.explain(bf16, ours, {"bf16": {"us": 1.0}, "ours": {"us": 1.0}})
+    assert (row["batch_size_bf16"], row["batch_size"]) == (109, 193)
+    assert row["N"] - row["N_bf16"] == 40
+    assert ex.decode_shape(bf16)[0] == 109 and ex.decode_shape(ours)[0] == 193
 
 
 def test_outputs_merge_by_cell_and_replot_without_a_gpu(tmp_path):
