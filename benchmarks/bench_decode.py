@@ -327,10 +327,33 @@ def _eager_us(fn, calls):
     return start.elapsed_time(end) * 1e3 / calls
 
 
+FA3_PANEL = "every shape: speedup over FlashAttention-3 MLA (vLLM's BF16 default)"
+
+
+def _bars(ax, rows, backends, colour, shapes, key):
+    """Grouped bars of ``key`` (a speedup column) per shape, one colour per backend."""
+    width = 0.8 / max(len(backends), 1)
+    for i, backend in enumerate(backends):
+        values = [next((r.get(key) or 0 for r in rows
+                        if r["backend"] == backend
+                        and (r["H"], r["s_q"], r["B"], r["N"]) == shape), 0)
+                  for shape in shapes]
+        ax.bar([x + i * width for x in range(len(shapes))], values, width,
+               color=colour[backend], label=backend)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(shapes))])
+    ax.set_xticklabels([f"H={h} s_q={q} B={b} N={f'{n // 1024}k' if n >= 1024 else n}"
+                        for h, q, b, n in shapes],
+                       fontsize=7, rotation=40, ha="right", rotation_mode="anchor")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))   # off the bars
+
+
 def _plot(rows, path):
     """One colour per backend: H=128 TFLOP/s and speedup over BF16 FlashMLA against context
-    length (the paper's Figures 1 and 6), when the run has that sweep, and the speedup at the
-    other shapes.  Returns the panels' titles (empty without matplotlib)."""
+    length (the paper's Figures 1 and 6), when the run has that sweep, the speedup at the
+    other shapes, and when FlashAttention-3 MLA ran, the speedup over it at every shape.
+    Returns the panels' titles (empty without matplotlib)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -343,14 +366,18 @@ def _plot(rows, path):
     sweep = [r for r in rows if r["H"] == 128 and r["s_q"] == 1]
     others = sorted({(r["H"], r["s_q"], r["B"], r["N"]) for r in rows
                      if (r["H"], r["s_q"]) != (128, 1)})
+    with_fa3 = sorted({(r["H"], r["s_q"], r["B"], r["N"]) for r in rows
+                       if r.get("speedup_vs_fa3")})
     panels = (["H=128, s_q=1: TFLOP/s", "H=128, s_q=1: speedup over BF16 FlashMLA"] if sweep
               else []) + ([("other shapes: " if sweep else "") + "speedup over BF16 FlashMLA"]
-                          if others else [])
-    ratios = [1] * len(panels)
-    if others:
-        ratios[-1] = 1.6   # the bar panel, the last, gets the room of its many shape labels
+                          if others else []) + ([FA3_PANEL] if with_fa3 else [])
+    # The bar panels get the room of their many shape labels.
+    ratios = [1.6 if title == FA3_PANEL or title.endswith("speedup over BF16 FlashMLA")
+              and not title.startswith("H=128") else 1 for title in panels]
     fig, axes = plt.subplots(1, len(panels), figsize=(19 if sweep else 10, 5.5), squeeze=False,
                              gridspec_kw={"width_ratios": ratios})
+    if with_fa3:
+        fig.set_size_inches(fig.get_size_inches()[0] + 8, 5.5)
     axes = dict(zip(panels, axes[0]))
     has_flashmla = any(r.get("speedup_vs_bf16") for r in rows)
     if sweep:
@@ -373,24 +400,12 @@ def _plot(rows, path):
                 ax.legend(fontsize=8)
         ax_sp.axhline(1.0, color="gray", lw=0.8)
     if others:
-        ax_bar = axes[panels[-1]]
-        width = 0.8 / max(len(backends), 1)
-        for i, backend in enumerate(backends):
-            values = [next((r.get("speedup_vs_bf16") or 0 for r in rows
-                            if r["backend"] == backend
-                            and (r["H"], r["s_q"], r["B"], r["N"]) == shape), 0)
-                      for shape in others]
-            ax_bar.bar([x + i * width for x in range(len(others))], values, width,
-                       color=colour[backend], label=backend)
-        ax_bar.set_xticks([x + 0.4 - width / 2 for x in range(len(others))])
-        ax_bar.set_xticklabels([f"H={h} s_q={q} B={b} N={n // 1024}k" for h, q, b, n in others],
-                               fontsize=7, rotation=40, ha="right", rotation_mode="anchor")
-        ax_bar.axhline(1.0, color="gray", lw=0.8)
-        ax_bar.grid(True, axis="y", alpha=0.3)
-        ax_bar.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))   # off the bars
+        _bars(axes[panels[2 if sweep else 0]], rows, backends, colour, others, "speedup_vs_bf16")
+    if with_fa3:
+        _bars(axes[FA3_PANEL], rows, backends, colour, with_fa3, "speedup_vs_fa3")
     for title, ax in axes.items():
-        ax.set_title(title)
-        if "speedup" in title and not has_flashmla:
+        ax.set_title(title, fontsize=10)
+        if "FlashMLA" in title and not has_flashmla:
             ax.text(0.5, 0.5, "FlashMLA not available in this run", ha="center",
                     transform=ax.transAxes)
     fig.tight_layout()

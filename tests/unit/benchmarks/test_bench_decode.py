@@ -56,6 +56,18 @@ def test_with_the_h128_sweep_its_two_panels_come_first(tmp_path):
     assert len(bench._plot(sweep_only, tmp_path / "q.png")) == 2
 
 
+def test_flashattention_speedups_get_a_panel_over_every_shape(tmp_path):
+    pytest.importorskip("matplotlib")
+    shapes = [(64, 128, 4096, 1), (64, 16, 512, 1)]
+    rows = _rows(random.Random(6), shapes, True)
+    assert bench.FA3_PANEL not in bench._plot(rows, tmp_path / "p.png")
+    for r in rows:
+        r["speedup_vs_fa3"] = r["speedup_vs_bf16"] * 1.1
+    panels = bench._plot(rows, tmp_path / "q.png")
+    assert panels[-1] == bench.FA3_PANEL and len(panels) == 4
+    assert _png(tmp_path / "q.png")
+
+
 def test_replot_reads_back_the_csv_it_writes(tmp_path):
     pytest.importorskip("matplotlib")
     rows = _rows(random.Random(4), [(128, 16, 8192, 1), (128, 16, 8192, 2)], False)
