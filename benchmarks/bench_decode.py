@@ -368,16 +368,16 @@ def _plot(rows, path):
                      if (r["H"], r["s_q"]) != (128, 1)})
     with_fa3 = sorted({(r["H"], r["s_q"], r["B"], r["N"]) for r in rows
                        if r.get("speedup_vs_fa3")})
-    panels = (["H=128, s_q=1: TFLOP/s", "H=128, s_q=1: speedup over BF16 FlashMLA"] if sweep
-              else []) + ([("other shapes: " if sweep else "") + "speedup over BF16 FlashMLA"]
-                          if others else []) + ([FA3_PANEL] if with_fa3 else [])
-    # The bar panels get the room of their many shape labels.
-    ratios = [1.6 if title == FA3_PANEL or title.endswith("speedup over BF16 FlashMLA")
-              and not title.startswith("H=128") else 1 for title in panels]
-    fig, axes = plt.subplots(1, len(panels), figsize=(19 if sweep else 10, 5.5), squeeze=False,
-                             gridspec_kw={"width_ratios": ratios})
-    if with_fa3:
-        fig.set_size_inches(fig.get_size_inches()[0] + 8, 5.5)
+    # (title, relative width): the bar panels get the room of their many shape labels.
+    layout = ([("H=128, s_q=1: TFLOP/s", 1), ("H=128, s_q=1: speedup over BF16 FlashMLA", 1)]
+              if sweep else [])
+    others_title = ("other shapes: " if sweep else "") + "speedup over BF16 FlashMLA"
+    layout += [(others_title, 1.6)] if others else []
+    layout += [(FA3_PANEL, 1.6)] if with_fa3 else []
+    panels = [title for title, _ in layout]
+    fig, axes = plt.subplots(1, len(panels), squeeze=False,
+                             figsize=((19 if sweep else 10) + (8 if with_fa3 else 0), 5.5),
+                             gridspec_kw={"width_ratios": [width for _, width in layout]})
     axes = dict(zip(panels, axes[0]))
     has_flashmla = any(r.get("speedup_vs_bf16") for r in rows)
     if sweep:
@@ -400,7 +400,7 @@ def _plot(rows, path):
                 ax.legend(fontsize=8)
         ax_sp.axhline(1.0, color="gray", lw=0.8)
     if others:
-        _bars(axes[panels[2 if sweep else 0]], rows, backends, colour, others, "speedup_vs_bf16")
+        _bars(axes[others_title], rows, backends, colour, others, "speedup_vs_bf16")
     if with_fa3:
         _bars(axes[FA3_PANEL], rows, backends, colour, with_fa3, "speedup_vs_fa3")
     for title, ax in axes.items():
@@ -530,7 +530,7 @@ def main():
     for B, H, N, s_q in shapes:
         print(f"shape B={B} H={H} N={N} s_q={s_q} ...", flush=True)
         inp = make_inputs(B, H, N, s_q, _shape_generator(B, H, N, s_q), args.table_width,
-                           args.ragged)
+                          args.ragged)
         runners, with_metadata = decode_calls(inp, fm, fa3, scale, quantize, wanted, args.eager)
         flops = 2 * H * s_q * inp["tokens"] * (fmt.HEAD_SIZE + fmt.KV_LORA_RANK)
         times, base_name, base_out, shape_rows = {}, None, None, []

@@ -578,15 +578,22 @@ def run_of(row: dict) -> tuple:
     return row.get("date") or "", row.get("commit") or ""
 
 
+def baseline_of(rows: list[dict], key=None, width: int = 5):
+    """A lookup: row -> the ``ok`` BF16 (``auto``) row of ``rows`` with the same first ``width``
+    fields of ``key`` (default ``matrix_key``: the same cell) and the same run, or None."""
+    key = key or matrix_key
+    base = {(*key(r)[:width], *run_of(r)): r for r in rows
+            if r["kv"] == BASELINE_KV and r.get("status") == "ok"}
+    return lambda row: base.get((*key(row)[:width], *run_of(row)))
+
+
 def add_ratios(rows: list[dict]) -> list[dict]:
     """``vs_bf16`` (decode tok/s over BF16's) and ``tpot_vs_bf16`` (TPOT over BF16's) against the
     ``auto`` row of the same cell and run; empty where either is not ``ok`` or was not lock-step
     (its B / step would overstate the throughput)."""
-    base = {(*matrix_key(r)[:5], *run_of(r)): r for r in rows
-            if r["kv"] == BASELINE_KV and r.get("status") == "ok"}
+    reference = baseline_of(rows)
     for row in rows:
-        ref = (base.get((*matrix_key(row)[:5], *run_of(row)))
-               if row.get("status") == "ok" else None)
+        ref = reference(row) if row.get("status") == "ok" else None
         if ref and (not_lock_step(row) or not_lock_step(ref)):
             ref = None
         for column, value in (("vs_bf16", "decode_tok_s"), ("tpot_vs_bf16", "tpot_ms")):
@@ -604,11 +611,9 @@ def add_serve_ratios(rows: list[dict]) -> list[dict]:
     ``tpot_p50_vs_bf16``: the ``auto`` row's median TPOT over ours (above 1: ours is faster).
     Arrivals are open-loop, so while an engine keeps up its output tok/s follows the arrival
     rate and ``vs_bf16`` stays near 1 whatever the kernels do: TPOT is then the comparison."""
-    base = {(*serve_key(r)[:2], *run_of(r)): r for r in rows
-            if r["kv"] == BASELINE_KV and r.get("status") == "ok"}
+    reference = baseline_of(rows, serve_key, 2)
     for row in rows:
-        ref = (base.get((*serve_key(row)[:2], *run_of(row)))
-               if row.get("status") == "ok" else None)
+        ref = reference(row) if row.get("status") == "ok" else None
         ours = number(row.get("output_tok_s"))
         theirs = number(ref.get("output_tok_s")) if ref else None
         row["vs_bf16"] = round(ours / theirs, 3) if ours and theirs else ""

@@ -42,11 +42,11 @@ import math
 import sys
 from pathlib import Path
 
-from benchmarks.bench_matrix import NUM_LAYERS, Settings, matrix_key, run_of
+from benchmarks.bench_matrix import NUM_LAYERS, Settings, baseline_of, matrix_key
 from benchmarks.provenance import describe, run_info
 from benchmarks.vllm_engine import BLOCK_SIZE, merge_by_key, number, read_csv, write_csv
 
-OURS_KV, BASELINE_KV = "fp8_snapmla", "auto"
+OURS_KV = "fp8_snapmla"
 # bench_decode's backend for each (kv, vLLM backend) the engines log.
 DECODE_BACKEND = {("auto", "FLASH_ATTN_MLA"): "fa3-mla-bf16", ("auto", "FLASHMLA"): "flashmla-bf16",
                   ("fp8", "FLASHMLA"): "flashmla-fp8", (OURS_KV, "SNAPMLA"): "snapmla"}
@@ -63,21 +63,17 @@ FIELDS = ["heads", "max_model_len", "mode", "context", "batch", "batch_size_bf16
 # --- planning and arithmetic (pure; unit-tested on CPU) ---------------------------------------
 
 def cells_to_explain(rows: list[dict], below: float | None) -> list[tuple[dict, dict]]:
-    """(BF16 row, fp8_snapmla row) of each cell where both are ``ok`` in the same run, with
-    fp8_snapmla's ratio under ``below`` (None: every such cell), the lowest ratio first."""
-    by_key = {}
-    for row in rows:
-        if row.get("status") == "ok" and number(row.get("tpot_ms")):
-            by_key[(matrix_key(row), run_of(row))] = row
+    """(BF16 row, fp8_snapmla row) of each cell where fp8_snapmla has a ratio (both ``ok`` and
+    lock-step in one run) under ``below`` (None: any), the lowest ratio first."""
+    reference = baseline_of(rows)
     pairs = []
-    for (key, run), ours in by_key.items():
-        if key[5] != OURS_KV:
-            continue
-        bf16 = by_key.get(((*key[:5], BASELINE_KV), run))
+    for ours in rows:
         ratio = number(ours.get("vs_bf16"))
-        if bf16 is None or ratio is None or (below is not None and ratio >= below):
+        if ours["kv"] != OURS_KV or ratio is None or (below is not None and ratio >= below):
             continue
-        pairs.append((bf16, ours))
+        bf16 = reference(ours)
+        if bf16 is not None:
+            pairs.append((bf16, ours))
     return sorted(pairs, key=lambda pair: number(pair[1]["vs_bf16"]))
 
 
