@@ -116,15 +116,18 @@ TIGHT_WIDTH_FACTOR = 2
 NUM_LAYERS = DEEPSEEK_V31_ATTENTION["num_hidden_layers"]
 
 # The time model for --budget-s, deliberately pessimistic for an H200 (the engine rescales it
-# by the cells it has finished).
+# by the cells it has finished).  Against the first cells on the H200 (benchmarks/results/
+# matrix.csv, 16 heads, 64 x 512 and 64 x 8192 tokens: 0.7-1.9 s each) it estimates 1.9-2.6x
+# their time (a flat 1e5 prefill tokens/s, 8 ms steps and 2 s a cell had estimated 4.6-6.5x).
 ENGINE_START_S = {"graph": 90.0, "eager": 30.0}
-PREFILL_TOKENS_PER_S = 1e5
+# Prefill GEMMs at half what these GEMM shapes reach on an H200 (about 4e14 FLOP/s in BF16).
+PREFILL_GEMM_FLOPS_PER_S = 2e14
 ATTENTION_FLOPS_PER_S = 3e14
 # 2 x (192 + 128): QK^T and PV FLOPs per (query, key) pair and head of MLA's prefill.
 ATTENTION_FLOPS_PER_PAIR_AND_HEAD = 640
-DECODE_STEP_S = {"graph": 0.008, "eager": 0.03}
+DECODE_STEP_S = {"graph": 0.005, "eager": 0.015}
 HBM_BYTES_PER_S = 2e12
-CELL_OVERHEAD_S = 2.0
+CELL_OVERHEAD_S = 0.5
 CHILD_GRACE_S = 30.0   # how long past the budget a running engine may go before it is killed
 
 MATRIX_FIELDS = [
@@ -252,13 +255,28 @@ def tight_groups(needs: dict[int, int], factor: int = TIGHT_WIDTH_FACTOR
     return groups
 
 
+def prefill_weights_per_token(heads: int) -> int:
+    """Weights a prefill token multiplies through (2 FLOPs each) in the benchmark's model:
+    per layer the dense MLP and MLA's projections (q_a, q_b, kv_a, kv_b, o), most of them
+    growing with the heads; the LM head runs on one token per request."""
+    c = DEEPSEEK_V31_ATTENTION
+    hidden, q_rank, kv_rank = c["hidden_size"], c["q_lora_rank"], c["kv_lora_rank"]
+    nope, rope, v = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
+    per_layer = (3 * hidden * c["intermediate_size"] + hidden * q_rank
+                 + q_rank * heads * (nope + rope) + hidden * (kv_rank + rope)
+                 + kv_rank * heads * (nope + v) + heads * v * hidden)
+    return NUM_LAYERS * per_layer
+
+
 def estimate_cell_s(heads: int, mode: str, kv: str, context: int, batch: int,
                     max_tokens: int) -> float:
-    """Pessimistic seconds for a cell: prefill (tokens and causal attention FLOPs of 4 layers)
-    and max_tokens steps that each read the batch's KV cache."""
+    """Pessimistic seconds for a cell: prefill (the projection and MLP GEMMs, and causal
+    attention FLOPs of 4 layers) and max_tokens steps that each read the batch's KV cache."""
+    tokens = batch * context
     pairs = batch * context * context / 2
-    prefill = (batch * context / PREFILL_TOKENS_PER_S + NUM_LAYERS * heads * pairs
-               * ATTENTION_FLOPS_PER_PAIR_AND_HEAD / ATTENTION_FLOPS_PER_S)
+    prefill = (2 * tokens * prefill_weights_per_token(heads) / PREFILL_GEMM_FLOPS_PER_S
+               + NUM_LAYERS * heads * pairs * ATTENTION_FLOPS_PER_PAIR_AND_HEAD
+               / ATTENTION_FLOPS_PER_S)
     kv_read = batch * context * KV_BYTES_PER_TOKEN[kv] * NUM_LAYERS / HBM_BYTES_PER_S
     return CELL_OVERHEAD_S + prefill + max_tokens * (DECODE_STEP_S[mode] + kv_read)
 

@@ -131,6 +131,31 @@ def test_estimates_grow_with_prefill_and_eager_steps():
                                   + sum(d["estimated_s"] for d in decisions))
 
 
+def test_prefill_cost_counts_the_projections_that_grow_with_the_heads():
+    # 16 heads by hand: MLP 3 x 7168 x 2048, q_a 7168 x 1536, q_b 1536 x 16 x 192,
+    # kv_a 7168 x 576, kv_b 512 x 16 x 256, o 16 x 128 x 7168; four layers.
+    by_hand = 4 * (3 * 7168 * 2048 + 7168 * 1536 + 1536 * 16 * 192 + 7168 * 576
+                   + 512 * 16 * 256 + 16 * 128 * 7168)
+    assert bm.prefill_weights_per_token(16) == by_hand
+    grown = bm.prefill_weights_per_token(128) - bm.prefill_weights_per_token(16)
+    assert grown == 4 * 112 * (1536 * 192 + 512 * 256 + 128 * 7168)
+
+
+def test_time_model_is_pessimistic_but_not_far_off_on_the_measured_cells():
+    """Every cell measured on the H200 (benchmarks/results/matrix.csv) is estimated at no less
+    than its time, and at most 4x it: a budget-cut sweep neither overruns nor leaves most of
+    its time unused."""
+    _, measured_rows = vllm_engine.read_csv(_ROOT / "benchmarks/results/matrix.csv")
+    rows = [r for r in measured_rows
+            if r["status"] == "ok" and r.get("cell_s")]
+    assert rows
+    for r in rows:
+        estimate = bm.estimate_cell_s(int(r["heads"]), r["mode"], r["kv"], int(r["context"]),
+                                      int(r["batch_size"]), int(r["max_tokens"]))
+        measured = float(r["cell_s"])
+        assert measured <= estimate <= 4 * measured, (r["kv"], r["context"], measured, estimate)
+
+
 def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_matrix", "--dry-run",
                            "--out", str(tmp_path / "m"), "--heads", "16", "--kv", "auto",
