@@ -194,17 +194,25 @@ class SnapMLAImpl(MLACommonImpl[MLACommonMetadata]):
 @functools.cache
 def log_decode_kernel(device: int) -> None:
     """Say once per process and GPU which decode kernel serves it (``ops.decode_kernel``), so that
-    a build without the Hopper kernels does not pass unnoticed."""
+    a build without the Hopper kernels does not pass unnoticed, and warn where that is the Triton
+    kernel: it decodes slower than vLLM's BF16 attention, so a first benchmark would show it."""
     from vllm.logger import init_logger
 
+    logger = init_logger(LOGGER_NAME)
     kernel = snapmla_ops.decode_kernel(device)
     note = ""
     if kernel == "triton" and torch.cuda.get_device_capability(device) == (9, 0):
         note = (" (slower than the Hopper kernels: this build has no sm_90a code, or "
                 "SNAPMLA_DECODE_KERNEL=triton; build with SNAPMLA_ARCHS containing 90a)")
-    init_logger(LOGGER_NAME).info(
+    logger.info(
         "fp8_snapmla decode kernel on cuda:%d: %s%s", device,
         "the Hopper kernels (sm_90a)" if kernel == "sm90" else "the portable Triton kernel", note)
+    if kernel == "triton":
+        logger.warning(
+            "fp8_snapmla's Triton decode kernel is slower than BF16 attention (on an H200: "
+            "0.8x BF16 FlashMLA at 16 heads, 0.3x at 128; not measured on other GPUs). What "
+            "fp8_snapmla gives on cuda:%d is the 1.76x KV capacity: larger batches and longer "
+            "contexts where the cache is what limits them.", device)
 
 
 def decode_uniform(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,

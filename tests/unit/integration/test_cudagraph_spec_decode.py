@@ -229,16 +229,20 @@ def test_forward_mqa_refuses_non_uniform_token_counts():
                                                       ("triton", (8, 9), False)])
 def test_the_log_names_the_decode_kernel(monkeypatch, kernel, capability, note):
     """Once per process and GPU the backend logs which decode kernel serves it, with a note where
-    a Hopper GPU gets the slower Triton kernel (a build without sm_90a code)."""
+    a Hopper GPU gets the slower Triton kernel (a build without sm_90a code), and a warning
+    wherever the Triton kernel serves: it is slower than BF16 attention."""
     import vllm.logger
 
     from vllm_snapmla.integration import backend
 
-    lines = []
+    lines, warnings = [], []
 
     class Logger:
         def info(self, message, *args):
             lines.append(message % args)
+
+        def warning(self, message, *args):
+            warnings.append(message % args)
 
     monkeypatch.setattr(vllm.logger, "init_logger", lambda name: Logger())
     monkeypatch.setattr(backend.snapmla_ops, "decode_kernel", lambda device: kernel)
@@ -253,3 +257,8 @@ def test_the_log_names_the_decode_kernel(monkeypatch, kernel, capability, note):
     named = lines[0].removeprefix("fp8_snapmla decode kernel on cuda:0: ")
     assert named.startswith("the Hopper kernels" if kernel == "sm90" else "the portable Triton")
     assert ("SNAPMLA_ARCHS containing 90a" in lines[0]) == note
+    if kernel == "sm90":
+        assert warnings == []
+    else:
+        assert len(warnings) == 1 and "slower than BF16 attention" in warnings[0]
+        assert "cuda:0" in warnings[0] and "KV capacity" in warnings[0]
