@@ -61,7 +61,7 @@ Cells are skipped, with the reason in the CSV, never silently: a prefill of more
 ``--max-prefill-tokens`` tokens (decided before any engine starts for fixed batches, by the
 engine for ``fill``), a batch the KV cache does not hold, a need above max_model_len, and
 ``--budget-s``: before an engine starts and before each cell, the time left is compared with an
-estimate (engine start, prefill from token count and attention FLOPs, decode steps; in the
+estimate (engine start, prefill from its GEMM and attention FLOPs, decode steps; in the
 engine the estimate is rescaled by how the finished cells compared with theirs).
 
 ``--serve`` adds a continuous-batching run to the ``wide`` engine of each (kv, heads, mode)
