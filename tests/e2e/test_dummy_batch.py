@@ -30,7 +30,12 @@ written before the dummies) and after them; one of each three goes through
 ``tests/e2e/probes.py:dummy_batch``, which records the metadata our builder was given.  A twin
 engine runs the same rounds without dummy batches: the real outputs must not change (a dummy
 that wrote into the cache, or left state behind in the decode's CUDA graph, would move them by
-about a nat).
+about a nat).  Both twins run the engine core in the test's process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), where ``LLM.generate`` adds every request before the
+first step.  With vLLM's separate engine-core process the requests reach the core one message
+at a time and its loop (``EngineCore._process_input_queue``, ``v1/engine/core.py:1368``) starts
+stepping with those that have arrived, so two engines need not run the same batches, nor, with
+chunked prefill, the same chunks: their outputs may differ at a near-tie without any dummy.
 
 The probe also reports whether the dummy's hidden states came out finite, and they must: vLLM
 allocates the KV cache with ``torch.zeros`` (``gpu_model_runner.py:7264``) and never writes the
@@ -91,7 +96,9 @@ def runs(request, model_dir):
     spec = {"model": model_dir, "kv_cache_dtype": KV, "rounds": _rounds(),
             "max_tokens": MAX_TOKENS, "logprobs": TOP_LOGPROBS,
             "llm_kwargs": {**ENGINE, **llm_kwargs}}
-    env = {"VLLM_USE_V2_MODEL_RUNNER": runner, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    # In-process engine cores: the same batches in both twins (module docstring).
+    env = {"VLLM_USE_V2_MODEL_RUNNER": runner, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     with_dummies = generate_in_subprocess({**spec, "rpcs": RPCS}, env=env)
     without = generate_in_subprocess(spec, env=env)
     return request.param, with_dummies, without
