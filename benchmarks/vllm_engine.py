@@ -1,6 +1,7 @@
-"""What the end-to-end benchmarks (``bench_e2e``, ``bench_matrix``) share: the DeepSeek-V3.1-
-attention model they run, batch sizing, the timing of decode steps through ``LLMEngine``, and one
-vLLM engine per child process with its results streamed back as they come.
+"""What the benchmarks through vLLM (``bench_e2e``, ``bench_matrix``, ``bench_deployment``)
+share: the DeepSeek-V3.1-attention model, batch sizing, the timing of decode steps through
+``LLMEngine``, one vLLM engine per child process with its results streamed back as they come,
+engines started together; and the CSV helpers ``bench_decode`` and ``explain_matrix`` use too.
 
 Timing method (``timed_decode_windows``): the requests go into the engine at once and it is
 stepped (``LLMEngine.step``, the loop inside ``LLM.generate``) until every request has its first

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds docker/Dockerfile and checks the image without a GPU (docker/README.md, "Build check").
+# Builds docker/Dockerfile and checks the image without a GPU (docker/README.md, "What has been checked").
 # Written for a Debian 12 host as root where Docker Hub is unreachable: it then builds a stand-in
 # for vllm/vllm-openai:v0.26.0 (docker/check/standin.Dockerfile: Debian rootfs, pip's vLLM 0.26.0,
 # the host's CUDA 13.0 toolkit, the host's extra CA certificates for a TLS-intercepting proxy).
