@@ -273,11 +273,11 @@ def estimate_cell_s(heads: int, mode: str, kv: str, context: int, batch: int,
     """Pessimistic seconds for a cell: prefill (the projection and MLP GEMMs, and causal
     attention FLOPs of 4 layers) and max_tokens steps that each read the batch's KV cache."""
     tokens = batch * context
-    pairs = batch * context * context / 2
+    pairs = tokens * context / 2
     prefill = (2 * tokens * prefill_weights_per_token(heads) / PREFILL_GEMM_FLOPS_PER_S
                + NUM_LAYERS * heads * pairs * ATTENTION_FLOPS_PER_PAIR_AND_HEAD
                / ATTENTION_FLOPS_PER_S)
-    kv_read = batch * context * KV_BYTES_PER_TOKEN[kv] * NUM_LAYERS / HBM_BYTES_PER_S
+    kv_read = tokens * KV_BYTES_PER_TOKEN[kv] * NUM_LAYERS / HBM_BYTES_PER_S
     return CELL_OVERHEAD_S + prefill + max_tokens * (DECODE_STEP_S[mode] + kv_read)
 
 
