@@ -3,7 +3,8 @@ per rank for DP8/TP1, DP4/TP2 and DP1/TP8 (the paper's Figure 1 configurations).
 
     python -m benchmarks.bench_deployment --out out/deployment [--configs dp8-tp1-ep8 ...]
         [--contexts 16384 32768 65536 131072] [--kv auto fp8_snapmla fp8]
-        [--mtp | --mtp-only] [--routing uniform|weights] [--concurrent-starts N] [--budget-only]
+        [--mtp | --mtp-only] [--routing uniform|weights] [--concurrent-starts N]
+        [--budget-only | --dry-run]
 
 The model is the part of DeepSeek-V3.1 one rank runs, for a few layers: 1 dense layer and 3 MoE
 layers (``--moe-layers``) with the rank's shards, FP8 block-quantized weights as the checkpoint
@@ -57,7 +58,9 @@ the rank's real weight bytes (``rank_weight_bytes``: FP8 block-quantized project
 experts with their scales, BF16 embedding and LM head, vLLM's BF16 copy of the MLA up-projection
 for the absorbed decode), less ``--reserve-gib`` for activations, CUDA graphs and non-torch
 memory; divided by 61 layers and given to the proxy's layers as ``kv_cache_memory_bytes``.
-``--budget-only`` prints that arithmetic and runs nothing.  ``--concurrent-starts N`` starts N
+``--budget-only`` prints that arithmetic and runs nothing; ``--dry-run`` also prints each
+engine's batch per context and an estimate of the run's time (``estimate_plan``), and runs
+nothing.  ``--concurrent-starts N`` starts N
 engines of a configuration at once (their compilation and CUDA-graph capture overlap) and lets
 them measure one at a time once all are up.
 
@@ -104,11 +107,13 @@ from pathlib import Path
 
 from benchmarks import bench_e2e
 from benchmarks.provenance import describe, run_info
-from benchmarks.vllm_engine import (BLOCK_SIZE, DEEPSEEK_V31_ATTENTION, ENGINE_OVERHEAD_GIB,
-                                    KV_BYTES_PER_TOKEN, NOISE_FRACTION, concurrent_memory_problem,
+from benchmarks.vllm_engine import (ATTENTION_FLOPS_PER_PAIR_AND_HEAD, ATTENTION_FLOPS_PER_S,
+                                    BLOCK_SIZE, DEEPSEEK_V31_ATTENTION, ENGINE_OVERHEAD_GIB,
+                                    KV_BYTES_PER_TOKEN, NOISE_FRACTION, PREFILL_GEMM_FLOPS_PER_S,
+                                    SETTLE_STEPS, batch_to_fill, concurrent_memory_problem,
                                     concurrent_start_spec, estimated_kv_blocks, merge_by_key,
                                     not_lock_step, number, read_csv, run_engines_together,
-                                    run_number, write_csv)
+                                    run_number, warm_tokens, write_csv)
 
 GIB = 2**30
 H200_MEMORY_BYTES = int(139.8 * GIB)   # what torch reports as total memory on an H200
@@ -349,6 +354,117 @@ def largest_batch(kv: str, kv_gib: float, layers: int, contexts, limit: int) -> 
     return max(8, min(limit // 8 * 8, -(-fits // 8) * 8))
 
 
+# --- the plan and time estimate of --dry-run (pure; unit-tested on CPU) ---------------------
+
+# Pessimistic for an H200.  Against the runs recorded in results/deployment (each command's
+# time from its header's timestamp to the next one's) it estimates 1.2-2.6x their time; a unit
+# test keeps it within 1x-4x of every run recorded there.
+FIRST_START_S = 360.0   # a group with a configuration's first engine: DeepGEMM compiles (199-366 s)
+NEXT_START_S = 90.0     # later groups, DeepGEMM's kernels cached (47-87 s measured)
+DECODE_STEP_S = 0.006   # the proxies' steps measured 1.8-5.6 ms, MTP's included
+CONTEXT_OVERHEAD_S = 2.0
+LLM_MAX_BATCHED_TOKENS = 16384   # vLLM's default for LLM(...) on GPUs of 70 GiB and more
+
+
+def prefill_weights_per_token(rank: Rank, moe_layers: int = MOE_LAYERS, mtp: bool = False) -> int:
+    """Weights a prefill token multiplies through (2 FLOPs each) in the rank's proxy: every
+    layer's MLA projections, the dense MLP once, per MoE layer (the drafter's too) the routed
+    experts it picks and the shared one."""
+    c = proxy_model_config(rank, moe_layers)
+    h, heads = V31["hidden"], rank.heads
+    attention = (h * V31["q_lora"] + V31["q_lora"] * heads * (V31["nope"] + V31["rope"])
+                 + h * (V31["kv_lora"] + V31["rope"])
+                 + V31["kv_lora"] * heads * (V31["nope"] + V31["v_head"])
+                 + heads * V31["v_head"] * h)
+    expert = 3 * h * c["moe_intermediate_size"]
+    moe = (c["num_experts_per_tok"] + c["n_shared_experts"]) * expert
+    return ((1 + moe_layers + int(mtp)) * attention + 3 * h * c["intermediate_size"]
+            + (moe_layers + int(mtp)) * moe)
+
+
+@dataclasses.dataclass
+class EnginePlan:
+    """One engine of --dry-run's plan: its cache, and per context the batch that fills it (0:
+    no request of that length fits) and the estimated seconds of its measurement."""
+    config: str
+    kv: str
+    mtp: bool
+    layers: int
+    kv_gib: float
+    max_batch: int
+    batches: dict[int, int]
+    seconds: dict[int, float]
+
+
+def plan_engine(rank: Rank, kv: str, mtp: bool, args) -> EnginePlan:
+    """What ``engine_launch`` and ``bench_e2e.run_engine`` will decide for this engine, from the
+    cache size vLLM is expected to allocate (``estimated_kv_blocks``; the engine uses its real
+    one), and the time model above."""
+    layers = 1 + args.moe_layers + int(mtp)
+    kv_gib = layers * kv_budget(rank, args.reserve_gib, mtp)["kv_bytes_per_layer"] / GIB
+    max_batch = largest_batch(kv, kv_gib, layers, args.contexts, args.max_batch)
+    usable = estimated_kv_blocks(kv, kv_gib, layers) - 1
+    per_step = 1 + int(mtp)
+    timed = (SETTLE_STEPS + args.windows * args.gen_tokens) * per_step
+    weights = prefill_weights_per_token(rank, args.moe_layers, mtp)
+    batches, seconds = {}, {}
+    for context in args.contexts:
+        first = batch_to_fill(usable, BLOCK_SIZE, context, timed, max_batch)
+        warm = warm_tokens(max(first, 1), context, LLM_MAX_BATCHED_TOKENS)
+        max_tokens = warm * per_step + timed
+        batch = batch_to_fill(usable, BLOCK_SIZE, context, max_tokens, max_batch)
+        batches[context] = max(batch, 0)
+        if batch < 1:
+            continue
+        tokens = batch * context
+        prefill = (2 * tokens * weights / PREFILL_GEMM_FLOPS_PER_S
+                   + layers * rank.heads * tokens * context / 2
+                   * ATTENTION_FLOPS_PER_PAIR_AND_HEAD / ATTENTION_FLOPS_PER_S)
+        # Dummy weights accept no drafted token: one token per request and step.
+        seconds[context] = CONTEXT_OVERHEAD_S + prefill + max_tokens * DECODE_STEP_S
+    return EnginePlan(rank.name, kv, mtp, layers, kv_gib, max_batch, batches, seconds)
+
+
+def estimate_plan(args) -> list[tuple[Rank, list[list[EnginePlan]], float]]:
+    """Per configuration of ``args.configs``: its engines in --concurrent-starts groups (as
+    ``main`` runs them) and its estimated seconds: per group the start-up its engines share,
+    then their measurements one after the other."""
+    plan = []
+    for name in args.configs:
+        rank = CONFIGS[name]
+        engines = [plan_engine(rank, kv, mtp, args)
+                   for kv, mtp in engine_runs(args.kv, args.mtp, args.mtp_only)]
+        groups = [engines[i:i + args.concurrent_starts]
+                  for i in range(0, len(engines), args.concurrent_starts)]
+        seconds = sum((FIRST_START_S if k == 0 else NEXT_START_S)
+                      + sum(sum(e.seconds.values()) for e in group)
+                      for k, group in enumerate(groups))
+        plan.append((rank, groups, seconds))
+    return plan
+
+
+def format_plan(plan, contexts) -> str:
+    """--dry-run's report of ``estimate_plan``."""
+    labels = "/".join(f"{c // 1024}k" if c % 1024 == 0 else str(c) for c in contexts)
+    lines = ["Dry run: nothing started.  Times are pessimistic estimates for an H200 (engine "
+             f"start-up {FIRST_START_S:.0f} s for a configuration's first group, "
+             f"{NEXT_START_S:.0f} s for the others; prefill at about half the GPU's rates; "
+             f"{DECODE_STEP_S * 1e3:.0f} ms decode steps)."]
+    for rank, groups, seconds in plan:
+        engines = sum(len(g) for g in groups)
+        lines.append(f"{rank.name}, {rank.heads} heads: {engines} engines in {len(groups)} "
+                     f"group(s), about {seconds / 60:.0f} min")
+        for engine in itertools.chain.from_iterable(groups):
+            batches = "/".join(str(engine.batches[c]) for c in contexts)
+            lines.append(
+                f"  {engine.kv}{' + MTP' if engine.mtp else ''}: {engine.layers} layers, KV "
+                f"{engine.kv_gib:.2f} GiB, max_num_seqs {engine.max_batch}, B at {labels}: "
+                f"{batches}; {sum(engine.seconds.values()):.0f} s of measurement")
+    total = sum(seconds for *_, seconds in plan)
+    lines.append(f"The whole run: about {total / 60:.0f} min.")
+    return "\n".join(lines)
+
+
 _INTEGER_FIELDS = ("run", "heads", "layers", "context", "batch", "kv_cache_tokens",
                    "max_tokens")
 _FLOAT_FIELDS = ("decode_tok_s", "tpot_ms", "spread_pct", "tokens_per_step",
@@ -519,7 +635,7 @@ def engine_launch(rank: Rank, kv: str, mtp: bool, position: int, group_size: int
     return run
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="out/deployment")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
@@ -556,6 +672,14 @@ def main(argv=None) -> None:
                              "overlap), measure them one at a time")
     parser.add_argument("--budget-only", action="store_true",
                         help="print the KV-budget arithmetic and stop")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the KV-budget arithmetic, each engine's batches and an "
+                             "estimate of the run's time, and stop")
+    return parser
+
+
+def main(argv=None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if not 1 <= args.concurrent_starts <= 8:
         parser.error("--concurrent-starts must be 1 to 8")
@@ -580,6 +704,9 @@ def main(argv=None) -> None:
     budget = budget_table(args.reserve_gib)
     print(budget, flush=True)
     if args.budget_only:
+        return
+    if args.dry_run:
+        print(format_plan(estimate_plan(args), args.contexts), flush=True)
         return
     out = Path(args.out)
     header = describe(run_info("benchmarks.bench_deployment", argv))

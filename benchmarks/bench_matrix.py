@@ -96,7 +96,8 @@ from pathlib import Path
 
 from benchmarks.provenance import describe, run_info
 from benchmarks.vllm_engine import (
-    BLOCK_SIZE, DEEPSEEK_V31_ATTENTION, ENGINE_OVERHEAD_GIB, KV_BYTES_PER_TOKEN, SETTLE_STEPS,
+    ATTENTION_FLOPS_PER_PAIR_AND_HEAD, ATTENTION_FLOPS_PER_S, BLOCK_SIZE, DEEPSEEK_V31_ATTENTION,
+    ENGINE_OVERHEAD_GIB, KV_BYTES_PER_TOKEN, PREFILL_GEMM_FLOPS_PER_S, SETTLE_STEPS,
     apply_switch_interval, batch_to_fill, build_llm, child_main, concurrent_memory_problem,
     concurrent_start_spec, core_timestamp, engine_log_facts, estimated_kv_blocks, merge_by_key,
     model_config, not_lock_step, number, random_prompts, read_csv, run_child, run_engines_together,
@@ -119,12 +120,8 @@ NUM_LAYERS = DEEPSEEK_V31_ATTENTION["num_hidden_layers"]
 # by the cells it has finished).  Against the first cells on the H200 (benchmarks/results/
 # matrix.csv, 16 heads, 64 x 512 and 64 x 8192 tokens: 0.7-1.9 s each) it estimates 1.9-2.6x
 # their time (a flat 1e5 prefill tokens/s, 8 ms steps and 2 s a cell had estimated 4.6-6.5x).
+# The prefill rates are vllm_engine's, shared with bench_deployment.
 ENGINE_START_S = {"graph": 90.0, "eager": 30.0}
-# Prefill GEMMs at half what these GEMM shapes reach on an H200 (about 4e14 FLOP/s in BF16).
-PREFILL_GEMM_FLOPS_PER_S = 2e14
-ATTENTION_FLOPS_PER_S = 3e14
-# 2 x (192 + 128): QK^T and PV FLOPs per (query, key) pair and head of MLA's prefill.
-ATTENTION_FLOPS_PER_PAIR_AND_HEAD = 640
 DECODE_STEP_S = {"graph": 0.005, "eager": 0.015}
 HBM_BYTES_PER_S = 2e12
 CELL_OVERHEAD_S = 0.5

@@ -34,6 +34,13 @@ from benchmarks.provenance import gpu_query
 NOISE_FRACTION = 0.05   # largest spread of the timed windows, as a fraction of their median
 SETTLE_STEPS = 4        # decode steps of all requests before the first timed window
 
+# Rates the benchmarks' time estimates (--dry-run, --budget-s) assume, pessimistic for an H200:
+# prefill GEMMs at half what these shapes reach (about 4e14 FLOP/s in BF16), prefill attention.
+PREFILL_GEMM_FLOPS_PER_S = 2e14
+ATTENTION_FLOPS_PER_S = 3e14
+# 2 x (192 + 128): QK^T and PV FLOPs per (query, key) pair and head of MLA's prefill.
+ATTENTION_FLOPS_PER_PAIR_AND_HEAD = 640
+
 # DeepSeek-V3.1 attention; 4 dense layers keep the non-attention work small, as in the baseline.
 DEEPSEEK_V31_ATTENTION = {
     "hidden_size": 7168, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64,

@@ -388,3 +388,83 @@ def test_options_that_would_run_nothing_or_fail_late_are_refused(extra, message,
     with pytest.raises(SystemExit):
         dep.main(["--out", "unused", "--configs", "dp8-tp1-ep8", *extra])
     assert message in capsys.readouterr().err
+
+
+def _recorded_commands() -> list[tuple[float, list[str]]]:
+    """(start time in seconds, arguments) of each run recorded in results/deployment, in order."""
+    import datetime
+    import shlex
+
+    from benchmarks.vllm_engine import read_csv
+
+    comments, _ = read_csv(Path(dep.__file__).parent / "results" / "deployment" /
+                           "deployment.csv")
+    runs = []
+    for line in dict.fromkeys(comments):      # the newest run's header is repeated last
+        stamp, *_, command = (part.strip() for part in line.split("|"))
+        words = shlex.split(command)
+        assert words[:3] == ["python", "-m", "benchmarks.bench_deployment"], command
+        when = datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M UTC").timestamp()
+        runs.append((when, words[3:]))
+    return sorted(runs, key=lambda run: run[0])
+
+
+def test_dry_run_estimates_within_1x_to_4x_of_the_recorded_runs():
+    # A run's time is from its header's timestamp (minute resolution) to the next run's; the
+    # last one has none.  New data outside the range means the time model needs recalibrating.
+    runs = _recorded_commands()
+    assert len(runs) >= 3
+    parser = dep.build_parser()
+    for (start, argv), (end, _) in zip(runs, runs[1:]):
+        args = parser.parse_args(argv)
+        estimate = sum(seconds for *_, seconds in dep.estimate_plan(args))
+        took = end - start
+        assert took - 60 <= estimate <= 4 * (took + 60), (argv, took, estimate)
+
+
+def test_dry_run_plans_the_batches_the_recorded_runs_filled():
+    # The same decision as bench_e2e.run_engine, on the cache vLLM is expected to allocate: the
+    # recorded rows without MTP (whose KV share the code has changed since) must agree.
+    from benchmarks.vllm_engine import read_csv
+
+    _, rows = read_csv(Path(dep.__file__).parent / "results" / "deployment" / "deployment.csv")
+    args = dep.build_parser().parse_args([])
+    checked = 0
+    for row in rows:
+        if row["mtp"] == "True" or not row["batch"]:
+            continue
+        args.contexts = [int(row["context"])]
+        engine = dep.plan_engine(dep.CONFIGS[row["config"]], row["kv"], False, args)
+        assert engine.batches[int(row["context"])] == int(row["batch"]), row
+        checked += 1
+    assert checked >= 10
+
+
+def test_dry_run_prints_the_plan_and_starts_no_engine(monkeypatch, capsys):
+    from benchmarks import bench_e2e
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("--dry-run started an engine")
+
+    monkeypatch.setattr(bench_e2e, "run_in_subprocess", no_engine)
+    dep.main(["--out", "unused", "--configs", "dp1-tp8", "dp8-tp1-ep8", "--mtp",
+              "--concurrent-starts", "3", "--dry-run"])
+    out = capsys.readouterr().out
+    assert "dp1-tp8, 16 heads: 5 engines in 2 group(s)" in out
+    assert "fp8_snapmla + MTP: 5 layers" in out
+    assert "The whole run: about" in out
+    assert not Path("unused").exists()
+
+
+def test_estimate_grows_with_context_heads_and_groups():
+    args = dep.build_parser().parse_args(["--contexts", "32768", "131072"])
+    engine = dep.plan_engine(dep.CONFIGS["dp8-tp1-ep8"], "fp8_snapmla", False, args)
+    # Prefill attention grows with the context squared: 128k costs more than 32k per token.
+    assert engine.seconds[131072] > engine.seconds[32768]
+    narrow = dep.plan_engine(dep.CONFIGS["dp1-tp8"], "fp8_snapmla", False, args)
+    assert sum(narrow.seconds.values()) < sum(engine.seconds.values())
+    # One engine at a time pays a start-up per engine; groups share theirs.
+    one = dep.estimate_plan(dep.build_parser().parse_args(["--configs", "dp1-tp8"]))
+    three = dep.estimate_plan(dep.build_parser().parse_args(
+        ["--configs", "dp1-tp8", "--concurrent-starts", "3"]))
+    assert one[0][2] - three[0][2] == pytest.approx(2 * dep.NEXT_START_S)
