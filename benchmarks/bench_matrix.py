@@ -368,6 +368,21 @@ def estimate_engine_s(engine: Engine, settings: Settings, workload=None) -> tupl
     return total, decisions
 
 
+def dry_run_cells(engine: Engine, decisions: list[dict]) -> list[str]:
+    """--dry-run's lines for ``engine``'s cells, one per context: per batch label the batch
+    and the estimated seconds, or why the engine is expected to skip it."""
+    by_context: dict[int, list[str]] = {}
+    for (context, label), decision in zip(engine.cells, decisions):
+        if decision["reason"]:
+            text = f"{label}: skipped ({decision['reason']})"
+        else:
+            size = "" if label != "fill" else f" (B={decision['batch_size']})"
+            text = f"{label}{size}: ~{decision['estimated_s']:.1f} s"
+        by_context.setdefault(context, []).append(text)
+    return [f"      context {context}: " + ", ".join(cells)
+            for context, cells in by_context.items()]
+
+
 # --- continuous batching (pure; unit-tested with a stand-in engine) ------------------------
 
 def estimate_total_s(engines: list[Engine], estimates: list[tuple], concurrent_starts: int
@@ -1017,9 +1032,11 @@ def main(argv=None) -> None:
           + f"; estimated {estimate_total_s(engines, estimates, args.concurrent_starts) / 60:.1f}"
             " min"
           + (f", budget {args.budget_s / 60:.1f} min" if deadline else ""), flush=True)
-    for i, (engine, (seconds, _)) in enumerate(zip(engines, estimates), 1):
+    for i, (engine, (seconds, decisions)) in enumerate(zip(engines, estimates), 1):
         print(f"  [{i}] {engine.describe()}: {len(engine.cells)} cells"
               f"{' + serve' if engine.serve else ''}, ~{seconds:.0f} s", flush=True)
+        if args.dry_run:
+            print("\n".join(dry_run_cells(engine, decisions)), flush=True)
     if args.dry_run:
         return
     write_outputs(out, info, skipped, switch_interval_ms=switch_ms)

@@ -6,6 +6,7 @@ maps and --replot."""
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -166,7 +167,24 @@ def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
     assert "2 engines (0 graph, 2 eager), 6 cells" in proc.stdout
     assert "2 cell rows skipped now by --max-prefill-tokens" in proc.stdout
     assert "[1] auto H=16 wide (163840 tokens, 2560 pages) eager" in proc.stdout
+    # Each engine's cells, per context: the fixed batches' estimates (64 x 128k is above
+    # --max-prefill-tokens and not planned).
+    assert re.search(r"context 512: 1: ~[\d.]+ s, 64: ~[\d.]+ s\n", proc.stdout)
+    assert re.search(r"context 131072: 1: ~[\d.]+ s\n", proc.stdout)
     assert not (tmp_path / "m").exists()
+
+
+def test_dry_run_cells_name_the_fill_batch_and_the_skip_reason():
+    engine = bm.Engine("fp8_snapmla", 16, "wide", 163840, "graph",
+                       [(512, "fill"), (512, "8"), (2048, "1")])
+    decisions = [{"batch_size": 96, "reason": None, "estimated_s": 3.25},
+                 {"batch_size": 8, "reason": None, "estimated_s": 0.75},
+                 {"batch_size": 1, "reason": "context 2048 + 600 generated tokens > "
+                                                "max_model_len 2048"}]
+    assert bm.dry_run_cells(engine, decisions) == [
+        "      context 512: fill (B=96): ~3.2 s, 8: ~0.8 s",
+        "      context 2048: 1: skipped (context 2048 + 600 generated tokens > max_model_len "
+        "2048)"]
 
 
 def test_bad_batch_is_refused():
