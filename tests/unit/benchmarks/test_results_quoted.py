@@ -1,0 +1,81 @@
+"""The README quotes the recorded results: when a file under benchmarks/results is replaced by a
+new run, the README's numbers must follow it, and these tests fail until they do."""
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks.vllm_engine import read_csv
+
+ROOT = Path(__file__).resolve().parents[3]
+RESULTS = ROOT / "benchmarks" / "results"
+CONTEXTS = {32768: "32k", 65536: "64k", 131072: "128k"}
+
+
+def _readme_line(prefix: str) -> str:
+    lines = [line for line in (ROOT / "README.md").read_text().splitlines()
+             if line.startswith(prefix)]
+    assert len(lines) == 1, (prefix, lines)
+    return lines[0]
+
+
+def _ratio(value: str) -> str:
+    return f"{float(value):.2f}x"
+
+
+def _e2e_ratios(heads: int) -> dict[tuple[str, int], str]:
+    rows = []
+    for name in ("e2e.csv", "e2e-h16.csv"):
+        rows += read_csv(RESULTS / name)[1]
+    ratios = {(r["kv"], int(r["context"])): _ratio(r["speedup_vs_bf16"]) for r in rows
+              if int(r["heads"]) == heads and int(r["context"]) in CONTEXTS
+              and r["kv"] != "auto"}
+    assert len(ratios) == 6, (heads, ratios)
+    return ratios
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+def test_end_to_end_ratios_are_the_recorded_ones(heads):
+    ratios = _e2e_ratios(heads)
+    line = _readme_line(f"- {heads} heads: ")
+    ours = ", ".join(f"{'**' if heads == 16 else ''}{ratios['fp8_snapmla', c]}"
+                     f"{'**' if heads == 16 else ''} at {label}"
+                     for c, label in CONTEXTS.items())
+    fp8 = ", ".join(ratios["fp8", c] for c in CONTEXTS)
+    assert ours in line, (ours, line)
+    assert fp8 in line, (fp8, line)
+
+
+def _range(values) -> str:
+    values = sorted(float(v[:-1]) for v in values)
+    return f"{values[0]:.2f}-{values[-1]:.2f}x"
+
+
+def test_summary_table_ranges_are_the_recorded_ones():
+    long16 = _range(v for (kv, _), v in _e2e_ratios(16).items() if kv == "fp8_snapmla")
+    long128 = _range(v for (kv, _), v in _e2e_ratios(128).items() if kv == "fp8_snapmla")
+    assert long16 in _readme_line("| long contexts (32k-128k)"), long16
+    assert long128 in _readme_line("| the same at 128 heads"), long128
+    _, rows = read_csv(RESULTS / "deployment" / "deployment.csv")
+    plain = [_ratio(r["speedup_vs_auto"]) for r in rows
+             if r["kv"] == "fp8_snapmla" and r["mtp"] == "False" and r["speedup_vs_auto"]]
+    assert _range(plain) in _readme_line("| one rank of DeepSeek-V3.1"), _range(plain)
+
+
+@pytest.mark.parametrize("config, label", [("dp8-tp1-ep8", "| DP8/TP1 with EP8"),
+                                           ("dp4-tp2-ep8", "| DP4/TP2 with EP8"),
+                                           ("dp1-tp8", "| DP1/TP8")])
+def test_deployment_table_is_the_recorded_runs(config, label):
+    _, rows = read_csv(RESULTS / "deployment" / "deployment.csv")
+    line = _readme_line(label)
+    cells = [cell.strip() for cell in line.strip("|").split("|")]
+    for column, (kv, mtp) in enumerate([("fp8_snapmla", "False"), ("fp8", "False"),
+                                        ("fp8_snapmla", "True")], start=1):
+        found = {int(r["context"]): _ratio(r["speedup_vs_auto"]) for r in rows
+                 if r["config"] == config and r["kv"] == kv and r["mtp"] == mtp
+                 and r["speedup_vs_auto"]}
+        if not found:
+            assert cells[column] == "not run", (config, kv, mtp, cells[column])
+            continue
+        quoted = " / ".join(found[c] for c in sorted(found))
+        assert cells[column].startswith(quoted), (config, kv, mtp, quoted, cells[column])
