@@ -110,10 +110,10 @@ from benchmarks.provenance import describe, run_info
 from benchmarks.vllm_engine import (ATTENTION_FLOPS_PER_PAIR_AND_HEAD, ATTENTION_FLOPS_PER_S,
                                     BLOCK_SIZE, DEEPSEEK_V31_ATTENTION, ENGINE_OVERHEAD_GIB,
                                     KV_BYTES_PER_TOKEN, NOISE_FRACTION, PREFILL_GEMM_FLOPS_PER_S,
-                                    SETTLE_STEPS, batch_to_fill, concurrent_memory_problem,
+                                    SETTLE_STEPS, concurrent_memory_problem,
                                     concurrent_start_spec, estimated_kv_blocks, merge_by_key,
                                     not_lock_step, number, read_csv, run_engines_together,
-                                    run_number, warm_tokens, write_csv)
+                                    run_number, write_csv)
 
 GIB = 2**30
 H200_MEMORY_BYTES = int(139.8 * GIB)   # what torch reports as total memory on an H200
@@ -356,10 +356,11 @@ def largest_batch(kv: str, kv_gib: float, layers: int, contexts, limit: int) -> 
 
 # --- the plan and time estimate of --dry-run (pure; unit-tested on CPU) ---------------------
 
-# Pessimistic for an H200.  Against the runs recorded in results/deployment (each command's
-# time from its header's timestamp to the next one's) it estimates 1.2-2.6x their time; a unit
-# test keeps it within 1x-4x of every run recorded there.
-FIRST_START_S = 360.0   # a group with a configuration's first engine: DeepGEMM compiles (199-366 s)
+# Meant to be pessimistic for an H200.  Against the runs recorded in results/deployment (each
+# command's time from its header's timestamp to the next one's, to the minute) it estimates
+# 1.2-2.6x their time; a unit test keeps it between their time less a minute and 4x their time
+# plus a minute.
+FIRST_START_S = 370.0   # a group with a configuration's first engine: DeepGEMM compiles (199-366 s)
 NEXT_START_S = 90.0     # later groups, DeepGEMM's kernels cached (47-87 s measured)
 DECODE_STEP_S = 0.006   # the proxies' steps measured 1.8-5.6 ms, MTP's included
 CONTEXT_OVERHEAD_S = 2.0
@@ -397,31 +398,29 @@ class EnginePlan:
 
 
 def plan_engine(rank: Rank, kv: str, mtp: bool, args) -> EnginePlan:
-    """What ``engine_launch`` and ``bench_e2e.run_engine`` will decide for this engine, from the
-    cache size vLLM is expected to allocate (``estimated_kv_blocks``; the engine uses its real
-    one), and the time model above."""
+    """What ``engine_launch`` and ``bench_e2e.run_engine`` (``bench_e2e.plan_context``) will
+    decide for this engine, on the cache vLLM is expected to allocate (``estimated_kv_blocks``,
+    less its null block; the engine uses its real one), and the time model above."""
     layers = 1 + args.moe_layers + int(mtp)
     kv_gib = layers * kv_budget(rank, args.reserve_gib, mtp)["kv_bytes_per_layer"] / GIB
     max_batch = largest_batch(kv, kv_gib, layers, args.contexts, args.max_batch)
     usable = estimated_kv_blocks(kv, kv_gib, layers) - 1
-    per_step = 1 + int(mtp)
-    timed = (SETTLE_STEPS + args.windows * args.gen_tokens) * per_step
+    draft = MTP_SPEC["num_speculative_tokens"] if mtp else 0
+    timed = (SETTLE_STEPS + args.windows * args.gen_tokens) * (1 + draft)
     weights = prefill_weights_per_token(rank, args.moe_layers, mtp)
     batches, seconds = {}, {}
     for context in args.contexts:
-        first = batch_to_fill(usable, BLOCK_SIZE, context, timed, max_batch)
-        warm = warm_tokens(max(first, 1), context, LLM_MAX_BATCHED_TOKENS)
-        max_tokens = warm * per_step + timed
-        batch = batch_to_fill(usable, BLOCK_SIZE, context, max_tokens, max_batch)
-        batches[context] = max(batch, 0)
-        if batch < 1:
+        plan = bench_e2e.plan_context(usable, BLOCK_SIZE, context, timed, draft,
+                                      LLM_MAX_BATCHED_TOKENS, max_batch)
+        batches[context] = 0 if plan["reason"] else plan["batch"]
+        if plan["reason"]:
             continue
-        tokens = batch * context
+        tokens = plan["batch"] * context
         prefill = (2 * tokens * weights / PREFILL_GEMM_FLOPS_PER_S
                    + layers * rank.heads * tokens * context / 2
                    * ATTENTION_FLOPS_PER_PAIR_AND_HEAD / ATTENTION_FLOPS_PER_S)
         # Dummy weights accept no drafted token: one token per request and step.
-        seconds[context] = CONTEXT_OVERHEAD_S + prefill + max_tokens * DECODE_STEP_S
+        seconds[context] = CONTEXT_OVERHEAD_S + prefill + plan["max_tokens"] * DECODE_STEP_S
     return EnginePlan(rank.name, kv, mtp, layers, kv_gib, max_batch, batches, seconds)
 
 

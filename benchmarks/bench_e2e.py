@@ -200,6 +200,25 @@ def write_outputs(rows: list[dict], out: Path, header: str) -> list[dict]:
 MAX_WARM_TOKENS = 4096
 
 
+def plan_context(usable_blocks: int, block_size: int, context: int, timed_tokens: int,
+                 draft: int, max_batched_tokens: int, max_batch: int) -> dict:
+    """The batch ``run_engine`` fills at ``context`` in ``usable_blocks`` pages: ``batch``,
+    its requests' ``max_tokens`` (the prefill's warm-up tokens, times ``1 + draft`` speculative
+    tokens per step, and the ``timed_tokens``) and the ``reason`` it cannot run (None: it can).
+    The prefill's steps depend on the batch and the batch on them: size it without them, bound
+    the steps for that (larger) batch, then size it again."""
+    batch = batch_to_fill(usable_blocks, block_size, context, timed_tokens, max_batch)
+    warm = warm_tokens(max(batch, 1), context, max_batched_tokens)
+    max_tokens = warm * (1 + draft) + timed_tokens
+    batch = batch_to_fill(usable_blocks, block_size, context, max_tokens, max_batch)
+    reason = None
+    if warm > MAX_WARM_TOKENS:
+        reason = f"prefill needs {warm} warm tokens > {MAX_WARM_TOKENS}"
+    elif batch < 1:
+        reason = "KV cache holds no request of this length"
+    return {"batch": batch, "max_tokens": max_tokens, "reason": reason}
+
+
 def run_engine(spec: dict):
     """Build one engine and, for each context, fill its KV cache with a batch and time its decode
     steps (``timed_decode_windows``).  Yields ``{"kind": "engine", ...}`` once the engine is up
@@ -232,22 +251,13 @@ def run_engine(spec: dict):
     # Block 0 is vLLM's null block: a batch sized on all blocks could be preempted.
     usable_blocks = cache.num_gpu_blocks - 1
     for context in spec["contexts"]:
-        # The prefill's steps depend on B and B on them: size B without them, bound the steps
-        # for that (larger) B, then size B again.
-        batch = batch_to_fill(usable_blocks, cache.block_size, context, timed_tokens,
-                              spec["max_batch"])
-        warm = warm_tokens(max(batch, 1), context,
-                           config.scheduler_config.max_num_batched_tokens)
-        max_tokens = warm * (1 + draft) + timed_tokens
-        batch = batch_to_fill(usable_blocks, cache.block_size, context, max_tokens,
-                              spec["max_batch"])
+        plan = plan_context(usable_blocks, cache.block_size, context, timed_tokens, draft,
+                            config.scheduler_config.max_num_batched_tokens, spec["max_batch"])
+        batch, max_tokens = plan["batch"], plan["max_tokens"]
         result = {"context": context, "batch": batch, "windows": windows,
                   "max_tokens": max_tokens, "kv_cache_tokens": capacity}
-        if warm > MAX_WARM_TOKENS:
-            yield {**result, "error": f"prefill needs {warm} warm tokens > {MAX_WARM_TOKENS}"}
-            continue
-        if batch < 1:
-            yield {**result, "error": "KV cache holds no request of this length"}
+        if plan["reason"]:
+            yield {**result, "error": plan["reason"]}
             continue
         try:
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,

@@ -390,54 +390,82 @@ def test_options_that_would_run_nothing_or_fail_late_are_refused(extra, message,
     assert message in capsys.readouterr().err
 
 
-def _recorded_commands() -> list[tuple[float, list[str]]]:
-    """(start time in seconds, arguments) of each run recorded in results/deployment, in order."""
+# Flags that give the recorded runs' settings under today's defaults, by the commit a run
+# names: those runs predate the defaults of four 128-step windows and uniform routing
+# (benchmarks/RESULTS.md gives the same flags).
+RECORDED_DEFAULTS = {"9861e7f": ["--windows", "2", "--gen-tokens", "256", "--routing", "weights"]}
+DEPLOYMENT_CSV = Path(dep.__file__).parent / "results" / "deployment" / "deployment.csv"
+
+
+def _run_args(header: str) -> tuple[float, list[str]]:
+    """(start time in seconds, arguments as today's parser needs them) of a recorded run."""
     import datetime
     import shlex
 
-    from benchmarks.vllm_engine import read_csv
-
-    comments, _ = read_csv(Path(dep.__file__).parent / "results" / "deployment" /
-                           "deployment.csv")
-    runs = []
-    for line in dict.fromkeys(comments):      # the newest run's header is repeated last
-        stamp, *_, command = (part.strip() for part in line.split("|"))
-        words = shlex.split(command)
-        assert words[:3] == ["python", "-m", "benchmarks.bench_deployment"], command
-        when = datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M UTC").timestamp()
-        runs.append((when, words[3:]))
-    return sorted(runs, key=lambda run: run[0])
+    stamp, commit, *_, command = (part.strip() for part in header.split("|"))
+    words = shlex.split(command)
+    assert words[:3] == ["python", "-m", "benchmarks.bench_deployment"], command
+    assert commit.startswith("commit "), header
+    when = datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M UTC").timestamp()
+    return when, words[3:] + RECORDED_DEFAULTS.get(commit.split()[1], [])
 
 
 def test_dry_run_estimates_within_1x_to_4x_of_the_recorded_runs():
-    # A run's time is from its header's timestamp (minute resolution) to the next run's; the
-    # last one has none.  New data outside the range means the time model needs recalibrating.
-    runs = _recorded_commands()
+    # A run's time is from its header's timestamp (to the minute) to the next run's; the last
+    # one has none.  New data outside the range means the time model needs recalibrating.
+    from benchmarks.vllm_engine import read_csv
+
+    comments, _ = read_csv(DEPLOYMENT_CSV)
+    runs = sorted(_run_args(header) for header in dict.fromkeys(comments))
     assert len(runs) >= 3
     parser = dep.build_parser()
     for (start, argv), (end, _) in zip(runs, runs[1:]):
-        args = parser.parse_args(argv)
-        estimate = sum(seconds for *_, seconds in dep.estimate_plan(args))
+        estimate = sum(seconds for *_, seconds in dep.estimate_plan(parser.parse_args(argv)))
         took = end - start
         assert took - 60 <= estimate <= 4 * (took + 60), (argv, took, estimate)
 
 
 def test_dry_run_plans_the_batches_the_recorded_runs_filled():
-    # The same decision as bench_e2e.run_engine, on the cache vLLM is expected to allocate: the
-    # recorded rows without MTP (whose KV share the code has changed since) must agree.
+    # The decision bench_e2e.run_engine makes, on the cache vLLM is expected to allocate, with
+    # each row's own run settings.  Rows with MTP are left out: they ran before the drafter's
+    # layer got its own share of the KV budget.
     from benchmarks.vllm_engine import read_csv
 
-    _, rows = read_csv(Path(dep.__file__).parent / "results" / "deployment" / "deployment.csv")
-    args = dep.build_parser().parse_args([])
+    comments, rows = read_csv(DEPLOYMENT_CSV)
+    parser = dep.build_parser()
     checked = 0
     for row in rows:
         if row["mtp"] == "True" or not row["batch"]:
             continue
+        args = parser.parse_args(_run_args(comments[int(row["run"]) - 1])[1])
         args.contexts = [int(row["context"])]
         engine = dep.plan_engine(dep.CONFIGS[row["config"]], row["kv"], False, args)
         assert engine.batches[int(row["context"])] == int(row["batch"]), row
         checked += 1
     assert checked >= 10
+
+
+@pytest.mark.parametrize("mtp", [False, True], ids=["plain", "mtp"])
+def test_dry_run_plans_with_what_the_engine_will_have(monkeypatch, mtp):
+    # What plan_engine hands bench_e2e.plan_context: the expected pages less vLLM's null
+    # block, the timed tokens and the speculative ones, vLLM's LLM(...) token budget on an
+    # H200, and the engine's max_num_seqs.
+    from benchmarks import bench_e2e, vllm_engine
+
+    calls = []
+    monkeypatch.setattr(bench_e2e, "plan_context", lambda *a: calls.append(a) or
+                        {"batch": 4, "max_tokens": 700, "reason": None})
+    args = dep.build_parser().parse_args(["--contexts", "32768", "131072"])
+    rank = dep.CONFIGS["dp4-tp2-ep8"]
+    engine = dep.plan_engine(rank, "fp8_snapmla", mtp, args)
+    layers = 1 + args.moe_layers + int(mtp)
+    kv_gib = layers * dep.kv_budget(rank, args.reserve_gib, mtp)["kv_bytes_per_layer"] / dep.GIB
+    draft = int(mtp)
+    timed = (vllm_engine.SETTLE_STEPS + args.windows * args.gen_tokens) * (1 + draft)
+    usable = vllm_engine.estimated_kv_blocks("fp8_snapmla", kv_gib, layers) - 1
+    max_batch = dep.largest_batch("fp8_snapmla", kv_gib, layers, args.contexts, args.max_batch)
+    assert calls == [(usable, 64, c, timed, draft, 16384, max_batch) for c in (32768, 131072)]
+    assert engine.batches == {32768: 4, 131072: 4} and engine.max_batch == max_batch
 
 
 def test_dry_run_prints_the_plan_and_starts_no_engine(monkeypatch, capsys):

@@ -66,6 +66,35 @@ def test_warm_tokens_outlast_the_chunked_prefill():
         engine_lib.warm_tokens(512, 16384, 512)
 
 
+def test_plan_context_fills_the_cache_with_requests_that_outlast_the_prefill():
+    rng = random.Random(5)
+    for _ in range(300):
+        block = rng.choice([16, 64])
+        context, draft = rng.randint(1, 131072), rng.choice([0, 1, 3])
+        timed = (engine_lib.SETTLE_STEPS + rng.randint(1, 1024)) * (1 + draft)
+        blocks, budget = rng.randint(0, 100_000), rng.choice([2048, 8192, 16384])
+        max_batch = rng.choice([8, 64, 512])
+        plan = bench.plan_context(blocks, block, context, timed, draft, budget, max_batch)
+        batch, max_tokens = plan["batch"], plan["max_tokens"]
+        pages = math.ceil((context + max_tokens) / block)
+        if plan["reason"]:
+            assert batch < 1 or "warm tokens" in plan["reason"]
+            continue
+        # The batch fits, is as large as the cache allows, and its requests outlast its
+        # prefill with every step's speculative tokens counted.
+        assert 1 <= batch <= max_batch and batch * pages <= blocks
+        assert batch == max_batch or (batch + 1) * pages > blocks
+        warm = engine_lib.warm_tokens(batch, context, budget)
+        assert max_tokens >= warm * (1 + draft) + timed
+    # Where the cache is tight (room for 40 requests of 264 pages), the prefill's token budget
+    # and the speculative tokens move the batch: 39 at vLLM's 16384 (265 pages), 40 at 65536,
+    # 38 with one draft token per step.
+    args = (40 * 264, 64, 16320)
+    assert bench.plan_context(*args, 516, 0, 16384, 512)["batch"] == 39
+    assert bench.plan_context(*args, 516, 0, 65536, 512)["batch"] == 40
+    assert bench.plan_context(*args, 1032, 1, 16384, 512)["batch"] == 38
+
+
 def test_engine_log_gives_a_row_per_context_and_keeps_finished_ones():
     spec = {"heads": 128, "contexts": [16384, 32768, 65536], "kv": "fp8_snapmla",
             "gen_tokens": 512}

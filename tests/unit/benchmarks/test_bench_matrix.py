@@ -177,12 +177,12 @@ def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
 def test_dry_run_cells_name_the_fill_batch_and_the_skip_reason():
     engine = bm.Engine("fp8_snapmla", 16, "wide", 163840, "graph",
                        [(512, "fill"), (512, "8"), (2048, "1")])
-    decisions = [{"batch_size": 96, "reason": None, "estimated_s": 3.25},
-                 {"batch_size": 8, "reason": None, "estimated_s": 0.75},
+    decisions = [{"batch_size": 96, "reason": None, "estimated_s": 3.26},
+                 {"batch_size": 8, "reason": None, "estimated_s": 0.74},
                  {"batch_size": 1, "reason": "context 2048 + 600 generated tokens > "
                                                 "max_model_len 2048"}]
     assert bm.dry_run_cells(engine, decisions) == [
-        "      context 512: fill (B=96): ~3.2 s, 8: ~0.8 s",
+        "      context 512: fill (B=96): ~3.3 s, 8: ~0.7 s",
         "      context 2048: 1: skipped (context 2048 + 600 generated tokens > max_model_len "
         "2048)"]
 

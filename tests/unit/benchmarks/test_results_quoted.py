@@ -27,10 +27,11 @@ def _e2e_ratios(heads: int) -> dict[tuple[str, int], str]:
     rows = []
     for name in ("e2e.csv", "e2e-h16.csv"):
         rows += read_csv(RESULTS / name)[1]
-    ratios = {(r["kv"], int(r["context"])): _ratio(r["speedup_vs_bf16"]) for r in rows
-              if int(r["heads"]) == heads and int(r["context"]) in CONTEXTS
-              and r["kv"] != "auto"}
-    assert len(ratios) == 6, (heads, ratios)
+    rows = [r for r in rows if int(r["heads"]) == heads and int(r["context"]) in CONTEXTS
+            and r["kv"] != "auto"]
+    ratios = {(r["kv"], int(r["context"])): _ratio(r["speedup_vs_bf16"]) for r in rows}
+    # One row per cell: a new run in one file must not hide behind the other's.
+    assert len(ratios) == len(rows) == 6, (heads, rows)
     return ratios
 
 
@@ -79,3 +80,14 @@ def test_deployment_table_is_the_recorded_runs(config, label):
             continue
         quoted = " / ".join(found[c] for c in sorted(found))
         assert cells[column].startswith(quoted), (config, kv, mtp, quoted, cells[column])
+
+
+def test_matrix_cells_are_the_recorded_ones():
+    _, rows = read_csv(RESULTS / "matrix.csv")
+    cells = {int(r["context"]): _ratio(r["vs_bf16"]) for r in rows
+             if r["kv"] == "fp8_snapmla" and r["vs_bf16"] and r["heads"] == "16"
+             and r["batch"] == "64" and r["mode"] == "graph" and r["max_model_len"] == "wide"}
+    assert set(cells) == {512, 8192}, cells
+    assert _range(cells.values()) in _readme_line("| 64 requests of 512 and of 8k tokens")
+    line = _readme_line("  `efac971`, 64 requests, vLLM's 2560-page table)")
+    assert f"{cells[512]} (512 tokens) and {cells[8192]} (8k)" in line, (cells, line)
