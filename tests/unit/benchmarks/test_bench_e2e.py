@@ -374,3 +374,39 @@ def test_options_that_fail_after_engine_start_are_refused(extra, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--out", "unused", *extra])
     assert "must be at least 1" in capsys.readouterr().err
+
+
+def test_run_engine_sizes_each_context_with_plan_context(monkeypatch):
+    # run_engine on a stand-in engine (the GPU path's bookkeeping): the batch and max_tokens of
+    # each context are plan_context's on the engine's pages less the null block, with the
+    # engine's token budget; a context no request fits in reports why and the next one runs.
+    from types import SimpleNamespace
+
+    cache = SimpleNamespace(num_gpu_blocks=1 + 40 * 264, block_size=64)
+    config = SimpleNamespace(cache_config=cache,
+                             scheduler_config=SimpleNamespace(max_num_batched_tokens=16384))
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=config))
+    built, timed = {}, []
+    monkeypatch.setattr(bench, "build_llm", lambda *a, **k: built.update(args=a, kw=k) or llm)
+    monkeypatch.setattr(bench, "warm_up", lambda *a: None)
+
+    def windows(engine, prompts, params, gen, count, id_prefix, window_tokens):
+        timed.append((len(prompts), params.max_tokens))
+        window_tokens += [len(prompts) * gen * 2] * count     # two tokens per request and step
+        return [0.002] * count, True, 7, "engine core"
+
+    monkeypatch.setattr(bench, "timed_decode_windows", windows)
+    spec = {"model": "m", "kv": "fp8_snapmla", "contexts": [16320, 10**7], "gen_tokens": 8,
+            "windows": 2, "kv_cache_gib": 1.0, "max_batch": 512, "vocab": 100,
+            "speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}
+    results = list(bench.run_engine(spec))
+    assert results[0] == {"kind": "engine", "kv_cache_tokens": cache.num_gpu_blocks * 64}
+    plan = bench.plan_context(40 * 264, 64, 16320, (engine_lib.SETTLE_STEPS + 16) * 2, 1,
+                              16384, 512)
+    first, second = results[1:]
+    assert (first["batch"], first["max_tokens"]) == (plan["batch"], plan["max_tokens"])
+    assert timed == [(plan["batch"], plan["max_tokens"])]
+    assert first["tokens_per_step"] == 2.0 and first["decode_tok_s"] == plan["batch"] / 0.002
+    assert second["context"] == 10**7 and "no request" in second["error"]
+    # max_model_len leaves room for the longest context's warm-up and timed tokens.
+    assert built["args"][2] == 10**7 + bench.MAX_WARM_TOKENS + (engine_lib.SETTLE_STEPS + 16) * 2
