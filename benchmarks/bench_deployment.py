@@ -704,9 +704,14 @@ def main(argv=None) -> None:
     print(budget, flush=True)
     if args.budget_only:
         return
+    plan = estimate_plan(args)
     if args.dry_run:
-        print(format_plan(estimate_plan(args), args.contexts), flush=True)
+        print(format_plan(plan, args.contexts), flush=True)
         return
+    engines = sum(len(group) for _, groups, _ in plan for group in groups)
+    print(f"{engines} engines over {len(plan)} configuration(s), estimated about "
+          f"{sum(seconds for *_, seconds in plan) / 60:.0f} min on an H200 (pessimistic; "
+          "--dry-run prints the plan)", flush=True)
     out = Path(args.out)
     header = describe(run_info("benchmarks.bench_deployment", argv))
     rows: list[dict] = []

@@ -205,7 +205,8 @@ def test_speedup_uncertainty_adds_both_sides_spreads():
 
 
 @pytest.mark.parametrize("concurrent", [1, 3])
-def test_main_runs_a_configurations_engines_in_groups(tmp_path, monkeypatch, concurrent):
+def test_main_runs_a_configurations_engines_in_groups(tmp_path, monkeypatch, concurrent,
+                                                       capsys):
     import threading
 
     logged_routing = "uniform_random"   # what vLLM's engine log says (engine_log_facts)
@@ -243,6 +244,7 @@ def test_main_runs_a_configurations_engines_in_groups(tmp_path, monkeypatch, con
     monkeypatch.setattr(bench_e2e, "run_in_subprocess", fake_engine)
     dep.main(["--out", str(tmp_path), "--configs", "dp1-tp8", "--contexts", "32768",
               "--concurrent-starts", str(concurrent)])
+    assert "3 engines over 1 configuration(s), estimated about" in capsys.readouterr().out
     assert sorted(s["kv"] for s in specs) == sorted(dep.KV_SETTINGS)
     assert len({s["model"] for s in specs}) == 3          # one proxy folder per engine
     if concurrent == 1:
