@@ -2,10 +2,15 @@
 
     python -m benchmarks.bench_e2e --out out/bench_e2e [--quick]
         [--heads 128 16] [--contexts 16384 32768 65536 131072] [--kv auto fp8_snapmla fp8]
+        [--tp N]
 
 The model has DeepSeek-V3.1's attention shapes (hidden 7168, q_lora 1536, kv_lora 512, RoPE 64,
 nope 128, v 128), 4 dense layers (intermediate 2048), DeepSeek's vocabulary and vLLM's dummy
 weights.  128 heads is the whole model on one GPU; 16 heads stands in for one rank of TP8.
+``--tp N`` runs the model with tensor parallelism over N GPUs instead (``--heads 128 --tp 8``:
+DeepSeek-V3.1's attention as a TP8 deployment runs it, 16 heads per rank, the all-reduces
+included); every rank holds the whole latent cache, so ``--kv-cache-gib`` is per GPU and the
+capacity is what one GPU with that budget holds.
 
 Each (heads, kv) pair runs in its own process (it owns the GPU) and builds one ``LLM`` for all
 contexts (engine start-up and graph capture took most of a setting's 80-110 s when each
@@ -54,8 +59,8 @@ from benchmarks.provenance import describe, run_info
 from benchmarks.vllm_engine import (
     DEEPSEEK_V31_ATTENTION, SETTLE_STEPS, batch_to_fill, build_llm, child_main,
     engine_log_facts, merge_by_key, model_config, not_lock_step, number, random_prompts,
-    read_csv, run_child, run_number, summarize_windows, timed_decode_windows, wait_for_go,
-    warm_tokens, warm_up, write_csv)
+    read_csv, run_child, run_number, summarize_windows, timed_decode_windows, visible_gpus,
+    wait_for_go, warm_tokens, warm_up, write_csv)
 from vllm_snapmla.testing import write_tiny_deepseek_v3
 
 KV_SETTINGS = ("auto", "fp8_snapmla", "fp8")
@@ -64,7 +69,7 @@ HEADS = (128, 16)
 CONTEXTS = (16384, 32768, 65536, 131072)
 QUICK = {"heads": (128,), "contexts": (16384, 65536), "gen_tokens": 128, "kv_cache_gib": 4.0}
 
-CSV_FIELDS = ["run", "heads", "context", "kv", "backend", "batch", "gen_tokens", "windows",
+CSV_FIELDS = ["run", "tp", "heads", "context", "kv", "backend", "batch", "gen_tokens", "windows",
               "max_tokens", "prefill_steps", "lock_step", "timer", "spread_pct", "window_ms",
               "timing_ok",
               "kv_cache_tokens", "log_kv_cache_tokens", "capacity_vs_bf16", "decode_tok_s",
@@ -73,19 +78,24 @@ CSV_FIELDS = ["run", "heads", "context", "kv", "backend", "batch", "gen_tokens",
 
 # --- results (unit-tested on CPU) ------------------------------------------------------------
 
-def _key(row: dict) -> tuple[int, int, str]:
-    return int(row["heads"]), int(row["context"]), row["kv"]
+def _tp(row: dict) -> int:
+    """The row's tensor-parallel size (rows recorded before the ``tp`` column ran on one GPU)."""
+    return int(row.get("tp") or 1)
+
+
+def _key(row: dict) -> tuple[int, int, int, str]:
+    return _tp(row), int(row["heads"]), int(row["context"]), row["kv"]
 
 
 def _pair_key(row: dict) -> tuple:
-    """What a row and its BF16 row share: shape and run (rows recorded before the ``run``
-    column have none, and pair among themselves)."""
-    return (*_key(row)[:2], str(row.get("run") or ""))
+    """What a row and its BF16 row share: parallelism, shape and run (rows recorded before the
+    ``run`` column have none, and pair among themselves)."""
+    return (*_key(row)[:3], str(row.get("run") or ""))
 
 
 def add_relative_columns(rows: list[dict]) -> list[dict]:
     """Fill ``speedup_vs_bf16`` and ``capacity_vs_bf16`` against the ``auto`` row of the same
-    (heads, context) and run; empty where that row or the value is missing, and no speedup where
+    (tp, heads, context) and run; empty where that row or the value is missing, and no speedup where
     either row was not lock-step."""
     base = {_pair_key(r): r for r in rows if r["kv"] == BASELINE_KV and not r.get("error")}
     for row in rows:
@@ -100,9 +110,10 @@ def add_relative_columns(rows: list[dict]) -> list[dict]:
 
 
 def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
-    """``old`` with rows of the same (heads, context, kv) replaced by ``new``, sorted."""
+    """``old`` with rows of the same (tp, heads, context, kv) replaced by ``new``, sorted."""
     order = {kv: i for i, kv in enumerate(KV_SETTINGS)}
-    return merge_by_key(old, new, _key, lambda k: (-k[0], k[1], order.get(k[2], 99), k[2]))
+    return merge_by_key(old, new, _key,
+                        lambda k: (k[0], -k[1], k[2], order.get(k[3], 99), k[3]))
 
 
 def _fmt(value, digits: int = 0) -> str:
@@ -115,21 +126,21 @@ def _fmt(value, digits: int = 0) -> str:
 def format_table(rows: list[dict], runs: list[str] = ()) -> str:
     """Markdown table of the rows, under the list of ``runs`` the ``run`` column numbers."""
     lines = [f"run {i}: {text}" for i, text in enumerate(runs, 1)] + ([""] if runs else [])
-    lines += [("| run | H | context | KV | backend | B | prefill steps | lock-step | "
-               "timing (spread) | KV capacity (tokens) | capacity vs BF16 (same run) | "
+    lines += [("| run | TP | H | context | KV | backend | B | prefill steps | lock-step | "
+               "timing (spread) | KV capacity (tokens per GPU) | capacity vs BF16 (same run) | "
                "decode tok/s | TPOT ms | vs BF16 (same run) |"),
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("error"):
-            lines.append(f"| {r.get('run') or '-'} | {r['heads']} | {r['context']} | {r['kv']} "
-                         f"| failed: {str(r['error'])[:80]} | | | | | | | | | |")
+            lines.append(f"| {r.get('run') or '-'} | {_tp(r)} | {r['heads']} | {r['context']} "
+                         f"| {r['kv']} | failed: {str(r['error'])[:80]} | | | | | | | | | |")
             continue
         lock_step = {"True": "yes", "False": "**no**"}.get(str(r.get("lock_step")), "-")
         timing = {"True": "ok", "False": "**noisy**"}.get(str(r.get("timing_ok")), "-")
         spread = number(r.get("spread_pct"))
         timing += f" ({spread:.1f}%)" if spread is not None else ""
         lines.append(
-            f"| {r.get('run') or '-'} | {r['heads']} | {r['context']} | {r['kv']} | "
+            f"| {r.get('run') or '-'} | {_tp(r)} | {r['heads']} | {r['context']} | {r['kv']} | "
             f"{r.get('backend') or '-'} | "
             f"{r['batch']} | {r.get('prefill_steps') or '-'} | {lock_step} | {timing} | "
             f"{_fmt(r['kv_cache_tokens'])} | {_fmt(r['capacity_vs_bf16'], 3)} | "
@@ -149,14 +160,15 @@ def plot(rows: list[dict], path: Path) -> bool:
     import matplotlib.pyplot as plt
 
     ok = [r for r in rows if not r.get("error") and number(r.get("decode_tok_s"))]
-    heads = sorted({int(r["heads"]) for r in ok}, reverse=True) or [0]
-    fig, axes = plt.subplots(2, len(heads), figsize=(5.5 * len(heads), 7.5), squeeze=False,
+    panels = sorted({(_tp(r), int(r["heads"])) for r in ok}, key=lambda p: (p[0], -p[1]))
+    panels = panels or [(1, 0)]
+    fig, axes = plt.subplots(2, len(panels), figsize=(5.5 * len(panels), 7.5), squeeze=False,
                              sharex="col")
-    for col, h in enumerate(heads):
+    for col, (tp, h) in enumerate(panels):
         top, bottom = axes[0][col], axes[1][col]
         for kv in sorted({r["kv"] for r in ok}, key=lambda k: (k != BASELINE_KV, k)):
             series = sorted((int(r["context"]), r) for r in ok
-                            if int(r["heads"]) == h and r["kv"] == kv)
+                            if (_tp(r), int(r["heads"])) == (tp, h) and r["kv"] == kv)
             if not series:
                 continue
             x = [c for c, _ in series]
@@ -165,7 +177,8 @@ def plot(rows: list[dict], path: Path) -> bool:
             speed = [(c, s) for c, s in speed if s]
             if speed:
                 bottom.plot(*zip(*speed), "o-", label=kv)
-        top.set_title(f"{h} heads" + (" (one TP8 rank)" if h == 16 else ""))
+        top.set_title(f"{h} heads, TP{tp} ({h // tp} per GPU)" if tp > 1 else
+                      f"{h} heads" + (" (one TP8 rank)" if h == 16 else ""))
         top.set_ylabel("decode tok/s")
         bottom.set_ylabel("speedup vs BF16")
         bottom.axhline(1.0, color="gray", lw=0.8)
@@ -238,7 +251,8 @@ def run_engine(spec: dict):
                     max(spec["contexts"]) + MAX_WARM_TOKENS + timed_tokens,
                     spec["kv_cache_gib"], spec["max_batch"],
                     speculative_config=spec.get("speculative_config"),
-                    gpu_memory_utilization=spec.get("gpu_memory_utilization"))
+                    gpu_memory_utilization=spec.get("gpu_memory_utilization"),
+                    tensor_parallel_size=spec.get("tensor_parallel_size", 1))
     config = llm.llm_engine.vllm_config
     cache = config.cache_config
     capacity = cache.num_gpu_blocks * cache.block_size
@@ -287,8 +301,8 @@ def parse_engine_log(spec: dict, results: list[dict], log: str, failure: str | N
     facts = engine_log_facts(log)
     rows = []
     for context in spec["contexts"]:
-        row = {"heads": spec["heads"], "context": context, "kv": spec["kv"],
-               "gen_tokens": spec["gen_tokens"], **facts}
+        row = {"tp": spec.get("tensor_parallel_size", 1), "heads": spec["heads"],
+               "context": context, "kv": spec["kv"], "gen_tokens": spec["gen_tokens"], **facts}
         row.update(by_context.get(context) or {"error": failure or "no result"})
         rows.append(row)
     return rows
@@ -348,6 +362,9 @@ def main(argv=None) -> None:
                         help="cap on the batch (vLLM captures CUDA graphs up to 512)")
     parser.add_argument("--timeout", type=float, default=1800,
                         help="seconds per context (an engine gets this times its contexts)")
+    parser.add_argument("--tp", type=int, default=1, metavar="N",
+                        help="tensor parallelism over N GPUs (every --heads a multiple of N; "
+                             "--kv-cache-gib is then per GPU)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.windows < 1:
@@ -362,6 +379,10 @@ def main(argv=None) -> None:
 
     quick = QUICK if args.quick else {}
     heads = args.heads or quick.get("heads", HEADS)
+    if args.tp < 1 or any(h % args.tp for h in heads):
+        parser.error(f"--tp {args.tp} must be at least 1 and divide every head count {heads}")
+    if args.tp > 1 and (gpus := visible_gpus()) is not None and gpus < args.tp:
+        parser.error(f"--tp {args.tp} needs {args.tp} GPUs; {gpus} visible")
     contexts = args.contexts or quick.get("contexts", CONTEXTS)
     gen = args.gen_tokens or quick.get("gen_tokens", 512)
     kv_gib = args.kv_cache_gib if args.kv_cache_gib is not None else quick.get("kv_cache_gib",
@@ -369,18 +390,21 @@ def main(argv=None) -> None:
     out = Path(args.out)
     header = describe(run_info("benchmarks.bench_e2e", argv))
     engines = [(h, kv) for h in heads for kv in args.kv]
+    per_gpu = " per GPU" if args.tp > 1 else ""
     print(f"{len(engines)} engines x {len(contexts)} contexts, T={gen}, KV budget "
-          f"{f'{kv_gib} GiB' if kv_gib else '90% of the GPU'}, results in {out}", flush=True)
+          f"{f'{kv_gib} GiB' if kv_gib else '90% of the GPU'}{per_gpu}"
+          f"{f', TP{args.tp}' if args.tp > 1 else ''}, results in {out}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-e2e-") as tmp:
         models = {h: str(write_tiny_deepseek_v3(Path(tmp) / f"deepseek-v31-attn-h{h}",
                                                 **model_config(h))) for h in heads}
         for i, (h, kv) in enumerate(engines, 1):
-            print(f"[{i}/{len(engines)}] H={h} kv={kv}, contexts {list(contexts)} ...", flush=True)
+            print(f"[{i}/{len(engines)}] H={h} kv={kv}{f' TP{args.tp}' if args.tp > 1 else ''}, "
+                  f"contexts {list(contexts)} ...", flush=True)
             start = time.monotonic()
             spec = {"model": models[h], "heads": h, "contexts": list(contexts), "kv": kv,
                     "gen_tokens": gen, "kv_cache_gib": kv_gib, "max_batch": args.max_batch,
-                    "windows": args.windows}
+                    "windows": args.windows, "tensor_parallel_size": args.tp}
             rows += run_in_subprocess(spec, args.timeout * len(contexts),
                                       on_result=functools.partial(print_progress, start=start))
             # After every engine: a cut-short sweep keeps its rows.

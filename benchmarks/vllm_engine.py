@@ -232,10 +232,11 @@ def engine_log_facts(log: str) -> dict:
 def build_llm(model: str, kv: str, max_model_len: int, kv_cache_gib: float, max_batch: int, *,
               enforce_eager: bool = False, max_num_batched_tokens: int | None = None,
               speculative_config: dict | None = None,
-              gpu_memory_utilization: float | None = None):
+              gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1):
     """The ``LLM`` every benchmark engine is: dummy weights, no tokenizer, prefix caching off,
     stats logging on (for the core's timestamps), a KV cache of ``kv_cache_gib`` GiB whatever
-    the dtype (0: 90% of the GPU), default compilation unless ``enforce_eager``.
+    the dtype (0: 90% of the GPU; per GPU with ``tensor_parallel_size``), default compilation
+    unless ``enforce_eager``.
     ``gpu_memory_utilization`` with a fixed KV size only lowers the free memory vLLM demands at
     start-up, so that several engines can share the GPU."""
     from vllm import LLM
@@ -248,6 +249,8 @@ def build_llm(model: str, kv: str, max_model_len: int, kv_cache_gib: float, max_
         memory["max_num_batched_tokens"] = max_num_batched_tokens
     if speculative_config:
         memory["speculative_config"] = speculative_config
+    if tensor_parallel_size > 1:
+        memory["tensor_parallel_size"] = tensor_parallel_size
     return LLM(model=model, kv_cache_dtype=kv, load_format="dummy", skip_tokenizer_init=True,
                dtype="bfloat16", max_model_len=max_model_len, enable_prefix_caching=False,
                max_num_seqs=max_batch, seed=0, disable_log_stats=False,
@@ -345,6 +348,20 @@ def run_engines_together(launches: list, go_dir: Path) -> list:
         if exc is not None:
             raise exc
     return outcomes
+
+
+def visible_gpus() -> int | None:
+    """How many GPUs this process may use (``CUDA_VISIBLE_DEVICES``, else nvidia-smi's list), or
+    None if that cannot be told; without creating a CUDA context, as ``gpu_query``."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()])
+    try:
+        proc = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return len(proc.stdout.split()) if proc.returncode == 0 else None
 
 
 def gpu_memory_gib() -> float | None:

@@ -198,7 +198,7 @@ def test_outputs_merge_across_runs_and_survive_failures(tmp_path):
     assert len(rows) == 12
     assert [bench._key(r) for r in rows] == sorted(
         (bench._key(r) for r in rows),
-        key=lambda k: (-k[0], k[1], bench.KV_SETTINGS.index(k[2])))
+        key=lambda k: (k[0], -k[1], k[2], bench.KV_SETTINGS.index(k[3])))
     # Re-running one setting replaces its row; a failure is recorded, not dropped.
     failed = {"heads": 16, "context": 65536, "kv": "fp8", "gen_tokens": 513,
               "error": "exit 1: CUDA out of memory"}
@@ -208,8 +208,8 @@ def test_outputs_merge_across_runs_and_survive_failures(tmp_path):
     assert comments == ["run A", "run B"]
     assert [bench._key(r) for r in on_disk] == [bench._key(r) for r in rows]
     by_key = {bench._key(r): r for r in on_disk}
-    assert by_key[(16, 65536, "fp8")]["error"].startswith("exit 1")
-    assert float(by_key[(128, 16384, "fp8_snapmla")]["speedup_vs_bf16"]) == pytest.approx(1.5)
+    assert by_key[(1, 16, 65536, "fp8")]["error"].startswith("exit 1")
+    assert float(by_key[(1, 128, 16384, "fp8_snapmla")]["speedup_vs_bf16"]) == pytest.approx(1.5)
     table = (tmp_path / "results.md").read_text().splitlines()
     assert table[:3] == ["run 1: run A", "run 2: run B", ""]
     assert len(table) == 3 + 2 + 12
@@ -398,8 +398,10 @@ def test_run_engine_sizes_each_context_with_plan_context(monkeypatch):
     monkeypatch.setattr(bench, "timed_decode_windows", windows)
     spec = {"model": "m", "kv": "fp8_snapmla", "contexts": [16320, 10**7], "gen_tokens": 8,
             "windows": 2, "kv_cache_gib": 1.0, "max_batch": 512, "vocab": 100,
-            "speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}
+            "speculative_config": {"method": "mtp", "num_speculative_tokens": 1},
+            "tensor_parallel_size": 2}
     results = list(bench.run_engine(spec))
+    assert built["kw"]["tensor_parallel_size"] == 2
     assert results[0] == {"kind": "engine", "kv_cache_tokens": cache.num_gpu_blocks * 64}
     plan = bench.plan_context(40 * 264, 64, 16320, (engine_lib.SETTLE_STEPS + 16) * 2, 1,
                               16384, 512)
@@ -410,3 +412,64 @@ def test_run_engine_sizes_each_context_with_plan_context(monkeypatch):
     assert second["context"] == 10**7 and "no request" in second["error"]
     # max_model_len leaves room for the longest context's warm-up and timed tokens.
     assert built["args"][2] == 10**7 + bench.MAX_WARM_TOKENS + (engine_lib.SETTLE_STEPS + 16) * 2
+
+
+def test_tensor_parallel_rows_pair_and_plot_apart_from_one_gpu_rows(tmp_path):
+    # A TP8 run of the 128-head model into a folder holding one-GPU rows (written before the
+    # tp column existed: no tp) keeps both, and each pairs with BF16 of its own parallelism.
+    one_gpu = [_row(128, 32768, "auto", 100.0, 10), _row(128, 32768, "fp8_snapmla", 120.0, 17)]
+    bench.write_outputs(one_gpu, tmp_path, "run A")
+    tp8 = [_row(128, 32768, "auto", 300.0, 10, tp=8),
+           _row(128, 32768, "fp8_snapmla", 600.0, 17, tp=8)]
+    rows = bench.write_outputs(tp8, tmp_path, "run B")
+    speedups = {(bench._tp(r), r["kv"]): r["speedup_vs_bf16"] for r in rows}
+    assert speedups == {(1, "auto"): 1.0, (1, "fp8_snapmla"): 1.2,
+                        (8, "auto"): 1.0, (8, "fp8_snapmla"): 2.0}
+    table = (tmp_path / "results.md").read_text()
+    assert "| 2 | 8 | 128 | 32768 | fp8_snapmla |" in table
+    assert "| 1 | 1 | 128 | 32768 | fp8_snapmla |" in table
+
+
+def test_tp_must_divide_the_heads_and_fit_the_visible_gpus(monkeypatch, capsys):
+    for argv, message in ((["--heads", "128", "16", "--tp", "32"], "divide every head count"),
+                          (["--heads", "128", "--tp", "0"], "must be at least 1")):
+        with pytest.raises(SystemExit):
+            bench.main(["--out", "unused", *argv])
+        assert message in capsys.readouterr().err
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(SystemExit):
+        bench.main(["--out", "unused", "--heads", "128", "--tp", "8"])
+    assert "--tp 8 needs 8 GPUs; 2 visible" in capsys.readouterr().err
+
+
+def test_tp_reaches_the_engine_and_its_rows(monkeypatch, tmp_path):
+    specs = []
+
+    def fake_engine(spec, timeout, on_result=None):
+        specs.append(spec)
+        return bench.parse_engine_log(spec, [], "", "stand-in: no engine")
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    monkeypatch.setattr(bench, "run_in_subprocess", fake_engine)
+    monkeypatch.setattr(bench, "write_tiny_deepseek_v3", lambda path, **kw: path)
+    bench.main(["--out", str(tmp_path), "--heads", "128", "--tp", "8", "--kv", "auto",
+                "--contexts", "32768"])
+    assert [s["tensor_parallel_size"] for s in specs] == [8]
+    _, rows = engine_lib.read_csv(tmp_path / "results.csv")
+    assert [(r["tp"], r["heads"], r["error"]) for r in rows] == [("8", "128",
+                                                                  "stand-in: no engine")]
+
+
+def test_build_llm_passes_tensor_parallelism_only_when_asked(monkeypatch):
+    import sys
+    from types import ModuleType
+
+    made = []
+    fake = ModuleType("vllm")
+    fake.LLM = lambda **kwargs: made.append(kwargs)
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    engine_lib.build_llm("m", "fp8_snapmla", 4096, 1.0, 8)
+    engine_lib.build_llm("m", "fp8_snapmla", 4096, 1.0, 8, tensor_parallel_size=8)
+    assert "tensor_parallel_size" not in made[0]
+    assert made[1]["tensor_parallel_size"] == 8
+    assert made[1]["kv_cache_memory_bytes"] == 2**30      # per GPU, as vLLM reads it
