@@ -354,8 +354,8 @@ def main(argv=None) -> None:
                         help="T, the decode steps of one timed window (default 512; "
                              f"--quick {QUICK['gen_tokens']})")
     parser.add_argument("--kv-cache-gib", type=float,
-                        help="KV-cache budget per setting (default 24; --quick 4); 0 lets "
-                             "vLLM fill 90%% of the GPU")
+                        help="KV-cache budget per setting (default 24; --quick 4), per GPU "
+                             "with --tp; 0 lets vLLM fill 90%% of the GPU")
     parser.add_argument("--windows", type=int, default=2,
                         help="timed windows of T steps per context (median; spread reported)")
     parser.add_argument("--max-batch", type=int, default=512,
@@ -379,6 +379,8 @@ def main(argv=None) -> None:
 
     quick = QUICK if args.quick else {}
     heads = args.heads or quick.get("heads", HEADS)
+    if args.tp > 1 and not args.heads:
+        parser.error("--tp needs --heads: the model's head count (128 for DeepSeek-V3.1)")
     if args.tp < 1 or any(h % args.tp for h in heads):
         parser.error(f"--tp {args.tp} must be at least 1 and divide every head count {heads}")
     if args.tp > 1 and (gpus := visible_gpus()) is not None and gpus < args.tp:
@@ -390,10 +392,11 @@ def main(argv=None) -> None:
     out = Path(args.out)
     header = describe(run_info("benchmarks.bench_e2e", argv))
     engines = [(h, kv) for h in heads for kv in args.kv]
-    per_gpu = " per GPU" if args.tp > 1 else ""
-    print(f"{len(engines)} engines x {len(contexts)} contexts, T={gen}, KV budget "
-          f"{f'{kv_gib} GiB' if kv_gib else '90% of the GPU'}{per_gpu}"
-          f"{f', TP{args.tp}' if args.tp > 1 else ''}, results in {out}", flush=True)
+    budget = f"{kv_gib} GiB" if kv_gib else "90% of the GPU"
+    if args.tp > 1:
+        budget = (f"{kv_gib} GiB per GPU" if kv_gib else "90% of each GPU") + f", TP{args.tp}"
+    print(f"{len(engines)} engines x {len(contexts)} contexts, T={gen}, KV budget {budget}, "
+          f"results in {out}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-e2e-") as tmp:
         models = {h: str(write_tiny_deepseek_v3(Path(tmp) / f"deepseek-v31-attn-h{h}",

@@ -355,7 +355,13 @@ def visible_gpus() -> int | None:
     None if that cannot be told; without creating a CUDA context, as ``gpu_query``."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
-        return len([d for d in visible.split(",") if d.strip()])
+        # CUDA stops at the first invalid entry (such as -1: no GPU).
+        count = 0
+        for device in (d.strip() for d in visible.split(",")):
+            if not device or device.startswith("-"):
+                break
+            count += 1
+        return count
     try:
         proc = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
                               capture_output=True, text=True, timeout=20)
@@ -486,6 +492,13 @@ def run_child(command: list[str], spec: dict, timeout: float, on_result=None,
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
                 failure = f"timed out after {timeout:.0f} s"
+        # Also after a clean exit: vLLM gives its engine core and tensor-parallel workers a few
+        # seconds to exit, then leaves them; left over, they would hold GPU memory while the
+        # next engine starts.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:   # the session is empty
+            pass
         reader.join(10)
         err.seek(0)
         log = "".join(out) + err.read()

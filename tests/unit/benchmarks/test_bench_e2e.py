@@ -115,6 +115,39 @@ def test_engine_log_gives_a_row_per_context_and_keeps_finished_ones():
     assert bench.parse_engine_log(spec, [], "", None)[0]["error"] == "no result"
 
 
+def _gone(pid: int) -> bool:
+    """The process ``pid`` has exited (or is a zombie waiting for init)."""
+    for _ in range(50):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        if open(f"/proc/{pid}/stat").read().split()[2] == "Z":
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_engine_subprocess_leaves_no_process_behind_a_clean_exit(tmp_path, monkeypatch):
+    # A stand-in child that exits cleanly while a grandchild it started (as vLLM leaves a
+    # tensor-parallel worker that outlives its shutdown grace) still runs.
+    child = tmp_path / "child.py"
+    pid_file = tmp_path / "grandchild.pid"
+    child.write_text(
+        "import json, subprocess, sys\n"
+        "spec = json.loads(sys.stdin.read())\n"
+        "worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(worker.pid))\n"
+        f"print({engine_lib.RESULT_TAG!r} + json.dumps({{'context': spec['contexts'][0], "
+        "'batch': 3, 'decode_tok_s': 10.0}), flush=True)\n")
+    monkeypatch.setattr(bench, "child_command", lambda: [sys.executable, str(child)])
+    spec = {"heads": 16, "contexts": [16384], "kv": "fp8", "gen_tokens": 64}
+    rows = bench.run_in_subprocess(spec, timeout=30)
+    assert rows[0]["batch"] == 3 and "error" not in rows[0]
+    worker = int(pid_file.read_text())
+    assert _gone(worker), f"worker stand-in {worker} outlived its engine"
+
+
 def test_engine_subprocess_streams_results_and_keeps_them_on_timeout(tmp_path, monkeypatch):
     # A stand-in child: reads the spec, starts a grandchild (as vLLM starts its engine core),
     # reports the first context, then hangs.
@@ -138,16 +171,7 @@ def test_engine_subprocess_streams_results_and_keeps_them_on_timeout(tmp_path, m
     assert rows[1]["error"] == "timed out after 5 s"
     # The whole session is killed: no engine process is left holding the GPU.
     grandchild = int(pid_file.read_text())
-    for _ in range(50):
-        try:
-            os.kill(grandchild, 0)
-        except ProcessLookupError:
-            break
-        if open(f"/proc/{grandchild}/stat").read().split()[2] == "Z":   # reaped by init later
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail(f"engine stand-in {grandchild} outlived the timeout")
+    assert _gone(grandchild), f"engine stand-in {grandchild} outlived the timeout"
 
 
 def _row(heads, context, kv, tok_s, capacity, **extra):
@@ -382,7 +406,14 @@ def test_run_engine_sizes_each_context_with_plan_context(monkeypatch):
     # engine's token budget; a context no request fits in reports why and the next one runs.
     from types import SimpleNamespace
 
-    cache = SimpleNamespace(num_gpu_blocks=1 + 40 * 264, block_size=64)
+    timed_tokens = (engine_lib.SETTLE_STEPS + 16) * 2
+
+    def batch(pages):
+        return bench.plan_context(pages, 64, 16320, timed_tokens, 1, 16384, 512)["batch"]
+
+    # A cache where the null block decides the batch: one page more would hold one more request.
+    blocks = next(n for n in range(10_000, 12_000) if batch(n - 1) != batch(n))
+    cache = SimpleNamespace(num_gpu_blocks=blocks, block_size=64)
     config = SimpleNamespace(cache_config=cache,
                              scheduler_config=SimpleNamespace(max_num_batched_tokens=16384))
     llm = SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=config))
@@ -403,8 +434,7 @@ def test_run_engine_sizes_each_context_with_plan_context(monkeypatch):
     results = list(bench.run_engine(spec))
     assert built["kw"]["tensor_parallel_size"] == 2
     assert results[0] == {"kind": "engine", "kv_cache_tokens": cache.num_gpu_blocks * 64}
-    plan = bench.plan_context(40 * 264, 64, 16320, (engine_lib.SETTLE_STEPS + 16) * 2, 1,
-                              16384, 512)
+    plan = bench.plan_context(blocks - 1, 64, 16320, timed_tokens, 1, 16384, 512)
     first, second = results[1:]
     assert (first["batch"], first["max_tokens"]) == (plan["batch"], plan["max_tokens"])
     assert timed == [(plan["batch"], plan["max_tokens"])]
@@ -432,7 +462,8 @@ def test_tensor_parallel_rows_pair_and_plot_apart_from_one_gpu_rows(tmp_path):
 
 def test_tp_must_divide_the_heads_and_fit_the_visible_gpus(monkeypatch, capsys):
     for argv, message in ((["--heads", "128", "16", "--tp", "32"], "divide every head count"),
-                          (["--heads", "128", "--tp", "0"], "must be at least 1")):
+                          (["--heads", "128", "--tp", "0"], "must be at least 1"),
+                          (["--tp", "8"], "--tp needs --heads")):
         with pytest.raises(SystemExit):
             bench.main(["--out", "unused", *argv])
         assert message in capsys.readouterr().err
@@ -473,3 +504,10 @@ def test_build_llm_passes_tensor_parallelism_only_when_asked(monkeypatch):
     assert "tensor_parallel_size" not in made[0]
     assert made[1]["tensor_parallel_size"] == 8
     assert made[1]["kv_cache_memory_bytes"] == 2**30      # per GPU, as vLLM reads it
+
+
+@pytest.mark.parametrize("visible, count", [("0,1,2", 3), ("", 0), ("-1", 0), ("0,-1,2", 1),
+                                            ("GPU-8f2c,GPU-11ab", 2)])
+def test_visible_gpus_counts_what_cuda_would_use(monkeypatch, visible, count):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert engine_lib.visible_gpus() == count

@@ -27,8 +27,9 @@ def _e2e_ratios(heads: int) -> dict[tuple[str, int], str]:
     rows = []
     for name in ("e2e.csv", "e2e-h16.csv"):
         rows += read_csv(RESULTS / name)[1]
+    # The README quotes one-GPU runs (rows written before the tp column are one-GPU runs).
     rows = [r for r in rows if int(r["heads"]) == heads and int(r["context"]) in CONTEXTS
-            and r["kv"] != "auto"]
+            and r["kv"] != "auto" and int(r.get("tp") or 1) == 1]
     ratios = {(r["kv"], int(r["context"])): _ratio(r["speedup_vs_bf16"]) for r in rows}
     # One row per cell: a new run in one file must not hide behind the other's.
     assert len(ratios) == len(rows) == 6, (heads, rows)
