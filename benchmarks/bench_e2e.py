@@ -73,7 +73,7 @@ CSV_FIELDS = ["run", "tp", "heads", "context", "kv", "backend", "batch", "gen_to
               "max_tokens", "prefill_steps", "lock_step", "timer", "spread_pct", "window_ms",
               "timing_ok",
               "kv_cache_tokens", "log_kv_cache_tokens", "capacity_vs_bf16", "decode_tok_s",
-              "tpot_ms", "speedup_vs_bf16", "error"]
+              "tpot_ms", "speedup_vs_bf16", "start_s", "context_s", "error"]
 
 
 # --- results (unit-tested on CPU) ------------------------------------------------------------
@@ -247,6 +247,7 @@ def run_engine(spec: dict):
     # With speculative decoding a step can add 1 + k tokens to a request.
     draft = (spec.get("speculative_config") or {}).get("num_speculative_tokens", 0)
     timed_tokens *= 1 + draft
+    started = time.monotonic()
     llm = build_llm(spec["model"], spec["kv"],
                     max(spec["contexts"]) + MAX_WARM_TOKENS + timed_tokens,
                     spec["kv_cache_gib"], spec["max_batch"],
@@ -260,7 +261,8 @@ def run_engine(spec: dict):
     gen_ids = torch.Generator().manual_seed(0)
     vocab = spec.get("vocab", DEEPSEEK_V31_ATTENTION["vocab_size"])
     warm_up(llm, gen_ids, vocab)
-    yield {"kind": "engine", "kv_cache_tokens": capacity}
+    yield {"kind": "engine", "kv_cache_tokens": capacity,
+           "start_s": round(time.monotonic() - started, 1)}
     wait_for_go(spec.get("go_file"))   # the other engines of a concurrent start come up
     # Block 0 is vLLM's null block: a batch sized on all blocks could be preempted.
     usable_blocks = cache.num_gpu_blocks - 1
@@ -273,6 +275,7 @@ def run_engine(spec: dict):
         if plan["reason"]:
             yield {**result, "error": plan["reason"]}
             continue
+        context_started = time.monotonic()
         try:
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                                     output_kind=RequestOutputKind.DELTA)
@@ -289,7 +292,7 @@ def run_engine(spec: dict):
             yield {**result, "error": f"{type(exc).__name__}: {exc}"[:300]}
             continue
         yield {**result, **summary, "lock_step": lock_step, "prefill_steps": prefill_steps,
-               "timer": timer}
+               "timer": timer, "context_s": round(time.monotonic() - context_started, 1)}
 
 
 def parse_engine_log(spec: dict, results: list[dict], log: str, failure: str | None
@@ -299,6 +302,9 @@ def parse_engine_log(spec: dict, results: list[dict], log: str, failure: str | N
     by_context = {result["context"]: result for result in results
                   if result.get("kind") != "engine"}
     facts = engine_log_facts(log)
+    # The engine's start-up (build and warm-up), in every row: what time estimates check.
+    facts.update({"start_s": r["start_s"] for r in results
+                  if r.get("kind") == "engine" and "start_s" in r})
     rows = []
     for context in spec["contexts"]:
         row = {"tp": spec.get("tensor_parallel_size", 1), "heads": spec["heads"],

@@ -412,19 +412,68 @@ def _run_args(header: str) -> tuple[float, list[str]]:
     return when, words[3:] + RECORDED_DEFAULTS.get(commit.split()[1], [])
 
 
-def test_dry_run_estimates_within_1x_to_4x_of_the_recorded_runs():
-    # A run's time is from its header's timestamp (to the minute) to the next run's; the last
-    # one has none.  New data outside the range means the time model needs recalibrating.
+def _estimate_problems(path: Path) -> tuple[int, list[str]]:
+    """How many recorded times of ``path`` the dry run's estimate was checked against, and where
+    it is not within 1x-4x of them.  Rows that recorded their engine's start-up and their
+    context's time (start_s, context_s) are checked one by one.  The runs of RECORDED_DEFAULTS'
+    commits predate those columns; they ran back to back, so each one's time is from its
+    header's timestamp (to the minute) to the next one's."""
     from benchmarks.vllm_engine import read_csv
 
-    comments, _ = read_csv(DEPLOYMENT_CSV)
-    runs = sorted(_run_args(header) for header in dict.fromkeys(comments))
-    assert len(runs) >= 3
+    comments, rows = read_csv(path)
     parser = dep.build_parser()
-    for (start, argv), (end, _) in zip(runs, runs[1:]):
+    checked, problems = 0, []
+    legacy = sorted(_run_args(header) for header in dict.fromkeys(comments)
+                    if header.split("|")[1].split()[1] in RECORDED_DEFAULTS)
+    for (start, argv), (end, _) in zip(legacy, legacy[1:]):
         estimate = sum(seconds for *_, seconds in dep.estimate_plan(parser.parse_args(argv)))
         took = end - start
-        assert took - 60 <= estimate <= 4 * (took + 60), (argv, took, estimate)
+        checked += 1
+        if not took - 60 <= estimate <= 4 * (took + 60):
+            problems.append(f"{argv}: took {took:.0f} s, estimated {estimate:.0f} s")
+    for row in rows:
+        if not row.get("context_s") or row["error"]:
+            continue
+        args = parser.parse_args(_run_args(comments[int(row["run"]) - 1])[1])
+        args.contexts = [int(row["context"])]
+        engine = dep.plan_engine(dep.CONFIGS[row["config"]], row["kv"], row["mtp"] == "True",
+                                 args)
+        took, estimate = float(row["context_s"]), engine.seconds[int(row["context"])]
+        checked += 1
+        if not took <= estimate <= 4 * took + 10:
+            problems.append(f"{row['config']} {row['kv']} {row['context']}: took {took} s, "
+                            f"estimated {estimate:.0f} s")
+        if float(row["start_s"]) > dep.FIRST_START_S:
+            problems.append(f"{row['config']} {row['kv']}: started in {row['start_s']} s")
+    return checked, problems
+
+
+def test_dry_run_estimates_within_1x_to_4x_of_the_recorded_runs():
+    # New data outside the range means the time model needs recalibrating.
+    checked, problems = _estimate_problems(DEPLOYMENT_CSV)
+    assert checked >= 3 and not problems, problems
+
+
+def test_recorded_engine_and_context_times_are_checked(tmp_path):
+    # Rows of a run with the start_s and context_s columns: each context against its estimate.
+    args = dep.build_parser().parse_args(["--contexts", "32768"])
+    estimate = dep.plan_engine(dep.CONFIGS["dp1-tp8"], "fp8_snapmla", False, args).seconds[32768]
+    header = ("2026-12-06 10:00 UTC | commit 0000000 | NVIDIA H200 | vLLM 0.26.0 | python -m "
+              "benchmarks.bench_deployment --configs dp1-tp8 --contexts 32768")
+    fields = ["run", "config", "kv", "mtp", "context", "start_s", "context_s", "error"]
+
+    def problems(context_s, start_s=100.0):
+        path = tmp_path / "deployment.csv"
+        from benchmarks.vllm_engine import write_csv
+        write_csv([{"run": 1, "config": "dp1-tp8", "kv": "fp8_snapmla", "mtp": False,
+                    "context": 32768, "start_s": start_s, "context_s": context_s}],
+                  path, fields, comments=[header])
+        return _estimate_problems(path)
+
+    assert problems(estimate / 2) == (1, [])
+    assert len(problems(estimate * 1.5)[1]) == 1        # slower than estimated
+    assert len(problems(estimate / 40)[1]) == 1         # far faster (4x, and 10 s)
+    assert len(problems(estimate / 2, start_s=dep.FIRST_START_S + 1)[1]) == 1
 
 
 def test_dry_run_plans_the_batches_the_recorded_runs_filled():

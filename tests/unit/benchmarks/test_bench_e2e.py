@@ -433,7 +433,13 @@ def test_run_engine_sizes_each_context_with_plan_context(monkeypatch):
             "tensor_parallel_size": 2}
     results = list(bench.run_engine(spec))
     assert built["kw"]["tensor_parallel_size"] == 2
-    assert results[0] == {"kind": "engine", "kv_cache_tokens": cache.num_gpu_blocks * 64}
+    assert results[0]["kind"] == "engine" and results[0]["start_s"] >= 0
+    assert results[0]["kv_cache_tokens"] == cache.num_gpu_blocks * 64
+    assert results[1]["context_s"] >= 0
+    # Each row carries its engine's start-up and its context's time (the time models' check).
+    rows = bench.parse_engine_log(spec | {"heads": 16}, results, "", None)
+    assert rows[0]["start_s"] == results[0]["start_s"]
+    assert rows[0]["context_s"] == results[1]["context_s"]
     plan = bench.plan_context(blocks - 1, 64, 16320, timed_tokens, 1, 16384, 512)
     first, second = results[1:]
     assert (first["batch"], first["max_tokens"]) == (plan["batch"], plan["max_tokens"])
