@@ -10,6 +10,8 @@ import random
 import sys
 import time
 
+from pathlib import Path
+
 import pytest
 
 from benchmarks import bench_e2e as bench
@@ -128,29 +130,10 @@ def _gone(pid: int) -> bool:
     return False
 
 
-def test_engine_subprocess_leaves_no_process_behind_a_clean_exit(tmp_path, monkeypatch):
-    # A stand-in child that exits cleanly while a grandchild it started (as vLLM leaves a
-    # tensor-parallel worker that outlives its shutdown grace) still runs.
-    child = tmp_path / "child.py"
-    pid_file = tmp_path / "grandchild.pid"
-    child.write_text(
-        "import json, subprocess, sys\n"
-        "spec = json.loads(sys.stdin.read())\n"
-        "worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
-        f"open({str(pid_file)!r}, 'w').write(str(worker.pid))\n"
-        f"print({engine_lib.RESULT_TAG!r} + json.dumps({{'context': spec['contexts'][0], "
-        "'batch': 3, 'decode_tok_s': 10.0}), flush=True)\n")
-    monkeypatch.setattr(bench, "child_command", lambda: [sys.executable, str(child)])
-    spec = {"heads": 16, "contexts": [16384], "kv": "fp8", "gen_tokens": 64}
-    rows = bench.run_in_subprocess(spec, timeout=30)
-    assert rows[0]["batch"] == 3 and "error" not in rows[0]
-    worker = int(pid_file.read_text())
-    assert _gone(worker), f"worker stand-in {worker} outlived its engine"
-
-
-def test_engine_subprocess_streams_results_and_keeps_them_on_timeout(tmp_path, monkeypatch):
-    # A stand-in child: reads the spec, starts a grandchild (as vLLM starts its engine core),
-    # reports the first context, then hangs.
+def _stand_in_child(tmp_path, monkeypatch, then: str = "") -> Path:
+    """An engine child for ``run_in_subprocess``: reads the spec, starts a grandchild (as vLLM
+    starts its engine core and workers), reports the first context, then runs ``then``.
+    Returns the file the grandchild's pid is written to."""
     child = tmp_path / "child.py"
     pid_file = tmp_path / "grandchild.pid"
     child.write_text(
@@ -159,10 +142,28 @@ def test_engine_subprocess_streams_results_and_keeps_them_on_timeout(tmp_path, m
         "core = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
         f"open({str(pid_file)!r}, 'w').write(str(core.pid))\n"
         f"print({engine_lib.RESULT_TAG!r} + json.dumps({{'context': spec['contexts'][0], "
-        "'batch': 3, 'decode_tok_s': 10.0}), flush=True)\n"
+        "'batch': 3, 'decode_tok_s': 10.0}), flush=True)\n" + then)
+    monkeypatch.setattr(bench, "child_command", lambda: [sys.executable, str(child)])
+    return pid_file
+
+
+def test_engine_subprocess_leaves_no_process_behind_a_clean_exit(tmp_path, monkeypatch):
+    # The child exits cleanly while its grandchild (as vLLM leaves a tensor-parallel worker
+    # that outlives its shutdown grace) still runs.
+    pid_file = _stand_in_child(tmp_path, monkeypatch)
+    spec = {"heads": 16, "contexts": [16384], "kv": "fp8", "gen_tokens": 64}
+    rows = bench.run_in_subprocess(spec, timeout=30)
+    assert rows[0]["batch"] == 3 and "error" not in rows[0]
+    worker = int(pid_file.read_text())
+    assert _gone(worker), f"worker stand-in {worker} outlived its engine"
+
+
+def test_engine_subprocess_streams_results_and_keeps_them_on_timeout(tmp_path, monkeypatch):
+    # The child reports the first context, then hangs.
+    pid_file = _stand_in_child(
+        tmp_path, monkeypatch,
         "print('Using SNAPMLA attention backend', file=sys.stderr, flush=True)\n"
         "time.sleep(60)\n")
-    monkeypatch.setattr(bench, "child_command", lambda: [sys.executable, str(child)])
     seen = []
     spec = {"heads": 16, "contexts": [16384, 32768], "kv": "fp8", "gen_tokens": 64}
     rows = bench.run_in_subprocess(spec, timeout=5, on_result=seen.append)
