@@ -107,13 +107,12 @@ from pathlib import Path
 
 from benchmarks import bench_e2e
 from benchmarks.provenance import describe, run_info
-from benchmarks.vllm_engine import (ATTENTION_FLOPS_PER_PAIR_AND_HEAD, ATTENTION_FLOPS_PER_S,
-                                    BLOCK_SIZE, DEEPSEEK_V31_ATTENTION, ENGINE_OVERHEAD_GIB,
-                                    KV_BYTES_PER_TOKEN, NOISE_FRACTION, PREFILL_GEMM_FLOPS_PER_S,
-                                    SETTLE_STEPS, concurrent_memory_problem,
-                                    concurrent_start_spec, estimated_kv_blocks, merge_by_key,
-                                    not_lock_step, number, read_csv, run_engines_together,
-                                    run_number, write_csv)
+from benchmarks.vllm_engine import (BLOCK_SIZE, DEEPSEEK_V31_ATTENTION, ENGINE_OVERHEAD_GIB,
+                                    KV_BYTES_PER_TOKEN, NOISE_FRACTION, SETTLE_STEPS,
+                                    concurrent_memory_problem, concurrent_start_spec,
+                                    estimated_kv_blocks, estimated_prefill_s, merge_by_key,
+                                    mla_projection_weights, not_lock_step, number, read_csv,
+                                    run_engines_together, run_number, write_csv)
 
 GIB = 2**30
 H200_MEMORY_BYTES = int(139.8 * GIB)   # what torch reports as total memory on an H200
@@ -373,11 +372,8 @@ def prefill_weights_per_token(rank: Rank, moe_layers: int = MOE_LAYERS, mtp: boo
     layer's MLA projections, the dense MLP once, per MoE layer (the drafter's too) the routed
     experts it picks and the shared one."""
     c = proxy_model_config(rank, moe_layers)
-    h, heads = V31["hidden"], rank.heads
-    attention = (h * V31["q_lora"] + V31["q_lora"] * heads * (V31["nope"] + V31["rope"])
-                 + h * (V31["kv_lora"] + V31["rope"])
-                 + V31["kv_lora"] * heads * (V31["nope"] + V31["v_head"])
-                 + heads * V31["v_head"] * h)
+    h = V31["hidden"]
+    attention = mla_projection_weights(rank.heads)
     expert = 3 * h * c["moe_intermediate_size"]
     moe = (c["num_experts_per_tok"] + c["n_shared_experts"]) * expert
     return ((1 + moe_layers + int(mtp)) * attention + 3 * h * c["intermediate_size"]
@@ -416,10 +412,7 @@ def plan_engine(rank: Rank, kv: str, mtp: bool, args) -> EnginePlan:
         batches[context] = 0 if plan["reason"] else plan["batch"]
         if plan["reason"]:
             continue
-        tokens = plan["batch"] * context
-        prefill = (2 * tokens * weights / PREFILL_GEMM_FLOPS_PER_S
-                   + layers * rank.heads * tokens * context / 2
-                   * ATTENTION_FLOPS_PER_PAIR_AND_HEAD / ATTENTION_FLOPS_PER_S)
+        prefill = estimated_prefill_s(plan["batch"], context, rank.heads, layers, weights)
         # Dummy weights accept no drafted token: one token per request and step.
         seconds[context] = CONTEXT_OVERHEAD_S + prefill + plan["max_tokens"] * DECODE_STEP_S
     return EnginePlan(rank.name, kv, mtp, layers, kv_gib, max_batch, batches, seconds)

@@ -96,11 +96,10 @@ from pathlib import Path
 
 from benchmarks.provenance import describe, run_info
 from benchmarks.vllm_engine import (
-    ATTENTION_FLOPS_PER_PAIR_AND_HEAD, ATTENTION_FLOPS_PER_S, BLOCK_SIZE, DEEPSEEK_V31_ATTENTION,
-    ENGINE_OVERHEAD_GIB, KV_BYTES_PER_TOKEN, PREFILL_GEMM_FLOPS_PER_S, SETTLE_STEPS,
+    BLOCK_SIZE, DEEPSEEK_V31_ATTENTION, ENGINE_OVERHEAD_GIB, KV_BYTES_PER_TOKEN, SETTLE_STEPS,
     apply_switch_interval, batch_to_fill, build_llm, child_main, concurrent_memory_problem,
-    concurrent_start_spec, core_timestamp, engine_log_facts, estimated_kv_blocks, merge_by_key,
-    model_config, not_lock_step, number, random_prompts, read_csv, run_child, run_engines_together,
+    concurrent_start_spec, core_timestamp, engine_log_facts, estimated_kv_blocks,
+    estimated_prefill_s, merge_by_key, mla_projection_weights, model_config, not_lock_step, number, random_prompts, read_csv, run_child, run_engines_together,
     summarize_windows, timed_decode_windows, wait_for_go, warm_tokens, warm_up, write_csv)
 from vllm_snapmla.testing import write_tiny_deepseek_v3
 
@@ -120,7 +119,7 @@ NUM_LAYERS = DEEPSEEK_V31_ATTENTION["num_hidden_layers"]
 # by the cells it has finished).  Against the first cells on the H200 (benchmarks/results/
 # matrix.csv, 16 heads, 64 x 512 and 64 x 8192 tokens: 0.7-1.9 s each) it estimates 1.9-2.6x
 # their time (a flat 1e5 prefill tokens/s, 8 ms steps and 2 s a cell had estimated 4.6-6.5x).
-# The prefill rates are vllm_engine's, shared with bench_deployment.
+# The prefill estimate is vllm_engine's, shared with bench_deployment.
 ENGINE_START_S = {"graph": 90.0, "eager": 30.0}
 DECODE_STEP_S = {"graph": 0.005, "eager": 0.015}
 HBM_BYTES_PER_S = 2e12
@@ -257,24 +256,17 @@ def prefill_weights_per_token(heads: int) -> int:
     per layer the dense MLP and MLA's projections (q_a, q_b, kv_a, kv_b, o), most of them
     growing with the heads; the LM head runs on one token per request."""
     c = DEEPSEEK_V31_ATTENTION
-    hidden, q_rank, kv_rank = c["hidden_size"], c["q_lora_rank"], c["kv_lora_rank"]
-    nope, rope, v = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
-    per_layer = (3 * hidden * c["intermediate_size"] + hidden * q_rank
-                 + q_rank * heads * (nope + rope) + hidden * (kv_rank + rope)
-                 + kv_rank * heads * (nope + v) + heads * v * hidden)
-    return NUM_LAYERS * per_layer
+    return NUM_LAYERS * (3 * c["hidden_size"] * c["intermediate_size"]
+                         + mla_projection_weights(heads))
 
 
 def estimate_cell_s(heads: int, mode: str, kv: str, context: int, batch: int,
                     max_tokens: int) -> float:
     """Pessimistic seconds for a cell: prefill (the projection and MLP GEMMs, and causal
     attention FLOPs of 4 layers) and max_tokens steps that each read the batch's KV cache."""
-    tokens = batch * context
-    pairs = tokens * context / 2
-    prefill = (2 * tokens * prefill_weights_per_token(heads) / PREFILL_GEMM_FLOPS_PER_S
-               + NUM_LAYERS * heads * pairs * ATTENTION_FLOPS_PER_PAIR_AND_HEAD
-               / ATTENTION_FLOPS_PER_S)
-    kv_read = tokens * KV_BYTES_PER_TOKEN[kv] * NUM_LAYERS / HBM_BYTES_PER_S
+    prefill = estimated_prefill_s(batch, context, heads, NUM_LAYERS,
+                                  prefill_weights_per_token(heads))
+    kv_read = batch * context * KV_BYTES_PER_TOKEN[kv] * NUM_LAYERS / HBM_BYTES_PER_S
     return CELL_OVERHEAD_S + prefill + max_tokens * (DECODE_STEP_S[mode] + kv_read)
 
 

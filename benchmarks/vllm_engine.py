@@ -41,6 +41,28 @@ ATTENTION_FLOPS_PER_S = 3e14
 # 2 x (192 + 128): QK^T and PV FLOPs per (query, key) pair and head of MLA's prefill.
 ATTENTION_FLOPS_PER_PAIR_AND_HEAD = 640
 
+
+def mla_projection_weights(heads: int) -> int:
+    """Weights of one MLA layer's projections (q_a, q_b, kv_a, kv_b, o) with DeepSeek-V3.1's
+    attention shapes at ``heads`` heads: what a prefill token multiplies through in attention
+    besides the attention itself."""
+    c = DEEPSEEK_V31_ATTENTION
+    hidden, q_rank, kv_rank = c["hidden_size"], c["q_lora_rank"], c["kv_lora_rank"]
+    nope, rope, v = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
+    return (hidden * q_rank + q_rank * heads * (nope + rope) + hidden * (kv_rank + rope)
+            + kv_rank * heads * (nope + v) + heads * v * hidden)
+
+
+def estimated_prefill_s(batch: int, context: int, heads: int, layers: int,
+                        weights_per_token: int) -> float:
+    """Pessimistic seconds to prefill ``batch`` prompts of ``context`` tokens: 2 FLOPs per
+    weight each token multiplies through, and causal attention in ``layers`` layers of
+    ``heads`` heads, at the rates above."""
+    tokens = batch * context
+    pairs = tokens * context / 2
+    return (2 * tokens * weights_per_token / PREFILL_GEMM_FLOPS_PER_S
+            + layers * heads * pairs * ATTENTION_FLOPS_PER_PAIR_AND_HEAD / ATTENTION_FLOPS_PER_S)
+
 # DeepSeek-V3.1 attention; 4 dense layers keep the non-attention work small, as in the baseline.
 DEEPSEEK_V31_ATTENTION = {
     "hidden_size": 7168, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
