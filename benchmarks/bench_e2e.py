@@ -186,7 +186,8 @@ def plot(rows: list[dict], path: Path) -> bool:
         for ax in (top, bottom):
             ax.set_xscale("log", base=2)
             ax.grid(alpha=0.3)
-            ax.legend()
+            if ax.get_legend_handles_labels()[0]:   # a panel may have no series
+                ax.legend()
     fig.suptitle("vLLM decode throughput, batch filling a fixed KV-cache budget")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -168,7 +168,8 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
     ax.set_xlabel("RoPE-key abs-max of the cache (largest layer)")
     ax.set_ylabel("Δ perplexity vs BF16 cache (%)")
     ax.set_title("KV-cache formats against the RoPE-key range (bars: ±2 paired SE)")
-    ax.legend(loc="upper left")
+    if ax.get_legend_handles_labels()[0]:   # only the BF16 baseline ran: nothing to label
+        ax.legend(loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
