@@ -19,13 +19,14 @@ with a block table as wide as the context; this matrix measures what users meet 
 - max_model_len ``wide``: 163840 as DeepSeek-V3.1 ships, so every block table is as wide as
   that whatever the context: 2560 pages of 64 tokens (FlashMLA, fp8_snapmla), 10240 of 16 for
   vLLM's BF16 default on Hopper (FlashAttention MLA); ``tight``: the smallest max_model_len
-  that holds the cell's context and generated tokens.  Tight engines are grouped by context: contexts in ascending order, a context
-  joins the group of the smallest context not yet served while the group's table width (pages
-  of its largest need) stays within TIGHT_WIDTH_FACTOR (2x) of that smallest context's need, so
-  that no context runs with a table more than 2x wider than it needs.  (The default contexts are
-  4x apart, so each gets its own tight engine.)  A cell's need is its context + max_tokens; for
-  ``fill`` cells max_tokens is bounded with the largest batch the cell could take (``--max-batch``
-  and ``--max-prefill-tokens``), so one tight max_model_len serves every kv format;
+  that holds the cell's context and generated tokens.  Tight engines are grouped by context:
+  contexts in ascending order, a context joins the group of the smallest context not yet served
+  while the group's table width (pages of its largest need) stays within TIGHT_WIDTH_FACTOR
+  (2x) of that smallest context's need, so that no context runs with a table more than 2x wider
+  than it needs.  (The default contexts are 4x apart, so each gets its own tight engine.)  A
+  cell's need is its context + max_tokens; for ``fill`` cells max_tokens is bounded with the
+  largest batch the cell could take (``--max-batch`` and ``--max-prefill-tokens``), so one tight
+  max_model_len serves every kv format;
 - mode ``graph``: default compilation (torch.compile, FULL and piecewise CUDA graphs); ``eager``:
   ``enforce_eager=True``.  (Steps that mix prefill and decode run attention eagerly even in
   graph mode.)
@@ -99,8 +100,9 @@ from benchmarks.vllm_engine import (
     BLOCK_SIZE, DEEPSEEK_V31_ATTENTION, ENGINE_OVERHEAD_GIB, KV_BYTES_PER_TOKEN, SETTLE_STEPS,
     apply_switch_interval, batch_to_fill, build_llm, child_main, concurrent_memory_problem,
     concurrent_start_spec, core_timestamp, engine_log_facts, estimated_kv_blocks,
-    estimated_prefill_s, merge_by_key, mla_projection_weights, model_config, not_lock_step, number, random_prompts, read_csv, run_child, run_engines_together,
-    summarize_windows, timed_decode_windows, wait_for_go, warm_tokens, warm_up, write_csv)
+    estimated_prefill_s, merge_by_key, mla_projection_weights, model_config, not_lock_step,
+    number, random_prompts, read_csv, run_child, run_engines_together, summarize_windows,
+    timed_decode_windows, wait_for_go, warm_tokens, warm_up, write_csv)
 from vllm_snapmla.testing import write_tiny_deepseek_v3
 
 KV_SETTINGS = ("auto", "fp8_snapmla", "fp8")
