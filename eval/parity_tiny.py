@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import inspect
 import json
 import math
 import pathlib
@@ -138,6 +139,10 @@ def greedy_with_cache(model, prompts: list[list[int]], gen_len: int, device) -> 
     """
     import torch
 
+    # transformers renamed the cache argument and output field from ``past_key_values`` to
+    # ``cache`` (the old name warns, and goes in 5.40); vLLM 0.26.0 allows either side of that.
+    cache_name = ("cache" if "cache" in inspect.signature(model.forward).parameters
+                  else "past_key_values")
     continuations: list[list[int] | None] = [None] * len(prompts)
     by_length: dict[int, list[int]] = {}
     for i, prompt in enumerate(prompts):
@@ -148,8 +153,8 @@ def greedy_with_cache(model, prompts: list[list[int]], gen_len: int, device) -> 
             out = model(input_ids=ids, use_cache=True)
             steps = [out.logits[:, -1].argmax(-1)]
             for _ in range(gen_len - 1):
-                out = model(input_ids=steps[-1][:, None], past_key_values=out.past_key_values,
-                            use_cache=True)
+                out = model(input_ids=steps[-1][:, None], use_cache=True,
+                            **{cache_name: getattr(out, cache_name)})
                 steps.append(out.logits[:, -1].argmax(-1))
             for row, tokens in zip(rows, torch.stack(steps, 1).tolist()):
                 continuations[row] = tokens
