@@ -1056,10 +1056,9 @@ def main(argv=None) -> None:
                     with write_lock:
                         rows, _ = write_outputs(out, info, [row], plot=False,
                                                 switch_interval_ms=switch_ms)
-                    # BF16 of this run only, as the CSV's ratios (run_of).
-                    bf16 = next((r for r in rows if matrix_key(r)
-                                 == matrix_key({**row, "kv": BASELINE_KV})
-                                 and run_of(r) == (info["date"], info["commit"])), None)
+                    # BF16 of this run only, as the CSV's ratios (the row as stamped there).
+                    bf16 = baseline_of(rows)({**row, "date": info["date"],
+                                              "commit": info["commit"]})
                     print(_cell_line(row, bf16), flush=True)
                 elif kind == "serve":
                     print(f"    serve: {result.get('status')} "

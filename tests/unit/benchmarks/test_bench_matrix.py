@@ -556,7 +556,7 @@ def test_total_estimate_counts_one_start_up_per_group():
 
 @pytest.mark.parametrize("concurrent", [1, 2])
 def test_main_gives_grouped_engines_a_go_file_and_a_memory_share(tmp_path, monkeypatch,
-                                                                 concurrent):
+                                                                 concurrent, capsys):
     import csv
     import threading
 
@@ -603,6 +603,9 @@ def test_main_gives_grouped_engines_a_go_file_and_a_memory_share(tmp_path, monke
     ours = next(r for r in rows if r["kv"] == "fp8_snapmla")
     assert ours["status"] == "ok" and float(ours["vs_bf16"]) == pytest.approx(1.5)
     assert {r["switch_interval_ms"] for r in rows} == {"0.2" if concurrent == 2 else ""}
+    # The progress line of the cell measured second names its ratio to this run's BF16 cell.
+    cell_lines = [line for line in capsys.readouterr().out.splitlines() if "tok/s, TPOT" in line]
+    assert len(cell_lines) == 2 and ", 1.50x BF16," in cell_lines[1], cell_lines
 
 
 def test_waiting_engine_exits_when_the_go_folder_is_gone_or_after_its_limit(tmp_path):
