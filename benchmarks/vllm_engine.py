@@ -504,23 +504,21 @@ def run_child(command: list[str], spec: dict, timeout: float, on_result=None,
                    and time.monotonic() < limit):
                 first_result.wait(0.2)
             if not first_result.is_set() and proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
                 failure = f"not up after {min(startup_timeout, timeout):.0f} s"
         if failure is None:
             try:
                 proc.wait(timeout=max(timeout - (time.monotonic() - started), 1))
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
                 failure = f"timed out after {timeout:.0f} s"
-        # Also after a clean exit: vLLM gives its engine core and tensor-parallel workers a few
-        # seconds to exit, then leaves them; left over, they would hold GPU memory while the
-        # next engine starts.
+        # Whatever is left of the child's session goes: the child itself where it failed, and
+        # also after a clean exit, since vLLM gives its engine core and tensor-parallel workers
+        # a few seconds to exit, then leaves them holding GPU memory while the next engine
+        # starts.
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:   # the session is empty
             pass
+        proc.wait()
         reader.join(10)
         err.seek(0)
         log = "".join(out) + err.read()
