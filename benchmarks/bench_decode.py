@@ -351,8 +351,9 @@ def _bars(ax, rows, backends, colour, shapes, key):
 
 def _plot(rows, path):
     """One colour per backend: H=128 TFLOP/s and speedup over BF16 FlashMLA against context
-    length (the paper's Figures 1 and 6), when the run has that sweep, the speedup at the
-    other shapes, and when FlashAttention-3 MLA ran, the speedup over it at every shape.
+    length (the paper's Figures 1 and 6), when the run has that sweep (one shape per length), the
+    speedup at the other shapes, and when FlashAttention-3 MLA ran, the speedup over it at every
+    shape.
     Returns the panels' titles (empty without matplotlib)."""
     try:
         import matplotlib
@@ -364,8 +365,12 @@ def _plot(rows, path):
     backends = sorted({r["backend"] for r in rows})
     colour = {b: f"C{i}" for i, b in enumerate(backends)}
     sweep = [r for r in rows if r["H"] == 128 and r["s_q"] == 1]
-    others = sorted({(r["H"], r["s_q"], r["B"], r["N"]) for r in rows
-                     if (r["H"], r["s_q"]) != (128, 1)})
+    # A line against context length needs one row per length: shapes that repeat a length at
+    # another batch (64 x 512 beside 1 x 512) would fold the line back, so they go to the bars.
+    if len({(r["backend"], r["N"]) for r in sweep}) < len(sweep):
+        sweep = []
+    in_sweep = {(r["H"], r["s_q"], r["B"], r["N"]) for r in sweep}
+    others = sorted({(r["H"], r["s_q"], r["B"], r["N"]) for r in rows} - in_sweep)
     with_fa3 = sorted({(r["H"], r["s_q"], r["B"], r["N"]) for r in rows
                        if r.get("speedup_vs_fa3")})
     # (title, relative width): the bar panels get the room of their many shape labels.

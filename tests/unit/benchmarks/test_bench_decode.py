@@ -56,6 +56,15 @@ def test_with_the_h128_sweep_its_two_panels_come_first(tmp_path):
     assert len(bench._plot(sweep_only, tmp_path / "q.png")) == 2
 
 
+def test_h128_shapes_that_repeat_a_length_are_bars_not_a_line(tmp_path):
+    # 1 x 512 and 64 x 512 at 128 heads: a line against the length would fold back on itself
+    pytest.importorskip("matplotlib")
+    shapes = [(1, 128, 512, 1), (64, 128, 512, 1), (8, 128, 65536, 1), (64, 16, 4096, 1)]
+    panels = bench._plot(_rows(random.Random(7), shapes, True), tmp_path / "p.png")
+    assert panels == ["speedup over BF16 FlashMLA"]
+    assert _png(tmp_path / "p.png")
+
+
 def test_flashattention_speedups_get_a_panel_over_every_shape(tmp_path):
     pytest.importorskip("matplotlib")
     shapes = [(64, 128, 4096, 1), (64, 16, 512, 1)]
