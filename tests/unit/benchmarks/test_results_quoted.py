@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import bench_decode
 from benchmarks.vllm_engine import read_csv
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -17,6 +18,19 @@ def _readme_line(prefix: str) -> str:
              if line.startswith(prefix)]
     assert len(lines) == 1, (prefix, lines)
     return lines[0]
+
+
+def _readme_item(prefix: str) -> str:
+    """The README's list item that starts with ``prefix``, its wrapped lines joined."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith(prefix)]
+    assert len(starts) == 1, (prefix, starts)
+    item = [lines[starts[0]]]
+    for line in lines[starts[0] + 1:]:
+        if not line.startswith("  ") or line.lstrip().startswith("- "):
+            break
+        item.append(line)
+    return " ".join(" ".join(item).split())
 
 
 def _ratio(value: str) -> str:
@@ -92,3 +106,16 @@ def test_matrix_cells_are_the_recorded_ones():
     assert _range(cells.values()) in _readme_line("| 64 requests of 512 and of 8k tokens")
     line = _readme_line("  `efac971`, 64 requests, vLLM's 2560-page table)")
     assert f"{cells[512]} (512 tokens) and {cells[8192]} (8k)" in line, (cells, line)
+
+
+def test_flashattention_kernel_ratios_are_the_recorded_ones():
+    rows = bench_decode._read_csv(RESULTS / "fa3-h100" / "decode.csv")
+    ours = [_ratio(r["speedup_vs_fa3"]) for r in rows if r["backend"] == "snapmla"]
+    fa3 = [_ratio(r["speedup_vs_bf16"]) for r in rows if r["backend"] == "fa3-mla-bf16"]
+    assert len(ours) == len(fa3) == 10, (ours, fa3)
+    item = _readme_item("- The decode kernel against FlashAttention-3 MLA")
+    # the item's three groups: far below, just below and above FlashAttention-3
+    for low, high in ((0, 0.9), (0.9, 1.0), (1.0, 99)):
+        group = [v for v in ours if low <= float(v[:-1]) < high]
+        assert group and _range(group) in item, (low, high, _range(group), item)
+    assert f"ran {_range(fa3)} BF16 FlashMLA" in item, (_range(fa3), item)
