@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench_generate --out out/bench_generate [--kv auto fp8_snapmla fp8]
         [--layers 4 16] [--heads 16] [--batch 64] [--prompt-len 512] [--output-len 512]
-        [--calls 3] [--max-model-len 131072] [--in-process [--profile]]
+        [--calls 3] [--max-model-len 131072] [--in-process [--profile]] [--switch-interval MS]
 
 ``bench_e2e`` and ``bench_matrix`` time decode steps with the engine core's timestamps.  A
 user's first benchmark times whole ``LLM.generate`` calls instead: the prefill, the decode
@@ -23,6 +23,10 @@ two more calls with torch's profiler: one of ``max_tokens=1`` (the prefill) and 
 group (attention with the KV-cache write and the query quantization; GEMMs; the rest), the time
 the GPU was busy per step and the step's wall time.  Profiled calls are not timed.
 
+``--switch-interval MS`` sets Python's GIL switch interval in the process that runs the engine
+core, as ``bench_matrix``'s option does, for the question of the engine core's threads waiting
+for the GIL (benchmarks/RESULTS.md, "Through vLLM").
+
 Writes ``generate.csv`` (a row per timed call), ``generate.md`` (per layer count and format the
 median, lowest and highest tok/s and the median over ``auto``'s median; with ``--profile`` the
 per-step groups and the largest kernels), ``kernels.csv`` (with ``--profile``) and
@@ -40,9 +44,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.bench_matrix import switch_interval_arg_problem
 from benchmarks.provenance import describe, run_info
 from benchmarks.vllm_engine import (
     DEEPSEEK_V31_ATTENTION,
+    apply_switch_interval,
     build_llm,
     child_main,
     engine_log_facts,
@@ -63,9 +69,9 @@ GROUPS = (("attention", ("snapmla", "flash", "mla")),
           ("GEMMs", ("nvjet", "gemm", "cutlass", "cublas", "splitkreduce", "xmma")))
 OTHER = "other"
 
-CALL_FIELDS = ["run", "layers", "heads", "kv", "engine_core", "batch", "prompt_len",
-               "output_len", "max_model_len", "call", "seconds", "output_tokens", "tok_s",
-               "backend", "start_s", "error"]
+CALL_FIELDS = ["run", "layers", "heads", "kv", "engine_core", "switch_interval_ms", "batch",
+               "prompt_len", "output_len", "max_model_len", "call", "seconds", "output_tokens",
+               "tok_s", "backend", "start_s", "error"]
 KERNEL_FIELDS = ["layers", "kv", "kernel", "group", "us_per_step", "launches_per_step"]
 
 
@@ -256,6 +262,10 @@ def run_engine(spec: dict):
     """Yields ``{"kind": "engine"}`` once the engine is up and warm, a ``{"kind": "call"}``
     per timed call and, with ``spec["profile"]``, one ``{"kind": "profile"}``."""
     os.environ.update(spec.get("env") or {})
+    switch_interval = spec.get("switch_interval_s")
+    if switch_interval:
+        # apply_switch_interval sends a function to the engine core.
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     import torch
     from vllm import SamplingParams
 
@@ -263,6 +273,8 @@ def run_engine(spec: dict):
     batch, prompt_len, vocab = spec["batch"], spec["prompt_len"], spec["vocab"]
     llm = build_llm(spec["model"], spec["kv"], spec["max_model_len"], spec["kv_cache_gib"],
                     batch)
+    if switch_interval:
+        apply_switch_interval(llm, switch_interval)
     generator = torch.Generator().manual_seed(0)
     llm.generate(random_prompts(generator, batch, prompt_len, vocab),
                  SamplingParams(max_tokens=WARM_UP_TOKENS, ignore_eos=True), use_tqdm=False)
@@ -307,6 +319,9 @@ def main(argv=None) -> None:
     parser.add_argument("--profile", action="store_true",
                         help="GPU time per decode step by kernel (needs --in-process)")
     parser.add_argument("--profile-steps", type=int, default=256)
+    parser.add_argument("--switch-interval", type=float, metavar="MS",
+                        help="Python's GIL switch interval in the engine core's process, in ms "
+                             "(Python's default is 5)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per engine")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -320,6 +335,10 @@ def main(argv=None) -> None:
     if args.profile and not args.in_process:
         parser.error("--profile needs --in-process: with vLLM's separate engine-core process "
                      "the kernels run where the profiler does not see them")
+    if args.switch_interval is not None:
+        problem = switch_interval_arg_problem(args.switch_interval)
+        if problem:
+            parser.error(problem)
     if args.prompt_len + args.output_len > args.max_model_len:
         parser.error(f"--prompt-len + --output-len ({args.prompt_len + args.output_len}) is "
                      f"more than --max-model-len {args.max_model_len}")
@@ -330,7 +349,9 @@ def main(argv=None) -> None:
     engines = [(layers, kv) for layers in args.layers for kv in args.kv]
     print(f"{len(engines)} engines, {args.calls} timed calls each of {args.batch} x "
           f"({args.prompt_len} + {args.output_len}) tokens, {args.heads} heads, engine core "
-          f"{engine_core}; results in {out}", flush=True)
+          f"{engine_core}"
+          + (f", GIL switch interval {args.switch_interval:g} ms" if args.switch_interval else "")
+          + f"; results in {out}", flush=True)
     rows, profiles, failures = [], {}, []
     with tempfile.TemporaryDirectory(prefix="bench-generate-") as tmp:
         for i, (layers, kv) in enumerate(engines, 1):
@@ -343,6 +364,8 @@ def main(argv=None) -> None:
                     "kv_cache_gib": args.kv_cache_gib, "profile": args.profile,
                     "profile_steps": args.profile_steps,
                     "vocab": DEEPSEEK_V31_ATTENTION["vocab_size"],
+                    "switch_interval_s": (args.switch_interval / 1000
+                                          if args.switch_interval else None),
                     "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if args.in_process else "1"}}
             prefix = f"[{i}/{len(engines)}] {layers} layers, {kv}"
             print(f"{prefix}: starting", flush=True)
@@ -358,6 +381,8 @@ def main(argv=None) -> None:
             facts = engine_log_facts(log)
             start_s = next((r["start_s"] for r in results if r["kind"] == "engine"), "")
             base = {"layers": layers, "heads": args.heads, "kv": kv, "engine_core": engine_core,
+                    "switch_interval_ms": (f"{args.switch_interval:g}"
+                                           if args.switch_interval else ""),
                     "batch": args.batch, "prompt_len": args.prompt_len,
                     "output_len": args.output_len, "max_model_len": args.max_model_len,
                     "backend": facts["backend"], "start_s": start_s}

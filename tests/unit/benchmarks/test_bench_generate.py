@@ -70,6 +70,7 @@ def test_summary_compares_medians_with_auto_of_the_same_layer_count():
 
 def test_options_are_checked_before_any_engine_starts(capsys):
     for argv in (["--profile"], ["--calls", "0"], ["--layers", "4", "0"],
+                 ["--switch-interval", "0"], ["--switch-interval", "0.0025"],
                  ["--prompt-len", "2048", "--output-len", "512", "--max-model-len", "2048"]):
         with pytest.raises(SystemExit) as exc:
             bench.main(argv)
@@ -140,7 +141,10 @@ def test_engine_times_each_call_on_fresh_prompts(monkeypatch):
     spec = {"model": "m", "kv": "fp8_snapmla", "batch": 2, "prompt_len": 8, "output_len": 5,
             "calls": 2, "max_model_len": 64, "kv_cache_gib": 1.0, "vocab": 1000,
             "env": {"SNAPMLA_TEST_MARK": "1"}}
+    intervals = []
+    monkeypatch.setattr(bench, "apply_switch_interval", lambda llm, s: intervals.append(s))
     results = list(bench.run_engine(spec))
+    assert intervals == []                                      # Python's default unless asked
     assert [r["kind"] for r in results] == ["engine", "call", "call"]
     assert [r["output_tokens"] for r in results[1:]] == [10, 10]
     assert all(r["tok_s"] > 0 for r in results[1:])
@@ -148,3 +152,41 @@ def test_engine_times_each_call_on_fresh_prompts(monkeypatch):
     assert len({tuple(p) for p, _ in seen}) == 3                # fresh prompts every call
     import os
     assert os.environ["SNAPMLA_TEST_MARK"] == "1"
+
+
+def test_switch_interval_reaches_the_engine_core_and_the_rows(monkeypatch, tmp_path):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm")
+    specs = []
+
+    def run_child(command, spec, timeout, on_result=None):
+        specs.append(spec)
+        return ([{"kind": "engine", "start_s": 1.0},
+                 {"kind": "call", "call": 1, "seconds": 1.0, "output_tokens": 4, "tok_s": 4.0}],
+                "", None)
+
+    monkeypatch.setattr(bench, "run_child", run_child)
+    bench.main(["--out", str(tmp_path), "--layers", "4", "--kv", "auto", "--calls", "1",
+                "--switch-interval", "0.2"])
+    assert specs[0]["switch_interval_s"] == pytest.approx(2e-4)
+    with open(tmp_path / "generate.csv") as f:
+        rows = list(csv.DictReader(line for line in f if not line.startswith("#")))
+    assert rows[0]["switch_interval_ms"] == "0.2"
+
+    class FakeLLM:
+        def generate(self, prompts, params, use_tqdm):
+            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[0])])
+                    for _ in prompts]
+
+    applied = []
+    monkeypatch.setattr(bench, "build_llm", lambda *a, **k: FakeLLM())
+    monkeypatch.setattr(bench, "apply_switch_interval", lambda llm, s: applied.append(s))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    for name in ("VLLM_ALLOW_INSECURE_SERIALIZATION", "VLLM_ENABLE_V1_MULTIPROCESSING"):
+        monkeypatch.delenv(name, raising=False)   # run_engine sets them: restored afterwards
+    list(bench.run_engine({**specs[0], "calls": 1, "batch": 1, "prompt_len": 4,
+                           "output_len": 1, "vocab": 100}))
+    assert applied == [pytest.approx(2e-4)]
+    import os
+    # collective_rpc sends the setter as a function: vLLM refuses that without this.
+    assert os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
