@@ -108,7 +108,8 @@ from pathlib import Path
 from benchmarks import bench_e2e
 from benchmarks.provenance import describe, run_info
 from benchmarks.vllm_engine import (BLOCK_SIZE, DEEPSEEK_V31_ATTENTION, ENGINE_OVERHEAD_GIB,
-                                    KV_BYTES_PER_TOKEN, NOISE_FRACTION, SETTLE_STEPS,
+                                    KV_BYTES_PER_TOKEN, KV_SETTINGS, NOISE_FRACTION,
+                                    SETTLE_STEPS,
                                     concurrent_memory_problem, concurrent_start_spec,
                                     estimated_kv_blocks, estimated_prefill_s, merge_by_key,
                                     mla_projection_weights, not_lock_step, number, read_csv,
@@ -126,7 +127,6 @@ V31 = {"hidden": 7168, "layers": 61, "dense_layers": 3, "heads": 128, "q_lora": 
 FP8_BLOCK = 128
 MOE_LAYERS = 3            # the proxy's MoE layers after its one dense layer (--moe-layers)
 CONTEXTS = (16384, 32768, 65536, 131072)
-KV_SETTINGS = ("auto", "fp8_snapmla", "fp8")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -57,14 +57,12 @@ from pathlib import Path
 
 from benchmarks.provenance import describe, run_info
 from benchmarks.vllm_engine import (
-    DEEPSEEK_V31_ATTENTION, SETTLE_STEPS, batch_to_fill, build_llm, child_main,
-    engine_log_facts, merge_by_key, model_config, not_lock_step, number, random_prompts,
-    read_csv, run_child, run_number, summarize_windows, timed_decode_windows, visible_gpus,
-    wait_for_go, warm_tokens, warm_up, write_csv)
+    BASELINE_KV, DEEPSEEK_V31_ATTENTION, KV_SETTINGS, SETTLE_STEPS, batch_to_fill, build_llm,
+    child_main, engine_log_facts, merge_by_key, model_config, not_lock_step, number,
+    random_prompts, read_csv, run_child, run_number, summarize_windows, timed_decode_windows,
+    visible_gpus, wait_for_go, warm_tokens, warm_up, write_csv)
 from vllm_snapmla.testing import write_tiny_deepseek_v3
 
-KV_SETTINGS = ("auto", "fp8_snapmla", "fp8")
-BASELINE_KV = "auto"
 HEADS = (128, 16)
 CONTEXTS = (16384, 32768, 65536, 131072)
 QUICK = {"heads": (128,), "contexts": (16384, 65536), "gen_tokens": 128, "kv_cache_gib": 4.0}

@@ -47,7 +47,9 @@ from pathlib import Path
 from benchmarks.bench_matrix import switch_interval_arg_problem
 from benchmarks.provenance import describe, run_info
 from benchmarks.vllm_engine import (
+    BASELINE_KV,
     DEEPSEEK_V31_ATTENTION,
+    KV_SETTINGS,
     apply_switch_interval,
     build_llm,
     child_main,
@@ -59,8 +61,6 @@ from benchmarks.vllm_engine import (
 )
 from vllm_snapmla.testing import write_tiny_deepseek_v3
 
-BASELINE_KV = "auto"
-KV_SETTINGS = ("auto", "fp8_snapmla", "fp8")
 WARM_UP_TOKENS = 32
 TOP_KERNELS = 12
 # Kernel groups, by what a kernel's name contains (lower case), tried in this order: FA3's

@@ -97,16 +97,14 @@ from pathlib import Path
 
 from benchmarks.provenance import describe, run_info
 from benchmarks.vllm_engine import (
-    BLOCK_SIZE, DEEPSEEK_V31_ATTENTION, ENGINE_OVERHEAD_GIB, KV_BYTES_PER_TOKEN, SETTLE_STEPS,
-    apply_switch_interval, batch_to_fill, build_llm, child_main, concurrent_memory_problem,
-    concurrent_start_spec, core_timestamp, engine_log_facts, estimated_kv_blocks,
-    estimated_prefill_s, merge_by_key, mla_projection_weights, model_config, not_lock_step,
-    number, random_prompts, read_csv, run_child, run_engines_together, summarize_windows,
-    timed_decode_windows, wait_for_go, warm_tokens, warm_up, write_csv)
+    BASELINE_KV, BLOCK_SIZE, DEEPSEEK_V31_ATTENTION, ENGINE_OVERHEAD_GIB, KV_BYTES_PER_TOKEN,
+    KV_SETTINGS, SETTLE_STEPS, apply_switch_interval, batch_to_fill, build_llm, child_main,
+    concurrent_memory_problem, concurrent_start_spec, core_timestamp, engine_log_facts,
+    estimated_kv_blocks, estimated_prefill_s, merge_by_key, mla_projection_weights, model_config,
+    not_lock_step, number, random_prompts, read_csv, run_child, run_engines_together,
+    summarize_windows, timed_decode_windows, wait_for_go, warm_tokens, warm_up, write_csv)
 from vllm_snapmla.testing import write_tiny_deepseek_v3
 
-KV_SETTINGS = ("auto", "fp8_snapmla", "fp8")
-BASELINE_KV = "auto"
 KV_NAMES = {"auto": "BF16", "fp8_snapmla": "fp8_snapmla", "fp8": "fp8"}
 HEADS = (16, 128)
 CONTEXTS = (512, 2048, 8192, 32768, 131072)

@@ -74,6 +74,10 @@ BLOCK_SIZE = 64   # tokens per KV page of every MLA backend here (FlashMLA and f
 # Cache bytes per token and layer of each --kv-cache-dtype: BF16 576-wide rows; vLLM's FP8 rows;
 # fp8_snapmla's 512 FP8 + 4-byte scale + 64 BF16 RoPE, padded to 656.
 KV_BYTES_PER_TOKEN = {"auto": 1152, "fp8": 576, "fp8_snapmla": 656}
+# The --kv-cache-dtype settings every engine benchmark compares, and the one ratios are taken
+# against (vLLM's BF16 default).
+KV_SETTINGS = ("auto", "fp8_snapmla", "fp8")
+BASELINE_KV = "auto"
 
 RESULT_TAG = "BENCH_ENGINE_RESULT "
 _KV_TOKENS_LOG = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
