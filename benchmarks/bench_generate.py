@@ -68,6 +68,7 @@ TOP_KERNELS = 12
 GROUPS = (("attention", ("snapmla", "flash", "mla")),
           ("GEMMs", ("nvjet", "gemm", "cutlass", "cublas", "splitkreduce", "xmma")))
 OTHER = "other"
+GROUP_NAMES = [group for group, _ in GROUPS] + [OTHER]
 
 CALL_FIELDS = ["run", "layers", "heads", "kv", "engine_core", "switch_interval_ms", "batch",
                "prompt_len", "output_len", "max_model_len", "call", "seconds", "output_tokens",
@@ -120,7 +121,7 @@ def decode_profile(prefill: tuple[float, list], full: tuple[float, list], steps:
         if us - us_p > 0:
             per_step.append((name, (us - us_p) / steps, (launches - launches_p) / steps))
     per_step.sort(key=lambda k: -k[1])
-    groups = {group: 0.0 for group, _ in GROUPS} | {OTHER: 0.0}
+    groups = dict.fromkeys(GROUP_NAMES, 0.0)
     for name, us, _ in per_step:
         groups[kernel_group(name)] += us
     return {"steps": steps, "wall_us": (wall_f - wall_p) / steps,
@@ -157,12 +158,11 @@ def format_report(header: str, rows: list[dict], profiles: dict, failures: list[
         lines.append(f"| {s['layers']} | {s['kv']} | {s['calls']} | {s['median']:,.0f} | "
                      f"{s['low']:,.0f} | {s['high']:,.0f} | {ratio} |")
     if profiles:
-        names = [group for group, _ in GROUPS] + [OTHER]
         lines += ["", "GPU time per decode step (µs; profiled, not timed, calls):", "",
-                  "| layers | kv | wall | GPU busy | " + " | ".join(names) + " |",
-                  "|---|---|---|---|" + "---|" * len(names)]
+                  "| layers | kv | wall | GPU busy | " + " | ".join(GROUP_NAMES) + " |",
+                  "|---|---|---|---|" + "---|" * len(GROUP_NAMES)]
         for (layers, kv), p in profiles.items():
-            groups = " | ".join(f"{p['groups_us'][g]:,.1f}" for g in names)
+            groups = " | ".join(f"{p['groups_us'][g]:,.1f}" for g in GROUP_NAMES)
             lines.append(f"| {layers} | {kv} | {p['wall_us']:,.1f} | {p['busy_us']:,.1f} | "
                          f"{groups} |")
         for (layers, kv), p in profiles.items():
@@ -206,7 +206,7 @@ def plot(rows: list[dict], profiles: dict, path: Path) -> bool:
         ax = axes[0][1]
         pkeys = list(profiles)
         bottom = [0.0] * len(pkeys)
-        for group in [g for g, _ in GROUPS] + [OTHER]:
+        for group in GROUP_NAMES:
             heights = [profiles[k]["groups_us"][group] for k in pkeys]
             ax.bar(range(len(pkeys)), heights, bottom=bottom, label=group)
             bottom = [b + h for b, h in zip(bottom, heights)]
