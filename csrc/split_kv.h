@@ -139,24 +139,37 @@ SNAPMLA_UNROLL
     total_pages += warp.xor_shuffle(total_pages, o);
   }
   const int limit = max_pages < p.max_splits ? max_pages : p.max_splits;
+  // Candidates go to groups of `group` lanes (a power of two) that share the sum over the
+  // batch: with few candidates (a large batch) the whole warp still works on them, with many
+  // (few long requests) each lane takes its own.  Every lane runs the same rounds and shuffles.
+  int group = 32;
+  while (group > 1 && group * limit > 32) group /= 2;
+  const int per_round = 32 / group;
+  const int member = lane % group;
   long long best_cost = -1;
   int best = 1;
-  for (int s = lane + 1; s <= limit; s += 32) {
-    const int run = (max_pages + s - 1) / s;
+  for (int first = 1; first <= limit; first += per_round) {
+    const int s = first + lane / group;
+    const bool candidate = s <= limit;
+    const int run = candidate ? (max_pages + s - 1) / s : 1;
     long long runs = 0;
-    for (int b = 0; b < p.batch; ++b) {
-      runs += (request_pages(p.seq_lens[b], p.table_pages) + run - 1) / run;
+    if (candidate) {
+      for (int b = member; b < p.batch; b += group) {
+        runs += (request_pages(p.seq_lens[b], p.table_pages) + run - 1) / run;
+      }
     }
+    for (int o = group / 2; o > 0; o /= 2) runs += warp.xor_shuffle(runs, o);
+    if (!candidate) continue;
     // Total cost over all CTAs, in pages: row blocks (programs / batch) x (pages + runs x fixed).
     const long long work = p.programs * (total_pages + runs * p.overhead_pages);
     const long long wave = static_cast<long long>(p.batch) * p.slots * (run + p.overhead_pages);
     const long long cost = (work + wave - 1) / wave * (run + p.overhead_pages);
-    if (best_cost < 0 || cost < best_cost) {
+    if (best_cost < 0 || cost < best_cost) {   // a lane's candidates rise: ties keep the first
       best_cost = cost;
       best = s;
     }
   }
-  // Lanes without a candidate (limit < 32) lose every comparison.
+  // Lanes without a candidate lose every comparison.
 SNAPMLA_UNROLL
   for (int o = 16; o > 0; o /= 2) {
     const long long other_cost = warp.xor_shuffle(best_cost, o);
