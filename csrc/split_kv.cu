@@ -14,61 +14,152 @@ __global__ void __launch_bounds__(32) split_plan_kernel(const SplitPlanParams p)
   plan_splits_warp(p, threadIdx.x);
 }
 
-constexpr int kCombineRowsPerBlock = 4;   // one warp per query row
 constexpr int kColsPerLane = kKvLoraRank / 32;   // 16: four float4 per lane
+constexpr int kCombineUnroll = 4;                 // splits whose loads a warp has in flight
 
-// One warp merges one query row of one request: weights exp(lse_s - max) over the request's
-// runs, skipping splits that saw nothing (their output was never written).
+// Where a launch may cut requests into many splits (one long request, a few), a row's splits are
+// shared by kCombineWideWarps warps: one warp reading 100+ splits one after another would wait
+// on memory for each (60 us for one 128k-token request on an H100, longer than its decode).
+constexpr int kCombineWideWarps = 8;
+constexpr int kCombineWideFrom = 16;   // max_splits from which a row gets the wide block
+constexpr int kCombineRowsPerBlock = 4;   // otherwise: one warp per row, four rows a block
+
+// One warp's share of a row's merge: the splits warp_in_row, + warps, ... of the request's
+// `runs`, weighted exp(lse_s - m_ref).  A split that saw nothing (weight 0) never wrote its
+// partial: what is read there is dropped, not multiplied.  The loads of kCombineUnroll splits
+// are all issued before any is used.
+__device__ __forceinline__ void merge_splits(const CombineParams& p, int64_t first, int runs,
+                                             float m_ref, int warp_in_row, int warps, int lane,
+                                             float (&acc)[kColsPerLane], float& total) {
+  for (int s0 = warp_in_row; s0 < runs; s0 += kCombineUnroll * warps) {
+    float lse[kCombineUnroll];
+    float4 v[kCombineUnroll][kColsPerLane / 4];
+#pragma unroll
+    for (int u = 0; u < kCombineUnroll; ++u) {
+      const int s = s0 + u * warps;
+      const int64_t part_row = first + int64_t(s) * p.num_rows;
+      const float4* src = reinterpret_cast<const float4*>(p.part_out + part_row * kKvLoraRank);
+      lse[u] = s < runs ? p.part_lse[part_row] : -INFINITY;
+#pragma unroll
+      for (int j = 0; j < kColsPerLane / 4; ++j) {
+        v[u][j] = s < runs ? src[j * 32 + lane] : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kCombineUnroll; ++u) {
+      const float w = expf(lse[u] - m_ref);
+      total += w;
+      const bool seen = w != 0.f;   // NaN weights stay: they make the row NaN
+#pragma unroll
+      for (int j = 0; j < kColsPerLane / 4; ++j) {
+        acc[4 * j] += seen ? w * v[u][j].x : 0.f;
+        acc[4 * j + 1] += seen ? w * v[u][j].y : 0.f;
+        acc[4 * j + 2] += seen ? w * v[u][j].z : 0.f;
+        acc[4 * j + 3] += seen ? w * v[u][j].w : 0.f;
+      }
+    }
+  }
+}
+
+// The largest LSE of a row's splits, over the whole warp.
+__device__ __forceinline__ float max_lse(const CombineParams& p, int64_t first, int runs,
+                                         int lane) {
+  float m = -INFINITY;
+  for (int s = lane; s < runs; s += 32) m = fmaxf(m, p.part_lse[first + int64_t(s) * p.num_rows]);
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  return m;
+}
+
+// A merged row's natural-log LSE: -inf where no split saw anything; NaN where a partial was NaN
+// (the total is NaN then, not 0, and so is the output acc / total).
+__device__ __forceinline__ float row_lse(float m, float total) {
+  return total == 0.f ? -INFINITY : m + logf(total);
+}
+
+__device__ __forceinline__ void store_lse(const CombineParams& p, int b, int row, float lse) {
+  p.lse[(static_cast<int64_t>(b) * p.num_heads + row % p.num_heads) * p.s_q + row / p.num_heads] =
+      lse;
+}
+
+__device__ __forceinline__ __nv_bfloat16* out_row(const CombineParams& p, int b, int row) {
+  return static_cast<__nv_bfloat16*>(p.out) +
+         (static_cast<int64_t>(b) * p.num_rows + row) * kKvLoraRank;
+}
+
+// The number of runs of request b (1: the decode kernel wrote its output directly).
+__device__ __forceinline__ int request_runs(const CombineParams& p, int b) {
+  const int chunk = p.pages_per_split != nullptr ? *p.pages_per_split : 0;
+  return split_range(p.seq_lens[b], p.table_pages, chunk, p.max_splits, 0).num_splits;
+}
+
+// One warp merges one query row of one request.
 __global__ void __launch_bounds__(32 * kCombineRowsPerBlock) combine_kernel(const CombineParams p) {
   const int lane = threadIdx.x % 32;
   const int row = blockIdx.x * kCombineRowsPerBlock + threadIdx.x / 32;
   const int b = blockIdx.y;
   if (row >= p.num_rows) return;
-  const int chunk = p.pages_per_split != nullptr ? *p.pages_per_split : 0;
-  const int runs =
-      split_range(p.seq_lens[b], p.table_pages, chunk, p.max_splits, 0).num_splits;
-  if (runs == 1) return;   // the decode kernel wrote it directly
+  const int runs = request_runs(p, b);
+  if (runs == 1) return;
 
   const int64_t first = (static_cast<int64_t>(b) * p.max_splits) * p.num_rows + row;
-  float m = -INFINITY;
-  for (int s = lane; s < runs; s += 32) m = fmaxf(m, p.part_lse[first + int64_t(s) * p.num_rows]);
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  const float m = max_lse(p, first, runs, lane);
   const float m_ref = m == -INFINITY ? 0.f : m;
-
   float acc[kColsPerLane] = {};
   float total = 0.f;
-  for (int s = 0; s < runs; ++s) {
-    const int64_t part_row = first + int64_t(s) * p.num_rows;
-    const float w = expf(p.part_lse[part_row] - m_ref);
-    total += w;
-    if (w == 0.f) continue;
-    const float4* src = reinterpret_cast<const float4*>(p.part_out + part_row * kKvLoraRank);
-#pragma unroll
-    for (int j = 0; j < kColsPerLane / 4; ++j) {
-      const float4 v = src[j * 32 + lane];
-      acc[4 * j] += w * v.x;
-      acc[4 * j + 1] += w * v.y;
-      acc[4 * j + 2] += w * v.z;
-      acc[4 * j + 3] += w * v.w;
-    }
-  }
-  // A NaN partial (non-finite inputs, an invalid request) makes the total NaN: NaN out, not 0.
-  const bool seen_any = !(total == 0.f);
-  const float inv = seen_any ? 1.f / total : 0.f;
-  const int64_t out_row = static_cast<int64_t>(b) * p.num_rows + row;
-  __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.out) +
-                                                          out_row * kKvLoraRank);
+  merge_splits(p, first, runs, m_ref, 0, 1, lane, acc, total);
+  const float inv = total == 0.f ? 0.f : 1.f / total;
+  __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(out_row(p, b, row));
 #pragma unroll
   for (int j = 0; j < kColsPerLane / 4; ++j) {
     const int col = 4 * (j * 32 + lane);
     dst[col / 2] = __floats2bfloat162_rn(acc[4 * j] * inv, acc[4 * j + 1] * inv);
     dst[col / 2 + 1] = __floats2bfloat162_rn(acc[4 * j + 2] * inv, acc[4 * j + 3] * inv);
   }
-  if (lane == 0) {
-    p.lse[(static_cast<int64_t>(b) * p.num_heads + row % p.num_heads) * p.s_q + row / p.num_heads] =
-        seen_any ? m + logf(total) : -INFINITY;
+  if (lane == 0) store_lse(p, b, row, row_lse(m, total));
+}
+
+// kCombineWideWarps warps merge one query row of one request and add up their shares.
+__global__ void __launch_bounds__(32 * kCombineWideWarps) combine_wide_kernel(
+    const CombineParams p) {
+  __shared__ float shares[kCombineWideWarps][kKvLoraRank];
+  __shared__ float totals[kCombineWideWarps];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int row = blockIdx.x;
+  const int b = blockIdx.y;
+  const int runs = request_runs(p, b);
+  if (runs == 1) return;   // the same for the whole block
+
+  const int64_t first = (static_cast<int64_t>(b) * p.max_splits) * p.num_rows + row;
+  const float m = max_lse(p, first, runs, lane);
+  const float m_ref = m == -INFINITY ? 0.f : m;
+  float acc[kColsPerLane] = {};
+  float total = 0.f;
+  merge_splits(p, first, runs, m_ref, warp, kCombineWideWarps, lane, acc, total);
+#pragma unroll
+  for (int j = 0; j < kColsPerLane / 4; ++j) {
+    *reinterpret_cast<float4*>(&shares[warp][4 * (j * 32 + lane)]) =
+        make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
   }
+  if (lane == 0) totals[warp] = total;
+  __syncthreads();
+
+  float sum_total = 0.f;
+#pragma unroll
+  for (int w = 0; w < kCombineWideWarps; ++w) sum_total += totals[w];
+  const float inv = sum_total == 0.f ? 0.f : 1.f / sum_total;
+  static_assert(2 * 32 * kCombineWideWarps == kKvLoraRank, "two columns a thread");
+  const int col = 2 * threadIdx.x;
+  float2 sum = make_float2(0.f, 0.f);
+#pragma unroll
+  for (int w = 0; w < kCombineWideWarps; ++w) {
+    const float2 x = *reinterpret_cast<const float2*>(&shares[w][col]);
+    sum.x += x.x;
+    sum.y += x.y;
+  }
+  reinterpret_cast<__nv_bfloat162*>(out_row(p, b, row))[col / 2] =
+      __floats2bfloat162_rn(sum.x * inv, sum.y * inv);
+  if (threadIdx.x == 0) store_lse(p, b, row, row_lse(m, sum_total));
 }
 
 }  // namespace
@@ -80,9 +171,14 @@ cudaError_t launch_split_plan(const SplitPlanParams& params, cudaStream_t stream
 
 cudaError_t launch_combine(const CombineParams& params, cudaStream_t stream) {
   if (params.batch == 0 || params.num_rows == 0) return cudaSuccess;
-  const dim3 grid((params.num_rows + kCombineRowsPerBlock - 1) / kCombineRowsPerBlock,
-                  params.batch);
-  combine_kernel<<<grid, 32 * kCombineRowsPerBlock, 0, stream>>>(params);
+  if (params.max_splits >= kCombineWideFrom) {
+    combine_wide_kernel<<<dim3(params.num_rows, params.batch), 32 * kCombineWideWarps, 0,
+                          stream>>>(params);
+  } else {
+    const dim3 grid((params.num_rows + kCombineRowsPerBlock - 1) / kCombineRowsPerBlock,
+                    params.batch);
+    combine_kernel<<<grid, 32 * kCombineRowsPerBlock, 0, stream>>>(params);
+  }
   return cudaGetLastError();
 }
 
