@@ -24,8 +24,8 @@ constexpr int kCombineWideWarps = 8;
 constexpr int kCombineWideFrom = 16;   // max_splits from which a row gets the wide block
 constexpr int kCombineRowsPerBlock = 4;   // otherwise: one warp per row, four rows a block
 
-// One warp's share of a row's merge: the splits warp_in_row, + warps, ... of the request's
-// `runs`, weighted exp(lse_s - m_ref).  A split that saw nothing (weight 0) never wrote its
+// One warp's share of a row's merge in the wide kernel: the splits warp_in_row, + warps, ... of
+// the request's `runs`, weighted exp(lse_s - m_ref).  A split that saw nothing (weight 0) never wrote its
 // partial: what is read there is dropped, not multiplied.  The loads of kCombineUnroll splits
 // are all issued before any is used.
 __device__ __forceinline__ void merge_splits(const CombineParams& p, int64_t first, int runs,
@@ -93,7 +93,8 @@ __device__ __forceinline__ int request_runs(const CombineParams& p, int b) {
   return split_range(p.seq_lens[b], p.table_pages, chunk, p.max_splits, 0).num_splits;
 }
 
-// One warp merges one query row of one request.
+// One warp merges one query row of one request, split after split (few splits: the loads of
+// other rows' warps keep memory busy).
 __global__ void __launch_bounds__(32 * kCombineRowsPerBlock) combine_kernel(const CombineParams p) {
   const int lane = threadIdx.x % 32;
   const int row = blockIdx.x * kCombineRowsPerBlock + threadIdx.x / 32;
@@ -107,7 +108,21 @@ __global__ void __launch_bounds__(32 * kCombineRowsPerBlock) combine_kernel(cons
   const float m_ref = m == -INFINITY ? 0.f : m;
   float acc[kColsPerLane] = {};
   float total = 0.f;
-  merge_splits(p, first, runs, m_ref, 0, 1, lane, acc, total);
+  for (int s = 0; s < runs; ++s) {
+    const int64_t part_row = first + int64_t(s) * p.num_rows;
+    const float w = expf(p.part_lse[part_row] - m_ref);
+    total += w;
+    if (w == 0.f) continue;   // saw nothing: never written
+    const float4* src = reinterpret_cast<const float4*>(p.part_out + part_row * kKvLoraRank);
+#pragma unroll
+    for (int j = 0; j < kColsPerLane / 4; ++j) {
+      const float4 v = src[j * 32 + lane];
+      acc[4 * j] += w * v.x;
+      acc[4 * j + 1] += w * v.y;
+      acc[4 * j + 2] += w * v.z;
+      acc[4 * j + 3] += w * v.w;
+    }
+  }
   const float inv = total == 0.f ? 0.f : 1.f / total;
   __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(out_row(p, b, row));
 #pragma unroll

@@ -142,14 +142,15 @@ SNAPMLA_UNROLL
   // Candidates go to groups of `group` lanes (a power of two) that share the sum over the
   // batch: with few candidates (a large batch) the whole warp still works on them, with many
   // (few long requests) each lane takes its own.  Every lane runs the same rounds and shuffles.
-  int group = 32;
-  while (group > 1 && group * limit > 32) group /= 2;
-  const int per_round = 32 / group;
-  const int member = lane % group;
+  int group_log2 = 5;
+  while (group_log2 > 0 && (limit << group_log2) > 32) --group_log2;
+  const int group = 1 << group_log2;
+  const int per_round = 32 >> group_log2;
+  const int member = lane & (group - 1);
   long long best_cost = -1;
   int best = 1;
   for (int first = 1; first <= limit; first += per_round) {
-    const int s = first + lane / group;
+    const int s = first + (lane >> group_log2);
     const bool candidate = s <= limit;
     const int run = candidate ? (max_pages + s - 1) / s : 1;
     long long runs = 0;
