@@ -20,14 +20,16 @@ constexpr int kCombineUnroll = 4;                 // splits whose loads a warp h
 // Where a launch may cut requests into many splits (one long request, a few), a row's splits are
 // shared by kCombineWideWarps warps: one warp reading 100+ splits one after another would wait
 // on memory for each (60 us for one 128k-token request on an H100, longer than its decode).
+// With few splits the wide block's shared-memory sum costs more than it saves (8 requests x 128
+// heads x 8 splits: 9.2 against 6.6 us at max_splits 17), hence the threshold.
 constexpr int kCombineWideWarps = 8;
-constexpr int kCombineWideFrom = 16;   // max_splits from which a row gets the wide block
+constexpr int kCombineWideFrom = 32;   // max_splits from which a row gets the wide block
 constexpr int kCombineRowsPerBlock = 4;   // otherwise: one warp per row, four rows a block
 
 // One warp's share of a row's merge in the wide kernel: the splits warp_in_row, + warps, ... of
-// the request's `runs`, weighted exp(lse_s - m_ref).  A split that saw nothing (weight 0) never wrote its
-// partial: what is read there is dropped, not multiplied.  The loads of kCombineUnroll splits
-// are all issued before any is used.
+// the request's `runs`, weighted exp(lse_s - m_ref).  A split that saw nothing (weight 0) never
+// wrote its partial: what is read there is dropped, not multiplied.  The loads of
+// kCombineUnroll splits are all issued before any is used.
 __device__ __forceinline__ void merge_splits(const CombineParams& p, int64_t first, int runs,
                                              float m_ref, int warp_in_row, int warps, int lane,
                                              float (&acc)[kColsPerLane], float& total) {
