@@ -3,6 +3,7 @@ FlashAttention-3 MLA, in one process.
 
     python -m benchmarks.bench_decode --out out/bench_decode [--quick] [--shapes 64x16x1024 ...]
         [--table-width 2560] [--ragged] [--backends snapmla,flashmla-bf16,fa3-mla-bf16,...]
+        [--kernels]
     python -m benchmarks.bench_decode --replot out/bench_decode/decode.csv --out DIR   # no GPU
 
 Backends, on the same random data and shapes (default: ``SHAPES``, the shapes FlashMLA's own
@@ -51,6 +52,11 @@ Times per backend and shape, in µs:
 TFLOP/s counts ``2*H*s_q*(sum of lengths)*(576+512)``; GB/s counts each backend's own cache bytes
 per token (1152 bf16, 576 fp8, 656 fp8_snapmla), both on ``us``.  Writes ``decode.csv`` and
 ``decode.png`` to ``--out``.
+
+``--kernels`` also profiles ``KERNEL_CALLS`` back-to-back eager calls of every backend with
+torch's profiler and writes the GPU time of each kernel per call to ``kernels.csv`` (ours: the
+query quantization with the split planner, the decode kernel and the combine; FlashMLA's
+metadata is computed before, as for ``us``): where one call's time goes, shape by shape.
 """
 
 from __future__ import annotations
@@ -327,6 +333,59 @@ def _eager_us(fn, calls):
     return start.elapsed_time(end) * 1e3 / calls
 
 
+KERNEL_CALLS = 50
+KERNEL_COLUMNS = ["run", "backend", "B", "H", "N", "s_q", "table_width", "ragged", "kernel",
+                  "us_per_call", "launches_per_call", "name"]
+
+
+def short_kernel_name(name: str) -> str:
+    """A profiler's kernel name without its return type, namespaces and arguments:
+    ``void snapmla::sm90::decode_narrow_kernel<16>(CUtensorMap_st, ...)`` ->
+    ``decode_narrow_kernel<16>`` (template arguments kept, at most 60 characters)."""
+    name = name.replace("(anonymous namespace)", "anonymous")   # no "(" before the arguments
+    depth, end, last_scope = 0, len(name), 0
+    for i, c in enumerate(name):
+        if c == "<":
+            depth += 1
+        elif c == ">":
+            depth -= 1
+        elif depth == 0 and c == "(" and i > 0:
+            end = i
+            break
+        elif depth == 0 and name.startswith("::", i):
+            last_scope = i + 2
+    short = name[last_scope:end].strip()
+    if short.startswith("void "):
+        short = short[len("void "):]
+    return short if len(short) <= 60 else short[:57] + "..."
+
+
+def kernels_per_call(events, calls: int) -> list[tuple[str, float, float]]:
+    """``(name, µs per call, launches per call)`` of each kernel in ``events`` (``(name, µs)``
+    of every launch over ``calls`` calls), the longest first."""
+    totals: dict[str, list[float]] = {}
+    for name, us in events:
+        entry = totals.setdefault(name, [0.0, 0])
+        entry[0] += us
+        entry[1] += 1
+    rows = [(name, us / calls, launches / calls) for name, (us, launches) in totals.items()]
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def _profile_kernels(fn, calls: int) -> list[tuple[str, float, float]]:
+    """The kernels of ``calls`` back-to-back eager calls of ``fn`` (after one warm-up call)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    events = [(e.name, e.device_time) for e in prof.events()
+              if e.device_type == torch.autograd.DeviceType.CUDA]
+    return kernels_per_call(events, calls)
+
+
 FA3_PANEL = "every shape: speedup over FlashAttention-3 MLA (vLLM's BF16 default)"
 
 
@@ -448,6 +507,18 @@ def _row_key(r) -> tuple:
                                          "ragged", "timing"))
 
 
+def _kernel_measurement(r) -> tuple:
+    return tuple(str(r.get(c)) for c in ("backend", "B", "H", "N", "s_q", "table_width",
+                                         "ragged"))
+
+
+def merge_kernel_rows(old: list[dict], new: list[dict]) -> list[dict]:
+    """kernels.csv after a run: a (backend, shape, table, lengths) measured again replaces all
+    its earlier kernel rows, so that a kernel a new build no longer launches leaves none."""
+    measured = {_kernel_measurement(r) for r in new}
+    return [r for r in old if _kernel_measurement(r) not in measured] + new
+
+
 def _shape_generator(B, H, N, s_q) -> torch.Generator:
     """Each shape's own seed: its (ragged) lengths and inputs do not depend on the shape list."""
     return torch.Generator().manual_seed(((B * 1009 + H) * 100003 + N) * 7 + s_q)
@@ -483,6 +554,8 @@ def main():
                              "each shape's own pages")
     parser.add_argument("--ragged", action="store_true",
                         help="request lengths drawn in [N/8, N] (seeded) instead of N")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also the GPU time of each kernel of one eager call (kernels.csv)")
     parser.add_argument("--replot", metavar="CSV", help="no timing: redraw a decode.csv's plot "
                         "into --out")
     args = parser.parse_args()
@@ -513,6 +586,9 @@ def main():
     # each row names its run, described in the file's "# " header lines.
     runs, old_rows = read_csv(out_dir / "decode.csv")
     run = run_number(runs, header)
+    kernel_runs, old_kernel_rows = read_csv(out_dir / "kernels.csv")
+    kernel_run = run_number(kernel_runs, header)
+    kernel_rows = []
     fm, why = flashmla_ops()
     if fm is None:
         print(f"FlashMLA unavailable, not timed: {why}", flush=True)
@@ -578,6 +654,16 @@ def main():
                   f"{nbytes / us * 1e-3:6.0f} GB/s  relerr {relerr:.1e}  host "
                   f"{measured['host_us']:6.1f} us  eager {measured['eager_us']:7.1f} us"
                   f"{metadata}", flush=True)
+            if args.kernels:
+                kernels = _profile_kernels(fn, KERNEL_CALLS)
+                print("  " + " " * 24 + " kernels: " + ", ".join(
+                    f"{short_kernel_name(k)} {us:.1f}" for k, us, _ in kernels), flush=True)
+                kernel_rows += [{"run": kernel_run, "backend": name, "B": B, "H": H, "N": N,
+                                 "s_q": s_q, "table_width": inp["block_table"].shape[1],
+                                 "ragged": int(args.ragged), "kernel": short_kernel_name(k),
+                                 "us_per_call": round(us, 3),
+                                 "launches_per_call": round(launches, 3), "name": k}
+                                for k, us, launches in kernels]
         for r in shape_rows:
             for base, backend in BASELINES.items():
                 t = times.get(backend)
@@ -586,6 +672,9 @@ def main():
         # After every shape: a cut-short run keeps what it measured.
         write_csv(merge_by_key(old_rows, rows, _row_key), out_dir / "decode.csv", CSV_COLUMNS,
                   runs)
+        if args.kernels:
+            write_csv(merge_kernel_rows(old_kernel_rows, kernel_rows), out_dir / "kernels.csv",
+                      KERNEL_COLUMNS, kernel_runs)
         del inp, runners, with_metadata
         torch.cuda.empty_cache()
 

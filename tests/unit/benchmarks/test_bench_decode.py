@@ -191,3 +191,47 @@ def test_fa3_table_reads_the_same_tokens_in_16_token_pages():
         assert torch.equal(via_64, via_16)
         # vLLM pads a row with 0 past the request's pages.
         assert small[b, -(-n // 16):].eq(0).all()
+
+
+@pytest.mark.parametrize("name, short", [
+    ("void snapmla::sm90::decode_narrow_kernel<16>(CUtensorMap_st, CUtensorMap_st, "
+     "snapmla::sm90::DecodeParams)", "decode_narrow_kernel<16>"),
+    ("snapmla::(anonymous namespace)::combine_wide_kernel(snapmla::CombineParams)",
+     "combine_wide_kernel"),
+    ("void snapmla::(anonymous namespace)::quantize_q_kernel<__nv_bfloat16>(snapmla::StridedRows, "
+     "long, snapmla::SplitPlanParams, bool)", "quantize_q_kernel<__nv_bfloat16>"),
+    ("void flash_fwd_splitkv_mla_kernel<cutlass::bfloat16_t, 64>(Flash_fwd_mla_params)",
+     "flash_fwd_splitkv_mla_kernel<cutlass::bfloat16_t, 64>"),
+    ("nvjet_sm90_tst_512x64_64x2_2x1_v_bz_coopB_TNN",
+     "nvjet_sm90_tst_512x64_64x2_2x1_v_bz_coopB_TNN"),
+])
+def test_kernel_names_lose_return_type_namespaces_and_arguments(name, short):
+    assert bench.short_kernel_name(name) == short
+
+
+def test_long_kernel_names_are_cut_to_60_characters():
+    name = ("void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<"
+            "cute::tuple<cute::C<64>, cute::C<64>>, 2, 128>>>(flash::Params)")
+    short = bench.short_kernel_name(name)
+    assert len(short) == 60 and short.startswith("device_kernel<flash::") and short.endswith("...")
+
+
+def test_kernel_times_are_per_call_and_longest_first():
+    events = [("decode", 20.0), ("quant", 2.0), ("decode", 22.0), ("combine", 3.0),
+              ("quant", 2.5), ("combine", 3.5), ("combine", 1.0)]
+    assert bench.kernels_per_call(events, calls=2) == [
+        ("decode", 21.0, 1.0), ("combine", 3.75, 1.5), ("quant", 2.25, 1.0)]
+
+
+def test_a_measurement_again_replaces_all_its_kernel_rows():
+    def row(backend, N, kernel):
+        return {"backend": backend, "B": 1, "H": 16, "N": N, "s_q": 1, "table_width": 2560,
+                "ragged": 0, "kernel": kernel}
+    old = [row("snapmla", 512, "quantize"), row("snapmla", 512, "decode"),
+           row("snapmla", 512, "combine"), row("snapmla", 4096, "combine"),
+           row("flashmla-bf16", 512, "flash")]
+    new = [row("snapmla", 512, "quantize"), row("snapmla", 512, "decode")]
+    merged = bench.merge_kernel_rows(old, new)
+    assert [(r["backend"], r["N"], r["kernel"]) for r in merged] == [
+        ("snapmla", 4096, "combine"), ("flashmla-bf16", 512, "flash"),
+        ("snapmla", 512, "quantize"), ("snapmla", 512, "decode")]
