@@ -139,7 +139,7 @@ __global__ void __launch_bounds__(32 * kCombineRowsPerBlock) combine_kernel(cons
 // kCombineWideWarps warps merge one query row of one request and add up their shares.
 __global__ void __launch_bounds__(32 * kCombineWideWarps) combine_wide_kernel(
     const CombineParams p) {
-  __shared__ float shares[kCombineWideWarps][kKvLoraRank];
+  __shared__ __align__(16) float shares[kCombineWideWarps][kKvLoraRank];   // float4 stores
   __shared__ float totals[kCombineWideWarps];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int row = blockIdx.x;
