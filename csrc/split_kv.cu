@@ -27,9 +27,10 @@ constexpr int kCombineWideFrom = 32;   // max_splits from which a row gets the w
 constexpr int kCombineRowsPerBlock = 4;   // otherwise: one warp per row, four rows a block
 
 // One warp's share of a row's merge in the wide kernel: the splits warp_in_row, + warps, ... of
-// the request's `runs`, weighted exp(lse_s - m_ref).  A split that saw nothing (weight 0) never
-// wrote its partial: what is read there is dropped, not multiplied.  The loads of
-// kCombineUnroll splits are all issued before any is used.
+// the request's `runs`, weighted exp(lse_s - m_ref).  A split of weight 0 (it saw nothing and
+// never wrote its partial, or its weight underflowed) is dropped: what is read there is not
+// multiplied, since it may be NaN.  The loads of kCombineUnroll splits are all issued before
+// any is used, so a never-written partial is read (allocated memory) and then dropped.
 __device__ __forceinline__ void merge_splits(const CombineParams& p, int64_t first, int runs,
                                              float m_ref, int warp_in_row, int warps, int lane,
                                              float (&acc)[kColsPerLane], float& total) {
@@ -73,8 +74,9 @@ __device__ __forceinline__ float max_lse(const CombineParams& p, int64_t first, 
   return m;
 }
 
-// A merged row's natural-log LSE: -inf where no split saw anything; NaN where a partial was NaN
-// (the total is NaN then, not 0, and so is the output acc / total).
+// A merged row's natural-log LSE: -inf where no split saw anything; NaN where a split's LSE
+// was NaN (the total is NaN then, not 0, and so is the whole output row acc / total).  A NaN
+// element of a partial under a finite LSE makes only that output column NaN.
 __device__ __forceinline__ float row_lse(float m, float total) {
   return total == 0.f ? -INFINITY : m + logf(total);
 }
@@ -114,7 +116,7 @@ __global__ void __launch_bounds__(32 * kCombineRowsPerBlock) combine_kernel(cons
     const int64_t part_row = first + int64_t(s) * p.num_rows;
     const float w = expf(p.part_lse[part_row] - m_ref);
     total += w;
-    if (w == 0.f) continue;   // saw nothing: never written
+    if (w == 0.f) continue;   // saw nothing (never written), or a weight that underflowed
     const float4* src = reinterpret_cast<const float4*>(p.part_out + part_row * kKvLoraRank);
 #pragma unroll
     for (int j = 0; j < kColsPerLane / 4; ++j) {

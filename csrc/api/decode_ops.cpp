@@ -379,6 +379,9 @@ void combine_splits(const at::Tensor& part_out, const at::Tensor& part_lse,
                     op, ": part_out must be a contiguous float32[batch, splits, rows, ",
                     kKvLoraRank, "], got ", shape_of(part_out));
   const int64_t batch = part_out.size(0), splits = part_out.size(1), rows = part_out.size(2);
+  // A request's runs are counted against the splits (split_range divides by them).
+  TORCH_CHECK_VALUE(splits >= 1 && splits <= 65535, op,
+                    ": part_out must hold 1 to 65535 splits per request, got ", splits);
   check_cuda(op, "part_lse", part_lse, device);
   check_shape(op, "part_lse", part_lse, at::kFloat, {batch, splits, rows});
   TORCH_CHECK_VALUE(part_lse.is_contiguous(), op, ": part_lse must be contiguous");
