@@ -70,7 +70,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.provenance import describe, run_info
-from benchmarks.vllm_engine import merge_by_key, read_csv, run_number, write_csv
+from benchmarks.vllm_engine import kernel_totals, merge_by_key, read_csv, run_number, write_csv
 from vllm_snapmla import format as fmt
 from vllm_snapmla import ops, reference
 from vllm_snapmla._native import native
@@ -363,12 +363,8 @@ def short_kernel_name(name: str) -> str:
 def kernels_per_call(events, calls: int) -> list[tuple[str, float, float]]:
     """``(name, µs per call, launches per call)`` of each kernel in ``events`` (``(name, µs)``
     of every launch over ``calls`` calls), the longest first."""
-    totals: dict[str, list[float]] = {}
-    for name, us in events:
-        entry = totals.setdefault(name, [0.0, 0])
-        entry[0] += us
-        entry[1] += 1
-    rows = [(name, us / calls, launches / calls) for name, (us, launches) in totals.items()]
+    rows = [(name, us / calls, launches / calls)
+            for name, (us, launches) in kernel_totals(events).items()]
     return sorted(rows, key=lambda r: -r[1])
 
 

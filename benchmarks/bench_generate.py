@@ -54,6 +54,7 @@ from benchmarks.vllm_engine import (
     build_llm,
     child_main,
     engine_log_facts,
+    kernel_totals,
     model_config,
     random_prompts,
     run_child,
@@ -99,22 +100,14 @@ def busy_us(spans) -> float:
     return total + (current[1] - current[0] if current is not None else 0.0)
 
 
-def _by_name(kernels) -> dict[str, list[float]]:
-    totals: dict[str, list[float]] = {}
-    for name, start, end in kernels:
-        entry = totals.setdefault(name, [0.0, 0])
-        entry[0] += end - start
-        entry[1] += 1
-    return totals
-
-
 def decode_profile(prefill: tuple[float, list], full: tuple[float, list], steps: int) -> dict:
     """Per decode step, from two profiled calls on the same prompts' shapes: ``prefill`` =
     (wall µs, kernels) of a call with one output token, ``full`` the same with 1 + ``steps``;
     kernels are ``(name, start µs, end µs)``.  Kernels that ran no more in the longer call
     (the prefill's own) drop out."""
     (wall_p, kernels_p), (wall_f, kernels_f) = prefill, full
-    before, after = _by_name(kernels_p), _by_name(kernels_f)
+    before, after = (kernel_totals((name, end - start) for name, start, end in kernels)
+                     for kernels in (kernels_p, kernels_f))
     per_step = []
     for name, (us, launches) in after.items():
         us_p, launches_p = before.get(name, (0.0, 0))

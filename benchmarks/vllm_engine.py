@@ -205,6 +205,17 @@ def number(value) -> float | None:
     return None if value in (None, "") else float(value)
 
 
+def kernel_totals(launches) -> dict[str, list[float]]:
+    """``{name: [µs, launches]}`` summed over ``launches``, ``(name, µs)`` of every kernel launch
+    a profile saw: how the benchmarks that profile (bench_decode, bench_generate) count kernels."""
+    totals: dict[str, list[float]] = {}
+    for name, us in launches:
+        entry = totals.setdefault(name, [0.0, 0])
+        entry[0] += us
+        entry[1] += 1
+    return totals
+
+
 def merge_by_key(old: list[dict], new: list[dict], key, order=None) -> list[dict]:
     """``old`` with each row whose ``key(row)`` a row of ``new`` shares replaced by that row, the
     rest of ``new`` added; sorted by ``order(key)``, or in the order keys first appear without
