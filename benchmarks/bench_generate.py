@@ -2,7 +2,8 @@
 
     python -m benchmarks.bench_generate --out out/bench_generate [--kv auto fp8_snapmla fp8]
         [--layers 4 16] [--heads 16] [--batch 64] [--prompt-len 512] [--output-len 512]
-        [--calls 3] [--max-model-len 131072] [--in-process [--profile]] [--switch-interval MS]
+        [--calls 3] [--max-model-len 131072] [--enforce-eager] [--in-process [--profile]]
+        [--switch-interval MS]
 
 ``bench_e2e`` and ``bench_matrix`` time decode steps with the engine core's timestamps.  A
 user's first benchmark times whole ``LLM.generate`` calls instead: the prefill, the decode
@@ -17,11 +18,18 @@ One engine per (layers, KV format), each in a child process, the formats of a la
 after another.  ``--in-process`` runs vLLM's engine core in the engine's own process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) instead of the separate process ``LLM`` starts by default.
 
+``--enforce-eager`` builds the engines with ``enforce_eager=True`` (no torch.compile, no CUDA
+graphs): every op of every step is launched from Python, as in the steps that mix prefill and
+decode.
+
 ``--profile`` (with ``--in-process``, so that the kernels run in the profiled process) profiles
 two more calls with torch's profiler: one of ``max_tokens=1`` (the prefill) and one of 1 + S
 (``--profile-steps``).  Their difference is S decode steps: GPU time per step by kernel and by
 group (attention with the KV-cache write and the query quantization; GEMMs; the rest), the time
-the GPU was busy per step and the step's wall time.  Profiled calls are not timed.
+the GPU was busy per step and the step's wall time; and the host side of a step: CPU time per
+step of each op and CUDA runtime call the profiler saw (its own time, children excluded), with
+the calls that make the host wait for the GPU (synchronizations, blocking copies) counted apart.
+Profiled calls are not timed.
 
 ``--switch-interval MS`` sets Python's GIL switch interval in the process that runs the engine
 core, as ``bench_matrix``'s option does, for the question of the engine core's threads waiting
@@ -29,9 +37,9 @@ for the GIL (benchmarks/RESULTS.md, "Through vLLM").
 
 Writes ``generate.csv`` (a row per timed call), ``generate.md`` (per layer count and format the
 median, lowest and highest tok/s and the median over ``auto``'s median; with ``--profile`` the
-per-step groups and the largest kernels), ``kernels.csv`` (with ``--profile``) and
-``generate.png`` (every call's tok/s; with ``--profile`` also the GPU time per step by group).
-Each run replaces the files of the last one in ``--out``.
+per-step groups, the largest kernels and the host side), ``kernels.csv`` and ``host.csv`` (with
+``--profile``) and ``generate.png`` (every call's tok/s; with ``--profile`` also the GPU time
+per step by group).  Each run replaces the files of the last one in ``--out``.
 """
 
 from __future__ import annotations
@@ -71,10 +79,16 @@ GROUPS = (("attention", ("snapmla", "flash", "mla")),
 OTHER = "other"
 GROUP_NAMES = [group for group, _ in GROUPS] + [OTHER]
 
-CALL_FIELDS = ["run", "layers", "heads", "kv", "engine_core", "switch_interval_ms", "batch",
-               "prompt_len", "output_len", "max_model_len", "call", "seconds", "output_tokens",
-               "tok_s", "backend", "start_s", "error"]
+CALL_FIELDS = ["run", "layers", "heads", "kv", "mode", "engine_core", "switch_interval_ms",
+               "batch", "prompt_len", "output_len", "max_model_len", "call", "seconds",
+               "output_tokens", "tok_s", "backend", "start_s", "error"]
 KERNEL_FIELDS = ["layers", "kv", "kernel", "group", "us_per_step", "launches_per_step"]
+HOST_FIELDS = ["layers", "kv", "op", "waits", "us_per_step", "calls_per_step"]
+TOP_HOST_OPS = 12
+# CUDA runtime calls after which the host has waited for the GPU: a synchronization, or a copy
+# that is synchronous for the host (cudaMemcpy; cudaMemcpyAsync to pageable memory).  Counted
+# per step apart from the rest: in an eager step each one stops the CPU from running ahead.
+WAIT_MARKS = ("synchronize", "cudamemcpy")
 
 
 # --- profile arithmetic (no GPU) ----------------------------------------------------------------
@@ -85,6 +99,12 @@ def kernel_group(name: str) -> str:
         if any(mark in lower for mark in marks):
             return group
     return OTHER
+
+
+def host_wait(name: str) -> bool:
+    """A CUDA runtime call that may make the host wait for the GPU (``WAIT_MARKS``)."""
+    lower = name.lower()
+    return lower.startswith("cuda") and any(mark in lower for mark in WAIT_MARKS)
 
 
 def busy_us(spans) -> float:
@@ -100,27 +120,41 @@ def busy_us(spans) -> float:
     return total + (current[1] - current[0] if current is not None else 0.0)
 
 
-def decode_profile(prefill: tuple[float, list], full: tuple[float, list], steps: int) -> dict:
-    """Per decode step, from two profiled calls on the same prompts' shapes: ``prefill`` =
-    (wall µs, kernels) of a call with one output token, ``full`` the same with 1 + ``steps``;
-    kernels are ``(name, start µs, end µs)``.  Kernels that ran no more in the longer call
-    (the prefill's own) drop out."""
-    (wall_p, kernels_p), (wall_f, kernels_f) = prefill, full
-    before, after = (kernel_totals((name, end - start) for name, start, end in kernels)
-                     for kernels in (kernels_p, kernels_f))
+def per_step_difference(before: list, after: list, steps: int) -> list[tuple[str, float, float]]:
+    """``(name, µs, count)`` per step of what ran more often or longer in ``after`` than in
+    ``before`` (``(name, µs)`` of every launch or call each), largest first."""
+    totals_before, totals_after = kernel_totals(before), kernel_totals(after)
     per_step = []
-    for name, (us, launches) in after.items():
-        us_p, launches_p = before.get(name, (0.0, 0))
-        if us - us_p > 0:
-            per_step.append((name, (us - us_p) / steps, (launches - launches_p) / steps))
+    for name, (us, count) in totals_after.items():
+        us_b, count_b = totals_before.get(name, (0.0, 0))
+        if us - us_b > 0:
+            per_step.append((name, (us - us_b) / steps, (count - count_b) / steps))
     per_step.sort(key=lambda k: -k[1])
+    return per_step
+
+
+def decode_profile(prefill: tuple, full: tuple, steps: int) -> dict:
+    """Per decode step, from two profiled calls on the same prompts' shapes: ``prefill`` =
+    (wall µs, kernels, host ops) of a call with one output token, ``full`` the same with 1 +
+    ``steps``; kernels are ``(name, start µs, end µs)``, host ops ``(name, own CPU µs)`` (the
+    host part may be left out: older profiles).  What ran no more in the longer call (the
+    prefill's own) drops out."""
+    (wall_p, kernels_p, *host_p), (wall_f, kernels_f, *host_f) = prefill, full
+    per_step = per_step_difference([(name, end - start) for name, start, end in kernels_p],
+                                   [(name, end - start) for name, start, end in kernels_f],
+                                   steps)
     groups = dict.fromkeys(GROUP_NAMES, 0.0)
     for name, us, _ in per_step:
         groups[kernel_group(name)] += us
+    host = per_step_difference(host_p[0] if host_p else [], host_f[0] if host_f else [], steps)
+    waits = [h for h in host if host_wait(h[0])]
     return {"steps": steps, "wall_us": (wall_f - wall_p) / steps,
             "busy_us": (busy_us(k[1:] for k in kernels_f)
                         - busy_us(k[1:] for k in kernels_p)) / steps,
-            "groups_us": groups, "kernels": per_step}
+            "groups_us": groups, "kernels": per_step, "host": host,
+            "host_us": sum(us for _, us, _ in host),
+            "waits_per_step": sum(count for _, _, count in waits),
+            "waits_us": sum(us for _, us, _ in waits)}
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -164,6 +198,22 @@ def format_report(header: str, rows: list[dict], profiles: dict, failures: list[
             for name, us, launches in p["kernels"][:TOP_KERNELS]:
                 lines.append(f"| {us:,.1f} | {launches:.1f} | {kernel_group(name)} | "
                              f"`{name[:90]}` |")
+        hosts = {key: p for key, p in profiles.items() if p.get("host")}
+        if hosts:
+            lines += ["", "Host side of a decode step (µs of CPU per step in the ops and CUDA "
+                      "runtime calls the profiler saw, each without its children; waits: "
+                      "synchronizations and blocking copies):", "",
+                      "| layers | kv | wall | CPU in ops | waits per step | µs in waits |",
+                      "|---|---|---|---|---|---|"]
+            for (layers, kv), p in hosts.items():
+                lines.append(f"| {layers} | {kv} | {p['wall_us']:,.1f} | {p['host_us']:,.1f} | "
+                             f"{p['waits_per_step']:.1f} | {p['waits_us']:,.1f} |")
+            for (layers, kv), p in hosts.items():
+                lines += ["", f"{layers} layers, {kv}: host ops with the most CPU time per "
+                          "decode step", "", "| µs | calls | op |", "|---|---|---|"]
+                for name, us, calls in p["host"][:TOP_HOST_OPS]:
+                    wait = " (wait)" if host_wait(name) else ""
+                    lines.append(f"| {us:,.1f} | {calls:.1f} | `{name[:90]}`{wait} |")
     if failures:
         lines += ["", "Failed engines:", ""] + [f"- {f}" for f in failures]
     return "\n".join(lines) + "\n"
@@ -228,6 +278,12 @@ def write_outputs(out: Path, header: str, rows: list[dict], profiles: dict,
                        for (layers, kv), p in profiles.items() for name, us, launches in
                        p["kernels"]]
         write_csv(kernel_rows, out / "kernels.csv", KERNEL_FIELDS, comments=[header])
+        host_rows = [{"layers": layers, "kv": kv, "op": name, "waits": int(host_wait(name)),
+                      "us_per_step": round(us, 3), "calls_per_step": round(calls, 3)}
+                     for (layers, kv), p in profiles.items() for name, us, calls in
+                     p.get("host", [])]
+        if host_rows:
+            write_csv(host_rows, out / "host.csv", HOST_FIELDS, comments=[header])
     (out / "generate.md").write_text(format_report(header, rows, profiles, failures))
     plot(rows, profiles, out / "generate.png")
 
@@ -247,8 +303,11 @@ def _profiled_call(llm, prompts, max_tokens: int):
                      use_tqdm=False)
         torch.cuda.synchronize()
         wall_us = (time.perf_counter() - started) * 1e6
-    return wall_us, [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-                     if e.device_type == DeviceType.CUDA]
+    events = prof.events()
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in events
+               if e.device_type == DeviceType.CUDA]
+    host = [(e.name, e.self_cpu_time_total) for e in events if e.device_type == DeviceType.CPU]
+    return wall_us, kernels, host
 
 
 def run_engine(spec: dict):
@@ -265,7 +324,7 @@ def run_engine(spec: dict):
     started = time.monotonic()
     batch, prompt_len, vocab = spec["batch"], spec["prompt_len"], spec["vocab"]
     llm = build_llm(spec["model"], spec["kv"], spec["max_model_len"], spec["kv_cache_gib"],
-                    batch)
+                    batch, enforce_eager=bool(spec.get("enforce_eager")))
     if switch_interval:
         apply_switch_interval(llm, switch_interval)
     generator = torch.Generator().manual_seed(0)
@@ -306,6 +365,8 @@ def main(argv=None) -> None:
     parser.add_argument("--calls", type=int, default=3, help="timed calls per engine")
     parser.add_argument("--max-model-len", type=int, default=131072)
     parser.add_argument("--kv-cache-gib", type=float, default=4.0)
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="enforce_eager=True: no torch.compile and no CUDA graphs")
     parser.add_argument("--in-process", action="store_true",
                         help="engine core in the engine's process (VLLM_ENABLE_V1_"
                              "MULTIPROCESSING=0), not vLLM's default separate process")
@@ -339,10 +400,11 @@ def main(argv=None) -> None:
     out = Path(args.out)
     header = describe(run_info("benchmarks.bench_generate", argv))
     engine_core = "in-process" if args.in_process else "separate"
+    mode = "eager" if args.enforce_eager else "graph"
     engines = [(layers, kv) for layers in args.layers for kv in args.kv]
     print(f"{len(engines)} engines, {args.calls} timed calls each of {args.batch} x "
-          f"({args.prompt_len} + {args.output_len}) tokens, {args.heads} heads, engine core "
-          f"{engine_core}"
+          f"({args.prompt_len} + {args.output_len}) tokens, {args.heads} heads, {mode} mode, "
+          f"engine core {engine_core}"
           + (f", GIL switch interval {args.switch_interval:g} ms" if args.switch_interval else "")
           + f"; results in {out}", flush=True)
     rows, profiles, failures = [], {}, []
@@ -354,7 +416,8 @@ def main(argv=None) -> None:
             spec = {"model": str(path), "kv": kv, "batch": args.batch,
                     "prompt_len": args.prompt_len, "output_len": args.output_len,
                     "calls": args.calls, "max_model_len": args.max_model_len,
-                    "kv_cache_gib": args.kv_cache_gib, "profile": args.profile,
+                    "kv_cache_gib": args.kv_cache_gib, "enforce_eager": args.enforce_eager,
+                    "profile": args.profile,
                     "profile_steps": args.profile_steps,
                     "vocab": DEEPSEEK_V31_ATTENTION["vocab_size"],
                     "switch_interval_s": (args.switch_interval / 1000
@@ -373,7 +436,8 @@ def main(argv=None) -> None:
             results, log, failure = run_child(child_command(), spec, args.timeout, progress)
             facts = engine_log_facts(log)
             start_s = next((r["start_s"] for r in results if r["kind"] == "engine"), "")
-            base = {"layers": layers, "heads": args.heads, "kv": kv, "engine_core": engine_core,
+            base = {"layers": layers, "heads": args.heads, "kv": kv, "mode": mode,
+                    "engine_core": engine_core,
                     "switch_interval_ms": (f"{args.switch_interval:g}"
                                            if args.switch_interval else ""),
                     "batch": args.batch, "prompt_len": args.prompt_len,

@@ -54,6 +54,35 @@ def test_decode_profile_is_the_longer_call_less_the_prefill_per_step():
     assert profile["groups_us"] == {"attention": 20.0, "GEMMs": 30.0, "other": 5.0}
 
 
+@pytest.mark.parametrize("name, wait", [
+    ("cudaStreamSynchronize", True), ("cudaDeviceSynchronize", True),
+    ("cudaEventSynchronize", True), ("cudaMemcpyAsync", True), ("cudaMemcpy", True),
+    ("cudaLaunchKernel", False), ("cudaGraphLaunch", False), ("aten::copy_", False),
+    ("_C::decode_sm90", False), ("aten::_local_scalar_dense", False),
+])
+def test_host_waits_are_the_runtime_calls_that_can_block(name, wait):
+    assert bench.host_wait(name) is wait
+
+
+def test_host_side_per_step_counts_ops_and_waits_of_the_decode_steps_only():
+    prefill_host = [("aten::mm", 50.0), ("cudaLaunchKernel", 4.0), ("cudaMemcpyAsync", 9.0)]
+    decode_host = [("cudaLaunchKernel", 3.0)] * 8 + [("cudaStreamSynchronize", 100.0)] * 4
+    decode_host += [("aten::mm", 10.0)] * 4
+    prefill = (1000.0, [(GEMM, 0, 10)], prefill_host)
+    full = (1800.0, [(GEMM, 0, 10)] + [(GEMM, 100 * s, 100 * s + 30) for s in range(1, 5)],
+            prefill_host + decode_host)
+    profile = bench.decode_profile(prefill, full, steps=4)
+    host = {name: (us, calls) for name, us, calls in profile["host"]}
+    assert host == {"cudaStreamSynchronize": (100.0, 1.0), "cudaLaunchKernel": (6.0, 2.0),
+                    "aten::mm": (10.0, 1.0)}                   # the prefill's memcpy drops out
+    assert [name for name, _, _ in profile["host"]][0] == "cudaStreamSynchronize"
+    assert profile["host_us"] == pytest.approx(116.0)
+    assert profile["waits_per_step"] == 1.0 and profile["waits_us"] == pytest.approx(100.0)
+    # A profile without the host part (two-element calls) still gives the kernels.
+    old = bench.decode_profile(prefill[:2], full[:2], steps=4)
+    assert old["host"] == [] and old["waits_per_step"] == 0 and old["groups_us"]["GEMMs"] == 30
+
+
 def test_summary_compares_medians_with_auto_of_the_same_layer_count():
     rows = [{"layers": 4, "kv": "auto", "tok_s": v} for v in (100, 120, 110)]
     rows += [{"layers": 4, "kv": "fp8_snapmla", "tok_s": v} for v in (132, 90, 140)]
@@ -93,7 +122,10 @@ def test_run_writes_calls_profiles_and_failures(tmp_path, monkeypatch, capsys):
         if spec["profile"]:
             results.append({"kind": "profile", "steps": 8, "wall_us": 3000.0, "busy_us": 2900.0,
                             "groups_us": {"attention": 500.0, "GEMMs": 2000.0, "other": 300.0},
-                            "kernels": [[GEMM, 2000.0, 3.0], [SNAPMLA, 400.0, 1.0]]})
+                            "kernels": [[GEMM, 2000.0, 3.0], [SNAPMLA, 400.0, 1.0]],
+                            "host": [["cudaStreamSynchronize", 250.0, 2.0],
+                                     ["cudaLaunchKernel", 120.0, 40.0]],
+                            "host_us": 370.0, "waits_per_step": 2.0, "waits_us": 250.0})
         for r in results:
             if on_result:
                 on_result(r)
@@ -111,11 +143,18 @@ def test_run_writes_calls_profiles_and_failures(tmp_path, monkeypatch, capsys):
         rows = list(csv.DictReader(f))
     calls = [r for r in rows if not r["error"]]
     assert len(calls) == 12 and {r["engine_core"] for r in calls} == {"in-process"}
+    assert {r["mode"] for r in calls} == {"graph"} and not specs[0]["enforce_eager"]
     assert [r["kv"] for r in rows if r["error"]] == ["fp8", "fp8"]
     report = (tmp_path / "generate.md").read_text()
     assert "| 4 | fp8_snapmla | 3 | 107 | 106 | 108 | 1.05x |" in report
     assert "| 16 | fp8_snapmla | 3 | 28 | 27 | 29 | 1.05x |" in report
     assert "| 4 | auto | 3,000.0 | 2,900.0 | 500.0 | 2,000.0 | 300.0 |" in report
+    assert "| 4 | fp8_snapmla | 3,000.0 | 370.0 | 2.0 | 250.0 |" in report
+    assert "| 250.0 | 2.0 | `cudaStreamSynchronize` (wait) |" in report
+    assert "| 120.0 | 40.0 | `cudaLaunchKernel` |" in report
+    with open(tmp_path / "host.csv") as f:
+        host = [r for r in csv.DictReader(line for line in f if not line.startswith("#"))]
+    assert len(host) == 8 and {r["waits"] for r in host} == {"0", "1"}
     assert "Failed engines:" in report and "CUDA out of memory" in report
     with open(tmp_path / "kernels.csv") as f:
         kernels = [r for r in csv.DictReader(line for line in f if not line.startswith("#"))]
@@ -190,3 +229,62 @@ def test_switch_interval_reaches_the_engine_core_and_the_rows(monkeypatch, tmp_p
     import os
     # collective_rpc sends the setter as a function: vLLM refuses that without this.
     assert os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
+
+
+def test_enforce_eager_reaches_the_engine_and_the_rows(monkeypatch, tmp_path):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm")
+    specs = []
+
+    def run_child(command, spec, timeout, on_result=None):
+        specs.append(spec)
+        return ([{"kind": "engine", "start_s": 1.0},
+                 {"kind": "call", "call": 1, "seconds": 1.0, "output_tokens": 4, "tok_s": 4.0}],
+                "", None)
+
+    monkeypatch.setattr(bench, "run_child", run_child)
+    bench.main(["--out", str(tmp_path), "--layers", "4", "--kv", "auto", "--calls", "1",
+                "--enforce-eager"])
+    assert specs[0]["enforce_eager"] is True
+    with open(tmp_path / "generate.csv") as f:
+        rows = list(csv.DictReader(line for line in f if not line.startswith("#")))
+    assert rows[0]["mode"] == "eager"
+
+    built = []
+
+    class FakeLLM:
+        def generate(self, prompts, params, use_tqdm):
+            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[0])])
+                    for _ in prompts]
+
+    def build_llm(*args, **kwargs):
+        built.append(kwargs)
+        return FakeLLM()
+
+    monkeypatch.setattr(bench, "build_llm", build_llm)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    for eager in (True, False):
+        list(bench.run_engine({**specs[0], "enforce_eager": eager, "calls": 1, "batch": 1,
+                               "prompt_len": 4, "output_len": 1, "vocab": 100}))
+    assert [k["enforce_eager"] for k in built] == [True, False]
+
+
+def test_profiled_call_returns_the_ops_own_cpu_time(monkeypatch):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm")   # SamplingParams
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+    class FakeLLM:
+        def generate(self, prompts, params, use_tqdm):
+            a = torch.randn(128, 128)
+            for _ in range(3):
+                a = a @ a
+            return []
+
+    wall_us, kernels, host = bench._profiled_call(FakeLLM(), [], 1)
+    assert wall_us > 0 and kernels == []                        # no GPU here
+    mm = [us for name, us in host if name == "aten::mm"]
+    assert len(mm) == 3 and all(us > 0 for us in mm)
+    matmul = sum(us for name, us in host if name == "aten::matmul")
+    assert matmul < sum(mm)   # own time: the mm inside each matmul is not counted twice
