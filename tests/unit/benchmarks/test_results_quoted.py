@@ -119,3 +119,25 @@ def test_flashattention_kernel_ratios_are_the_recorded_ones():
         group = [v for v in ours if low <= float(v[:-1]) < high]
         assert group and _range(group) in item, (low, high, _range(group), item)
     assert f"ran {_range(fa3)} BF16 FlashMLA" in item, (_range(fa3), item)
+
+
+def _matrix_range(heads: int, mode: str, fill: bool) -> str:
+    _, rows = read_csv(RESULTS / "matrix-h100" / "matrix.csv")
+    values = [float(r["vs_bf16"]) for r in rows
+              if r["kv"] == "fp8_snapmla" and r["status"] == "ok" and r["vs_bf16"]
+              and int(r["heads"]) == heads and r["mode"] == mode
+              and r["max_model_len"] == "wide" and (r["batch"] == "fill") == fill
+              and (not fill or int(r["context"]) >= 8192)]
+    assert values, (heads, mode, fill)
+    return f"{min(values):.2f}-{max(values):.2f}x"
+
+
+@pytest.mark.parametrize("prefix, heads, mode", [
+    ("| workload matrix through vLLM on one H100, 16 heads", 16, "graph"),
+    ("| the same with `enforce_eager`", 16, "eager"),
+    ("| that matrix at 128 heads", 128, "graph"),
+])
+def test_matrix_ranges_are_the_recorded_ones(prefix, heads, mode):
+    line = _readme_line(prefix)
+    fixed, fill = _matrix_range(heads, mode, False), _matrix_range(heads, mode, True)
+    assert f"{fixed} / {fill}" in line.replace("**", ""), (fixed, fill, line)
