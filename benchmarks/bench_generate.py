@@ -19,17 +19,19 @@ after another.  ``--in-process`` runs vLLM's engine core in the engine's own pro
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) instead of the separate process ``LLM`` starts by default.
 
 ``--enforce-eager`` builds the engines with ``enforce_eager=True`` (no torch.compile, no CUDA
-graphs): every op of every step is launched from Python, as in the steps that mix prefill and
-decode.
+graphs): every op of every step is launched from Python (with the default compilation only the
+attention of steps that mix prefill and decode runs so).
 
 ``--profile`` (with ``--in-process``, so that the kernels run in the profiled process) profiles
 two more calls with torch's profiler: one of ``max_tokens=1`` (the prefill) and one of 1 + S
 (``--profile-steps``).  Their difference is S decode steps: GPU time per step by kernel and by
 group (attention with the KV-cache write and the query quantization; GEMMs; the rest), the time
 the GPU was busy per step and the step's wall time; and the host side of a step: CPU time per
-step of each op and CUDA runtime call the profiler saw (its own time, children excluded), with
-the calls that make the host wait for the GPU (synchronizations, blocking copies) counted apart.
-Profiled calls are not timed.
+step of each op and CUDA runtime call the profiler saw (its own time on the host thread,
+children excluded, time blocked in a call included), with the calls that make the host wait for
+the GPU (synchronizations, synchronous copies) counted apart.  The profiler adds its own cost to
+every op it records, which host-bound eager steps feel: the host figures compare formats, they
+are not what an unprofiled step costs.  Profiled calls are not timed.
 
 ``--switch-interval MS`` sets Python's GIL switch interval in the process that runs the engine
 core, as ``bench_matrix``'s option does, for the question of the engine core's threads waiting
@@ -85,10 +87,12 @@ CALL_FIELDS = ["run", "layers", "heads", "kv", "mode", "engine_core", "switch_in
 KERNEL_FIELDS = ["layers", "kv", "kernel", "group", "us_per_step", "launches_per_step"]
 HOST_FIELDS = ["layers", "kv", "op", "waits", "us_per_step", "calls_per_step"]
 TOP_HOST_OPS = 12
-# CUDA runtime calls after which the host has waited for the GPU: a synchronization, or a copy
-# that is synchronous for the host (cudaMemcpy; cudaMemcpyAsync to pageable memory).  Counted
-# per step apart from the rest: in an eager step each one stops the CPU from running ahead.
-WAIT_MARKS = ("synchronize", "cudamemcpy")
+# CUDA runtime calls that make the host wait for the GPU: the synchronizations and the plain
+# (synchronous) copies.  Counted per step apart from the rest: in an eager step each one stops
+# the CPU from running ahead.  cudaMemcpyAsync is not one of them (vLLM copies its inputs from
+# pinned memory with it every step); a blocking ``.item()`` shows as a copy and a
+# synchronization, and counts once.
+WAIT_CALLS = ("cudaMemcpy", "cudaMemcpy2D", "cudaMemcpyPeer")
 
 
 # --- profile arithmetic (no GPU) ----------------------------------------------------------------
@@ -102,9 +106,9 @@ def kernel_group(name: str) -> str:
 
 
 def host_wait(name: str) -> bool:
-    """A CUDA runtime call that may make the host wait for the GPU (``WAIT_MARKS``)."""
-    lower = name.lower()
-    return lower.startswith("cuda") and any(mark in lower for mark in WAIT_MARKS)
+    """A CUDA runtime call that makes the host wait for the GPU: a ``cuda*Synchronize`` or one
+    of ``WAIT_CALLS``."""
+    return name.startswith("cuda") and (name.endswith("Synchronize") or name in WAIT_CALLS)
 
 
 def busy_us(spans) -> float:
@@ -146,7 +150,10 @@ def decode_profile(prefill: tuple, full: tuple, steps: int) -> dict:
     groups = dict.fromkeys(GROUP_NAMES, 0.0)
     for name, us, _ in per_step:
         groups[kernel_group(name)] += us
-    host = per_step_difference(host_p[0] if host_p else [], host_f[0] if host_f else [], steps)
+    # Host rows that were not called more often in the longer call are the prefill's own, or the
+    # profiled call's fixed costs, whatever their time did.
+    host = [h for h in per_step_difference(host_p[0] if host_p else [],
+                                           host_f[0] if host_f else [], steps) if h[2] > 0]
     waits = [h for h in host if host_wait(h[0])]
     return {"steps": steps, "wall_us": (wall_f - wall_p) / steps,
             "busy_us": (busy_us(k[1:] for k in kernels_f)
@@ -200,10 +207,11 @@ def format_report(header: str, rows: list[dict], profiles: dict, failures: list[
                              f"`{name[:90]}` |")
         hosts = {key: p for key, p in profiles.items() if p.get("host")}
         if hosts:
-            lines += ["", "Host side of a decode step (µs of CPU per step in the ops and CUDA "
-                      "runtime calls the profiler saw, each without its children; waits: "
-                      "synchronizations and blocking copies):", "",
-                      "| layers | kv | wall | CPU in ops | waits per step | µs in waits |",
+            lines += ["", "Host side of a decode step (µs per step on the host in the ops and "
+                      "CUDA runtime calls the profiler saw, each without its children, time "
+                      "blocked in waits included; waits: synchronizations and synchronous "
+                      "copies):", "",
+                      "| layers | kv | wall | host µs in ops | waits per step | µs in waits |",
                       "|---|---|---|---|---|---|"]
             for (layers, kv), p in hosts.items():
                 lines.append(f"| {layers} | {kv} | {p['wall_us']:,.1f} | {p['host_us']:,.1f} | "
@@ -305,8 +313,9 @@ def _profiled_call(llm, prompts, max_tokens: int):
         wall_us = (time.perf_counter() - started) * 1e6
     events = prof.events()
     kernels = [(e.name, e.time_range.start, e.time_range.end) for e in events
-               if e.device_type == DeviceType.CUDA]
-    host = [(e.name, e.self_cpu_time_total) for e in events if e.device_type == DeviceType.CPU]
+               if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+    host = [(e.name, e.self_cpu_time_total) for e in events
+            if e.device_type == DeviceType.CPU and not e.is_user_annotation]
     return wall_us, kernels, host
 
 
@@ -371,7 +380,8 @@ def main(argv=None) -> None:
                         help="engine core in the engine's process (VLLM_ENABLE_V1_"
                              "MULTIPROCESSING=0), not vLLM's default separate process")
     parser.add_argument("--profile", action="store_true",
-                        help="GPU time per decode step by kernel (needs --in-process)")
+                        help="GPU time per decode step by kernel, and its host side (needs "
+                             "--in-process)")
     parser.add_argument("--profile-steps", type=int, default=256)
     parser.add_argument("--switch-interval", type=float, metavar="MS",
                         help="Python's GIL switch interval in the engine core's process, in ms "

@@ -56,9 +56,10 @@ def test_decode_profile_is_the_longer_call_less_the_prefill_per_step():
 
 @pytest.mark.parametrize("name, wait", [
     ("cudaStreamSynchronize", True), ("cudaDeviceSynchronize", True),
-    ("cudaEventSynchronize", True), ("cudaMemcpyAsync", True), ("cudaMemcpy", True),
+    ("cudaEventSynchronize", True), ("cudaMemcpy", True), ("cudaMemcpyAsync", False),
     ("cudaLaunchKernel", False), ("cudaGraphLaunch", False), ("aten::copy_", False),
     ("_C::decode_sm90", False), ("aten::_local_scalar_dense", False),
+    ("cudaStreamSynchronize_wrapper", False),
 ])
 def test_host_waits_are_the_runtime_calls_that_can_block(name, wait):
     assert bench.host_wait(name) is wait
@@ -67,16 +68,19 @@ def test_host_waits_are_the_runtime_calls_that_can_block(name, wait):
 def test_host_side_per_step_counts_ops_and_waits_of_the_decode_steps_only():
     prefill_host = [("aten::mm", 50.0), ("cudaLaunchKernel", 4.0), ("cudaMemcpyAsync", 9.0)]
     decode_host = [("cudaLaunchKernel", 3.0)] * 8 + [("cudaStreamSynchronize", 100.0)] * 4
-    decode_host += [("aten::mm", 10.0)] * 4
-    prefill = (1000.0, [(GEMM, 0, 10)], prefill_host)
+    decode_host += [("aten::mm", 10.0)] * 4 + [("cudaMemcpyAsync", 2.0)] * 4
+    # Called as often in both calls but longer in the longer one (the profiled call's own
+    # synchronization): not a decode step's.
+    prefill = (1000.0, [(GEMM, 0, 10)], prefill_host + [("cudaDeviceSynchronize", 5.0)])
     full = (1800.0, [(GEMM, 0, 10)] + [(GEMM, 100 * s, 100 * s + 30) for s in range(1, 5)],
-            prefill_host + decode_host)
+            prefill_host + decode_host + [("cudaDeviceSynchronize", 80.0)])
     profile = bench.decode_profile(prefill, full, steps=4)
     host = {name: (us, calls) for name, us, calls in profile["host"]}
     assert host == {"cudaStreamSynchronize": (100.0, 1.0), "cudaLaunchKernel": (6.0, 2.0),
-                    "aten::mm": (10.0, 1.0)}                   # the prefill's memcpy drops out
+                    "aten::mm": (10.0, 1.0), "cudaMemcpyAsync": (2.0, 1.0)}
     assert [name for name, _, _ in profile["host"]][0] == "cudaStreamSynchronize"
-    assert profile["host_us"] == pytest.approx(116.0)
+    assert profile["host_us"] == pytest.approx(118.0)
+    # The asynchronous copy is no wait: one synchronization per step.
     assert profile["waits_per_step"] == 1.0 and profile["waits_us"] == pytest.approx(100.0)
     # A profile without the host part (two-element calls) still gives the kernels.
     old = bench.decode_profile(prefill[:2], full[:2], steps=4)
@@ -176,7 +180,7 @@ def test_engine_times_each_call_on_fresh_prompts(monkeypatch):
 
     monkeypatch.setattr(bench, "build_llm", lambda *a, **k: FakeLLM())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.delenv("SNAPMLA_TEST_MARK", raising=False)
+    monkeypatch.setenv("SNAPMLA_TEST_MARK", "0")   # run_engine sets it: restored afterwards
     spec = {"model": "m", "kv": "fp8_snapmla", "batch": 2, "prompt_len": 8, "output_len": 5,
             "calls": 2, "max_model_len": 64, "kv_cache_gib": 1.0, "vocab": 1000,
             "env": {"SNAPMLA_TEST_MARK": "1"}}
@@ -222,7 +226,9 @@ def test_switch_interval_reaches_the_engine_core_and_the_rows(monkeypatch, tmp_p
     monkeypatch.setattr(bench, "apply_switch_interval", lambda llm, s: applied.append(s))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     for name in ("VLLM_ALLOW_INSECURE_SERIALIZATION", "VLLM_ENABLE_V1_MULTIPROCESSING"):
-        monkeypatch.delenv(name, raising=False)   # run_engine sets them: restored afterwards
+        # run_engine sets them: setenv first, so that monkeypatch restores their absence.
+        monkeypatch.setenv(name, "x")
+        monkeypatch.delenv(name)
     list(bench.run_engine({**specs[0], "calls": 1, "batch": 1, "prompt_len": 4,
                            "output_len": 1, "vocab": 100}))
     assert applied == [pytest.approx(2e-4)]
@@ -263,7 +269,9 @@ def test_enforce_eager_reaches_the_engine_and_the_rows(monkeypatch, tmp_path):
 
     monkeypatch.setattr(bench, "build_llm", build_llm)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    # run_engine sets it: setenv first, so that monkeypatch restores its absence afterwards.
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "x")
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
     for eager in (True, False):
         list(bench.run_engine({**specs[0], "enforce_eager": eager, "calls": 1, "batch": 1,
                                "prompt_len": 4, "output_len": 1, "vocab": 100}))
