@@ -15,6 +15,38 @@ FA3 = ("void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttn
 GEMM = "nvjet_sm90_tst_80x64_64x11_4x1_v_bz_TNN"
 
 
+class OneTokenLLM:
+    """An ``LLM`` stand-in whose every request generates one token."""
+
+    def generate(self, prompts, params, use_tqdm):
+        return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[0])])
+                for _ in prompts]
+
+
+def _one_call_child(specs: list):
+    """A ``run_child`` stand-in: records each engine's spec, reports one timed call."""
+    def run_child(command, spec, timeout, on_result=None):
+        specs.append(spec)
+        return ([{"kind": "engine", "start_s": 1.0},
+                 {"kind": "call", "call": 1, "seconds": 1.0, "output_tokens": 4, "tok_s": 4.0}],
+                "", None)
+    return run_child
+
+
+def _call_rows(out) -> list[dict]:
+    with open(out / "generate.csv") as f:
+        return list(csv.DictReader(line for line in f if not line.startswith("#")))
+
+
+def _unset_until_teardown(monkeypatch, *names: str) -> None:
+    """Unset ``names`` now and restore their earlier state after the test, also where the code
+    under test sets them (``run_engine`` does): ``delenv`` of an absent variable records
+    nothing to restore, so each is set first."""
+    for name in names:
+        monkeypatch.setenv(name, "x")
+        monkeypatch.delenv(name)
+
+
 @pytest.mark.parametrize("name, group", [
     (SNAPMLA, "attention"),
     ("snapmla::(anonymous namespace)::combine_kernel(snapmla::CombineParams)", "attention"),
@@ -201,34 +233,18 @@ def test_switch_interval_reaches_the_engine_core_and_the_rows(monkeypatch, tmp_p
     torch = pytest.importorskip("torch")
     pytest.importorskip("vllm")
     specs = []
-
-    def run_child(command, spec, timeout, on_result=None):
-        specs.append(spec)
-        return ([{"kind": "engine", "start_s": 1.0},
-                 {"kind": "call", "call": 1, "seconds": 1.0, "output_tokens": 4, "tok_s": 4.0}],
-                "", None)
-
-    monkeypatch.setattr(bench, "run_child", run_child)
+    monkeypatch.setattr(bench, "run_child", _one_call_child(specs))
     bench.main(["--out", str(tmp_path), "--layers", "4", "--kv", "auto", "--calls", "1",
                 "--switch-interval", "0.2"])
     assert specs[0]["switch_interval_s"] == pytest.approx(2e-4)
-    with open(tmp_path / "generate.csv") as f:
-        rows = list(csv.DictReader(line for line in f if not line.startswith("#")))
-    assert rows[0]["switch_interval_ms"] == "0.2"
-
-    class FakeLLM:
-        def generate(self, prompts, params, use_tqdm):
-            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[0])])
-                    for _ in prompts]
+    assert _call_rows(tmp_path)[0]["switch_interval_ms"] == "0.2"
 
     applied = []
-    monkeypatch.setattr(bench, "build_llm", lambda *a, **k: FakeLLM())
+    monkeypatch.setattr(bench, "build_llm", lambda *a, **k: OneTokenLLM())
     monkeypatch.setattr(bench, "apply_switch_interval", lambda llm, s: applied.append(s))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    for name in ("VLLM_ALLOW_INSECURE_SERIALIZATION", "VLLM_ENABLE_V1_MULTIPROCESSING"):
-        # run_engine sets them: setenv first, so that monkeypatch restores their absence.
-        monkeypatch.setenv(name, "x")
-        monkeypatch.delenv(name)
+    _unset_until_teardown(monkeypatch, "VLLM_ALLOW_INSECURE_SERIALIZATION",
+                          "VLLM_ENABLE_V1_MULTIPROCESSING")
     list(bench.run_engine({**specs[0], "calls": 1, "batch": 1, "prompt_len": 4,
                            "output_len": 1, "vocab": 100}))
     assert applied == [pytest.approx(2e-4)]
@@ -241,37 +257,21 @@ def test_enforce_eager_reaches_the_engine_and_the_rows(monkeypatch, tmp_path):
     torch = pytest.importorskip("torch")
     pytest.importorskip("vllm")
     specs = []
-
-    def run_child(command, spec, timeout, on_result=None):
-        specs.append(spec)
-        return ([{"kind": "engine", "start_s": 1.0},
-                 {"kind": "call", "call": 1, "seconds": 1.0, "output_tokens": 4, "tok_s": 4.0}],
-                "", None)
-
-    monkeypatch.setattr(bench, "run_child", run_child)
+    monkeypatch.setattr(bench, "run_child", _one_call_child(specs))
     bench.main(["--out", str(tmp_path), "--layers", "4", "--kv", "auto", "--calls", "1",
                 "--enforce-eager"])
     assert specs[0]["enforce_eager"] is True
-    with open(tmp_path / "generate.csv") as f:
-        rows = list(csv.DictReader(line for line in f if not line.startswith("#")))
-    assert rows[0]["mode"] == "eager"
+    assert _call_rows(tmp_path)[0]["mode"] == "eager"
 
     built = []
 
-    class FakeLLM:
-        def generate(self, prompts, params, use_tqdm):
-            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[0])])
-                    for _ in prompts]
-
     def build_llm(*args, **kwargs):
         built.append(kwargs)
-        return FakeLLM()
+        return OneTokenLLM()
 
     monkeypatch.setattr(bench, "build_llm", build_llm)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    # run_engine sets it: setenv first, so that monkeypatch restores its absence afterwards.
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "x")
-    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
+    _unset_until_teardown(monkeypatch, "VLLM_ENABLE_V1_MULTIPROCESSING")
     for eager in (True, False):
         list(bench.run_engine({**specs[0], "enforce_eager": eager, "calls": 1, "batch": 1,
                                "prompt_len": 4, "output_len": 1, "vocab": 100}))
