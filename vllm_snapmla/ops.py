@@ -90,13 +90,20 @@ def append_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
     ``ValueError`` when the data checks run; without them a slot past the cache is skipped (a
     slot written twice holds either token's row, or on CUDA a mix of the two).
     """
-    _checks.cache(kv_cache)
-    kv_c = _checks.token_rows("kv_c", kv_c, fmt.KV_LORA_RANK)
-    k_pe = _checks.token_rows("k_pe", k_pe, fmt.ROPE_DIM)
-    _checks.index_tensor("slot_mapping", slot_mapping)
-    _checks.same_device(kv_cache.device, kv_c=kv_c, k_pe=k_pe, slot_mapping=slot_mapping)
+    if (isinstance(kv_cache, torch.Tensor) and kv_cache.is_cuda
+            and not _checks.data_checks_on(validate, kv_cache)):
+        # vLLM's path, once per layer and step: one op call, whose C++ layer checks the same
+        # contract (the Python checks cost about as much host time as the op itself).  On an
+        # error, the Python contract names the argument where it can.
+        append = _require_native("append_kv").append_kv
+        try:
+            append(kv_c, k_pe, kv_cache, slot_mapping.reshape(-1))
+        except (AttributeError, RuntimeError, TypeError, ValueError):
+            _check_append(kv_c, k_pe, kv_cache, slot_mapping)
+            raise
+        return
+    kv_c, k_pe = _check_append(kv_c, k_pe, kv_cache, slot_mapping)
     n = slot_mapping.numel()
-    _kv_pair(kv_c, k_pe, n, exact=False)
     if _checks.data_checks_on(validate, kv_cache):
         written = _checks.slots(slot_mapping, kv_cache.shape[0])   # skipped rows: not stored
         _checks.finite_rows("kv_c", kv_c[:n], written)
@@ -105,6 +112,17 @@ def append_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
         _require_native("append_kv").append_kv(kv_c, k_pe, kv_cache, slot_mapping.flatten())
         return
     reference.append_kv(kv_c, k_pe, kv_cache, slot_mapping)
+
+
+def _check_append(kv_c, k_pe, kv_cache, slot_mapping) -> tuple[torch.Tensor, torch.Tensor]:
+    """``append_kv``'s shape, dtype and device contract; ``kv_c`` and ``k_pe`` as ``[T, width]``."""
+    _checks.cache(kv_cache)
+    kv_c = _checks.token_rows("kv_c", kv_c, fmt.KV_LORA_RANK)
+    k_pe = _checks.token_rows("k_pe", k_pe, fmt.ROPE_DIM)
+    _checks.index_tensor("slot_mapping", slot_mapping)
+    _checks.same_device(kv_cache.device, kv_c=kv_c, k_pe=k_pe, slot_mapping=slot_mapping)
+    _kv_pair(kv_c, k_pe, slot_mapping.numel(), exact=False)
+    return kv_c, k_pe
 
 
 def gather_kv(kv_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,

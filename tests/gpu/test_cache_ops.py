@@ -341,6 +341,31 @@ def test_errors_quantize_and_append():
         ops.append_kv(kv_c, k_pe, cache.view(torch.int8), slots)
 
 
+def test_public_append_on_cuda_names_the_argument():
+    """vLLM's path (CUDA, data checks off) is one op call; a bad argument still raises the
+    public contract's error naming it, not only the op's, and any slot_mapping shape is read
+    flattened, as on the CPU path."""
+    kv_c, k_pe = _kv()
+    cache = torch.zeros(2, fmt.PAGE_SIZE, fmt.BYTES_PER_TOKEN, dtype=torch.uint8, device=CUDA)
+    slots = torch.tensor([3, 70, -1, 5], device=CUDA)
+    with pytest.raises(TypeError, match="slot_mapping must be a torch.Tensor"):
+        ops.append_kv(kv_c, k_pe, cache, [3, 70, -1, 5])
+    with pytest.raises(ValueError, match="k_pe is on cpu but the other inputs are on cuda"):
+        ops.append_kv(kv_c, k_pe.cpu(), cache, slots)
+    with pytest.raises(TypeError, match="k_pe is torch.float32 but kv_c is torch.bfloat16"):
+        ops.append_kv(kv_c, k_pe.float(), cache, slots)
+    with pytest.raises(ValueError, match=r"kv_c has 3 rows and k_pe 4; 4 are needed"):
+        ops.append_kv(kv_c[:3], k_pe, cache, slots)
+    flat = torch.zeros_like(cache)
+    ops.append_kv(kv_c, k_pe, flat, slots)
+    strided = torch.stack([slots, torch.zeros_like(slots)], dim=1)[:, 0]   # stride 2
+    for other_shape in (slots.view(2, 2), strided.view(1, 4)[:, :], strided):
+        other = torch.zeros_like(cache)
+        ops.append_kv(kv_c, k_pe, other, other_shape)
+        assert torch.equal(other, flat)
+    assert (flat != 0).any(-1).sum() == 3
+
+
 def test_a_cache_with_spaced_blocks_is_accepted():
     """Blocks inside a larger allocation (one layer of a cross-layer layout): the C++ checks
     accept them, and append and gather match a contiguous cache."""
