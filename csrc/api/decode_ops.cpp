@@ -152,37 +152,95 @@ std::tuple<at::Tensor, at::Tensor> check_decode_inputs(const char* op, const at:
           narrowed_int32(seq_lens.narrow(0, 0, batch), kInt32Max).contiguous()};
 }
 
-// The decode and, where some request may take several runs, the combine.  `q8`, `q_scale`,
-// `q_pe_scaled` are checked; `pages_per_split` is the planner's output (undefined: equal cut);
-// `after_own_launch`: the last kernel in the stream is our quantization or planner.
-std::tuple<at::Tensor, at::Tensor> run_decode(const char* op, const at::Tensor& q8,
-                                              const at::Tensor& q_scale,
-                                              const at::Tensor& q_pe_scaled,
+// A call's scratch memory (quantized query, split plan, partial results) in one allocation: vLLM
+// calls decode once per layer and step, and in eager mode each at::empty is host time the GPU
+// may wait for.  Each buffer starts 512-byte aligned, as the caching allocator aligns its blocks.
+class Scratch {
+ public:
+  int64_t reserve(int64_t bytes) {
+    const int64_t offset = size_;
+    size_ += (bytes + 511) / 512 * 512;
+    return offset;
+  }
+  void allocate(const at::TensorOptions& opts) {
+    if (size_ > 0) buffer_ = at::empty({size_}, opts.dtype(at::kByte));
+  }
+  template <class T>
+  T* at(int64_t offset) const {
+    return reinterpret_cast<T*>(static_cast<uint8_t*>(buffer_.data_ptr()) + offset);
+  }
+
+ private:
+  int64_t size_ = 0;
+  at::Tensor buffer_;
+};
+
+// Where a call's split plan and partial results live in its Scratch (-1: not needed).
+struct SplitSpace {
+  int64_t plan = -1, part_out = -1, part_lse = -1;
+};
+
+SplitSpace reserve_splits(Scratch& scratch, int64_t batch, int64_t rows, const LaunchShape& shape,
+                          bool planned) {
+  SplitSpace space;
+  if (batch == 0 || rows == 0) return space;
+  if (planned) space.plan = scratch.reserve(sizeof(int32_t));
+  if (shape.max_splits > 1) {
+    const int64_t partials = batch * shape.max_splits * rows;
+    space.part_out = scratch.reserve(partials * kKvLoraRank * int64_t(sizeof(float)));
+    space.part_lse = scratch.reserve(partials * int64_t(sizeof(float)));
+  }
+  return space;
+}
+
+// The query rows the decode reads: pointers and strides of DecodeParams.
+struct QueryRows {
+  const uint8_t* q8;
+  const float* q_scale;
+  const uint8_t* q_pe;
+  int64_t q8_stride[3];       // bytes
+  int64_t q_scale_stride[3];  // elements
+  int64_t q_pe_stride[3];     // bytes
+};
+
+// The rows of contiguous [batch, s_q, heads, ...] buffers at `q8`, `q_scale`, `q_pe`.
+QueryRows contiguous_rows(const uint8_t* q8, const float* q_scale, const uint8_t* q_pe,
+                          int64_t s_q, int64_t heads) {
+  QueryRows q{q8, q_scale, q_pe, {}, {}, {}};
+  const int64_t per_token[3] = {s_q * heads, heads, 1};
+  for (int d = 0; d < 3; ++d) {
+    q.q8_stride[d] = per_token[d] * kKvLoraRank;
+    q.q_scale_stride[d] = per_token[d];
+    q.q_pe_stride[d] = per_token[d] * kRopeDim * 2;
+  }
+  return q;
+}
+
+// The decode and, where some request may take several runs, the combine, for `batch` requests of
+// `s_q` x `heads` query rows.  `plan` is the planner's output (null: equal cut); `part_out` and
+// `part_lse` are needed when shape.max_splits > 1; `after_own_launch`: the last kernel in the
+// stream is our quantization or planner.
+std::tuple<at::Tensor, at::Tensor> run_decode(const char* op, const QueryRows& query,
+                                              int64_t batch, int64_t s_q, int64_t heads,
+                                              const at::TensorOptions& opts,
                                               const at::Tensor& kv_cache,
                                               const at::Tensor& table, const at::Tensor& lens,
                                               double softmax_scale, bool causal,
                                               const LaunchShape& shape, int64_t schedule,
-                                              const at::Tensor& pages_per_split,
-                                              bool after_own_launch) {
-  const int64_t batch = q8.size(0), s_q = q8.size(1), heads = q8.size(2);
+                                              const int32_t* plan, float* part_out,
+                                              float* part_lse, bool after_own_launch) {
   const int64_t rows = s_q * heads;
-  const auto opts = q8.options();
   at::Tensor out = at::empty({batch, s_q, heads, kKvLoraRank}, opts.dtype(at::kBFloat16));
   at::Tensor lse = at::empty({batch, heads, s_q}, opts.dtype(at::kFloat));
   if (batch == 0 || rows == 0) return {out, lse};
-  at::Tensor part_out, part_lse;
-  if (shape.max_splits > 1) {
-    part_out = at::empty({batch, shape.max_splits, rows, kKvLoraRank}, opts.dtype(at::kFloat));
-    part_lse = at::empty({batch, shape.max_splits, rows}, opts.dtype(at::kFloat));
-  }
   sm90::DecodeParams p{};
-  p.q8 = static_cast<const uint8_t*>(q8.data_ptr());
-  p.q_scale = q_scale.data_ptr<float>();
-  p.q_pe = static_cast<const uint8_t*>(q_pe_scaled.data_ptr());
+  p.q8 = query.q8;
+  p.q_scale = query.q_scale;
+  p.q_pe = query.q_pe;
   for (int d = 0; d < 3; ++d) {
-    p.q8_stride[d] = q8.stride(d);
-    p.q_scale_stride[d] = q_scale.stride(d);
-    p.q_pe_stride[d] = q_pe_scaled.stride(d) * 2;
+    p.q8_stride[d] = query.q8_stride[d];
+    p.q_scale_stride[d] = query.q_scale_stride[d];
+    p.q_pe_stride[d] = query.q_pe_stride[d];
   }
   p.block_table = table.data_ptr<int32_t>();
   p.block_table_stride = table.stride(0);
@@ -190,9 +248,9 @@ std::tuple<at::Tensor, at::Tensor> run_decode(const char* op, const at::Tensor& 
   p.table_pages = static_cast<int>(table.size(1));
   p.out = out.data_ptr();
   p.lse = lse.data_ptr<float>();
-  p.part_out = part_out.defined() ? part_out.data_ptr<float>() : nullptr;
-  p.part_lse = part_lse.defined() ? part_lse.data_ptr<float>() : nullptr;
-  p.pages_per_split = pages_per_split.defined() ? pages_per_split.data_ptr<int32_t>() : nullptr;
+  p.part_out = shape.max_splits > 1 ? part_out : nullptr;
+  p.part_lse = shape.max_splits > 1 ? part_lse : nullptr;
+  p.pages_per_split = plan;
   p.num_heads = static_cast<int>(heads);
   p.s_q = static_cast<int>(s_q);
   p.num_rows = static_cast<int>(rows);
@@ -225,7 +283,7 @@ std::tuple<at::Tensor, at::Tensor> run_decode(const char* op, const at::Tensor& 
 }
 
 SplitPlanParams plan_params(const at::Tensor& lens, int64_t table_pages, int64_t batch,
-                            const at::Tensor& pages_per_split, const LaunchShape& shape) {
+                            int32_t* pages_per_split, const LaunchShape& shape) {
   SplitPlanParams plan{};
   plan.seq_lens = lens.data_ptr<int32_t>();
   plan.table_pages = static_cast<int>(table_pages);
@@ -234,7 +292,7 @@ SplitPlanParams plan_params(const at::Tensor& lens, int64_t table_pages, int64_t
   plan.slots = shape.slots;
   plan.max_splits = shape.max_splits;
   plan.overhead_pages = kSplitOverheadPages;
-  plan.pages_per_split = pages_per_split.data_ptr<int32_t>();
+  plan.pages_per_split = pages_per_split;
   return plan;
 }
 
@@ -282,32 +340,41 @@ std::tuple<at::Tensor, at::Tensor> decode_sm90(const at::Tensor& q_nope, const a
   const DecodeSetup d = setup_decode(op, device, batch, rows, kv_cache, block_table, seq_lens,
                                      softmax_scale, num_splits, schedule);
 
-  const auto opts = q_nope.options();
-  at::Tensor q8 = at::empty({batch, s_q, heads, kKvLoraRank}, opts.dtype(at::kFloat8_e4m3fn));
-  at::Tensor q_scale = at::empty({batch, s_q, heads}, opts.dtype(at::kFloat));
-  at::Tensor q_pe_scaled = at::empty({batch, s_q, heads, kRopeDim}, opts.dtype(at::kBFloat16));
-  at::Tensor pages_per_split;
-  SplitPlanParams plan{};
+  const int64_t tokens = batch * s_q;
   const bool planned = num_splits == 0 && d.shape.max_splits > 1;
-  if (planned) {
-    pages_per_split = at::empty({1}, opts.dtype(at::kInt));
-    plan = plan_params(d.lens, d.table.size(1), batch, pages_per_split, d.shape);
+  Scratch scratch;
+  const int64_t q8_at = scratch.reserve(tokens * heads * kKvLoraRank);
+  const int64_t q_scale_at = scratch.reserve(tokens * heads * int64_t(sizeof(float)));
+  const int64_t q_pe_at = scratch.reserve(tokens * heads * kRopeDim * 2);
+  const SplitSpace space = reserve_splits(scratch, batch, rows, d.shape, planned);
+  scratch.allocate(q_nope.options());
+  if (tokens == 0 || heads == 0) {
+    return run_decode(op, {}, batch, s_q, heads, q_nope.options(), kv_cache, d.table, d.lens,
+                      softmax_scale, causal, d.shape, d.schedule, nullptr, nullptr, nullptr,
+                      false);
   }
-  if (batch > 0 && rows > 0) {
-    // Rows are (b * s_q + i, head): vLLM's [T, H, 512] bmm output viewed as [B, s_q, H, 512]
-    // folds into [B * s_q, H] rows without a copy.
-    const at::Tensor nope = vector_ready(q_nope.reshape({batch * s_q, heads, kKvLoraRank}));
-    const at::Tensor pe = vector_ready(q_pe.reshape({batch * s_q, heads, kRopeDim}));
-    check_launch(op, launch_quantize_q(
-                         dtype, {nope.data_ptr(), nope.stride(0), nope.stride(1)},
-                         {pe.data_ptr(), pe.stride(0), pe.stride(1)}, batch * s_q, heads,
-                         static_cast<uint8_t*>(q8.data_ptr()), q_scale.data_ptr<float>(),
-                         q_pe_scaled.data_ptr(), planned ? &plan : nullptr,
-                         c10::cuda::getCurrentCUDAStream()));
-  }
-  // The quantization is the last kernel in the stream (without rows run_decode launches none).
-  return run_decode(op, q8, q_scale, q_pe_scaled, kv_cache, d.table, d.lens, softmax_scale,
-                    causal, d.shape, d.schedule, pages_per_split, /*after_own_launch=*/true);
+  uint8_t* q8 = scratch.at<uint8_t>(q8_at);
+  float* q_scale = scratch.at<float>(q_scale_at);
+  uint8_t* q_pe_scaled = scratch.at<uint8_t>(q_pe_at);
+  int32_t* plan = planned ? scratch.at<int32_t>(space.plan) : nullptr;
+  SplitPlanParams plan_of_batch{};
+  if (planned) plan_of_batch = plan_params(d.lens, d.table.size(1), batch, plan, d.shape);
+  // Rows are (b * s_q + i, head): vLLM's [T, H, 512] bmm output viewed as [B, s_q, H, 512]
+  // folds into [B * s_q, H] rows without a copy.
+  const at::Tensor nope = vector_ready(q_nope.reshape({tokens, heads, kKvLoraRank}));
+  const at::Tensor pe = vector_ready(q_pe.reshape({tokens, heads, kRopeDim}));
+  check_launch(op, launch_quantize_q(dtype, {nope.data_ptr(), nope.stride(0), nope.stride(1)},
+                                     {pe.data_ptr(), pe.stride(0), pe.stride(1)}, tokens, heads,
+                                     q8, q_scale, q_pe_scaled,
+                                     planned ? &plan_of_batch : nullptr,
+                                     c10::cuda::getCurrentCUDAStream()));
+  // The quantization (with the planner) is the last kernel in the stream.
+  return run_decode(op, contiguous_rows(q8, q_scale, q_pe_scaled, s_q, heads), batch, s_q, heads,
+                    q_nope.options(), kv_cache, d.table, d.lens, softmax_scale, causal, d.shape,
+                    d.schedule, plan,
+                    space.part_out >= 0 ? scratch.at<float>(space.part_out) : nullptr,
+                    space.part_lse >= 0 ? scratch.at<float>(space.part_lse) : nullptr,
+                    /*after_own_launch=*/true);
 }
 
 std::tuple<at::Tensor, at::Tensor> decode_sm90_quantized(
@@ -330,16 +397,27 @@ std::tuple<at::Tensor, at::Tensor> decode_sm90_quantized(
   const c10::cuda::CUDAGuard guard(device);
   const DecodeSetup d = setup_decode(op, device, batch, rows, kv_cache, block_table, seq_lens,
                                      softmax_scale, num_splits, schedule);
-  at::Tensor pages_per_split;
-  if (num_splits == 0 && d.shape.max_splits > 1 && batch > 0) {
-    pages_per_split = at::empty({1}, q8.options().dtype(at::kInt));
-    check_launch(op, launch_split_plan(plan_params(d.lens, d.table.size(1), batch,
-                                                   pages_per_split, d.shape),
+  const bool planned = num_splits == 0 && d.shape.max_splits > 1 && batch > 0 && rows > 0;
+  Scratch scratch;
+  const SplitSpace space = reserve_splits(scratch, batch, rows, d.shape, planned);
+  scratch.allocate(q8.options());
+  int32_t* plan = planned ? scratch.at<int32_t>(space.plan) : nullptr;
+  if (planned) {
+    check_launch(op, launch_split_plan(plan_params(d.lens, d.table.size(1), batch, plan, d.shape),
                                        c10::cuda::getCurrentCUDAStream()));
   }
-  return run_decode(op, q8, q_scale, q_pe_scaled, kv_cache, d.table, d.lens, softmax_scale,
-                    causal, d.shape, d.schedule, pages_per_split,
-                    /*after_own_launch=*/pages_per_split.defined());
+  QueryRows query{static_cast<const uint8_t*>(q8.data_ptr()), q_scale.data_ptr<float>(),
+                  static_cast<const uint8_t*>(q_pe_scaled.data_ptr()), {}, {}, {}};
+  for (int d3 = 0; d3 < 3; ++d3) {
+    query.q8_stride[d3] = q8.stride(d3);
+    query.q_scale_stride[d3] = q_scale.stride(d3);
+    query.q_pe_stride[d3] = q_pe_scaled.stride(d3) * 2;
+  }
+  return run_decode(op, query, batch, s_q, heads, q8.options(), kv_cache, d.table, d.lens,
+                    softmax_scale, causal, d.shape, d.schedule, plan,
+                    space.part_out >= 0 ? scratch.at<float>(space.part_out) : nullptr,
+                    space.part_lse >= 0 ? scratch.at<float>(space.part_lse) : nullptr,
+                    /*after_own_launch=*/planned);
 }
 
 bool has_sm90a_code() { return sm90::has_sm90a_code(); }
@@ -363,8 +441,8 @@ void split_plan(const at::Tensor& seq_lens, at::Tensor& pages_per_split, int64_t
   const c10::cuda::CUDAGuard guard(device);
   const LaunchShape shape{static_cast<int>(programs), static_cast<int>(slots),
                           static_cast<int>(max_splits)};
-  check_launch(op, launch_split_plan(plan_params(seq_lens, table_pages, batch, pages_per_split,
-                                                 shape),
+  check_launch(op, launch_split_plan(plan_params(seq_lens, table_pages, batch,
+                                                 pages_per_split.data_ptr<int32_t>(), shape),
                                      c10::cuda::getCurrentCUDAStream()));
 }
 
