@@ -3,7 +3,7 @@
     python -m benchmarks.bench_matrix --out out/matrix [--dry-run] [--budget-s 480]
         [--kv auto fp8_snapmla fp8] [--heads 16 128] [--contexts 512 2048 8192 32768 131072]
         [--batches 1 8 64 fill] [--max-model-len wide tight] [--modes graph eager]
-        [--serve | --serve-only] [--concurrent-starts N] [--switch-interval MS]
+        [--serve | --serve-only] [--concurrent-starts N] [--repeats N] [--switch-interval MS]
     python -m benchmarks.bench_matrix --out out/matrix --replot      # no GPU: redraw md/png
 
 The model is bench_e2e's: DeepSeek-V3.1's attention shapes with 4 dense layers and vLLM's dummy
@@ -44,6 +44,13 @@ engine core's timestamps, as in bench_e2e:
 capture (a minute or more each) overlap, and lets them measure one at a time, in plan order, once
 all N are up: while one measures, the others sit idle with their memory held, and nothing
 starts.  Each asks vLLM for 0.8/N of the GPU's memory to be free at its start.
+
+``--repeats N`` runs the whole plan N times over, each engine a fresh process (the plan in
+order, then again), for cells whose step time moves between engine runs more than between the
+windows of one: eager steps are host-bound, and on an H100 one engine's eager TPOT came out up
+to 15% above or below another's of the same format and cell.  matrix.csv then holds per cell
+and format the median TPOT over the runs that measured (decode tok/s = B / that), with the
+runs' TPOTs and their spread; repeats.csv keeps every run's row.
 
 ``--switch-interval MS`` sets Python's GIL switch interval in each engine-core process
 (``sys.setswitchinterval`` through ``LLM.collective_rpc``, checked by reading it back), for the
@@ -87,12 +94,13 @@ import argparse
 import math
 import os
 import random
+import statistics
 import sys
 import tempfile
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from benchmarks.provenance import describe, run_info
@@ -131,8 +139,9 @@ MATRIX_FIELDS = [
     "batch_size", "max_model_len_tokens", "block_size", "table_width", "max_tokens",
     "kv_cache_tokens",
     "backend", "prefill_steps", "lock_step", "timer", "spread_pct", "timing_ok", "decode_tok_s",
-    "tpot_ms", "vs_bf16", "tpot_vs_bf16", "cell_s", "estimated_s", "switch_interval_ms", "date",
-    "commit"]
+    "tpot_ms", "vs_bf16", "tpot_vs_bf16", "repeats", "repeat_tpot_ms", "repeat_spread_pct",
+    "cell_s", "estimated_s", "switch_interval_ms", "date", "commit"]
+REPEAT_FIELDS = MATRIX_FIELDS + ["repeat"]
 SERVE_FIELDS = [
     "heads", "mode", "kv", "status", "reason", "requests", "completed", "rate", "seed",
     "prompt_tokens", "output_tokens", "duration_s", "output_tok_s", "vs_bf16",
@@ -166,14 +175,16 @@ class Engine:
     mode: str                     # "graph" or "eager"
     cells: list = field(default_factory=list)   # [(context, batch label)]
     serve: bool = False
+    repeat: int = 1               # which run of the plan (--repeats)
 
     @property
     def table_width(self) -> int:
         return math.ceil(self.max_model_len_tokens / BLOCK_SIZE)
 
-    def describe(self) -> str:
+    def describe(self, repeats: int = 1) -> str:
         return (f"{self.kv} H={self.heads} {self.max_model_len} "
-                f"({self.max_model_len_tokens} tokens, {self.table_width} pages) {self.mode}")
+                f"({self.max_model_len_tokens} tokens, {self.table_width} pages) {self.mode}"
+                + (f", run {self.repeat} of {repeats}" if repeats > 1 else ""))
 
 
 def parse_batch(label: str) -> str:
@@ -594,6 +605,37 @@ def merge_rows(old: list[dict], new: list[dict], key=None) -> list[dict]:
     return merge_by_key(old, new, key, _matrix_order if key is matrix_key else _serve_order)
 
 
+def repeat_key(row: dict) -> tuple:
+    return (*matrix_key(row), *run_of(row), int(row.get("repeat") or 1))
+
+
+def combine_repeats(rows: list[dict]) -> dict:
+    """The matrix row of one cell and format from its ``--repeats`` runs (rows of one run of the
+    command, in run order): TPOT the median over the runs that measured (``ok``), decode tok/s
+    = B / that; ``repeat_tpot_ms`` their TPOTs, ``repeat_spread_pct`` (largest - smallest) /
+    median; lock-step and timing_ok only if every run's was; the other fields from the run
+    nearest the median.  No run measured: the last run's row (its status and reason)."""
+    ok = [r for r in rows if r.get("status") == "ok" and number(r.get("tpot_ms"))]
+    if not ok:
+        return {**rows[-1], "repeats": 0, "repeat_tpot_ms": "", "repeat_spread_pct": ""}
+    tpots = [number(r["tpot_ms"]) for r in ok]
+    median = statistics.median(tpots)
+    nearest = min(ok, key=lambda r: abs(number(r["tpot_ms"]) - median))
+    missed = [r for r in rows if r not in ok]
+    combined = {**nearest,
+                "tpot_ms": round(median, 3),
+                "decode_tok_s": round(number(nearest["batch_size"]) * 1000 / median, 1),
+                "repeats": len(ok), "repeat_tpot_ms": " ".join(f"{t:.3f}" for t in tpots),
+                "repeat_spread_pct": round(100 * (max(tpots) - min(tpots)) / median, 2),
+                "lock_step": not any(not_lock_step(r) for r in ok),
+                "timing_ok": all(str(r.get("timing_ok")) != "False" for r in ok),
+                "spread_pct": max(number(r.get("spread_pct")) or 0.0 for r in ok)}
+    if missed:
+        combined["reason"] = (f"{len(missed)} of {len(rows)} runs {missed[-1].get('status')}: "
+                              f"{missed[-1].get('reason')}")
+    return combined
+
+
 def run_of(row: dict) -> tuple:
     """The run a row comes from (its date and commit stamp): ratios are only taken within one,
     never against a BF16 row another command measured, maybe with other settings or GPU."""
@@ -676,7 +718,8 @@ def format_matrix(rows: list[dict], runs: list[str]) -> str:
               "core's step time.  Ratios: decode tok/s of the format over BF16's (`auto`) in the "
               "same cell (with `fill` the batches differ: the capacity gain is in the ratio); "
               "**bold ▼** marks those below 1.0x.  B: batch per format (BF16 / fp8_snapmla / "
-              "fp8).", ""]
+              "fp8).  Where a note lists the runs' TPOTs (`--repeats`), each format's engine "
+              "ran that many times and TPOT is their median.", ""]
     by_key = {matrix_key(r): r for r in rows}
     for heads, mml, mode in matrix_panels(rows):
         cells = sorted({matrix_key(r)[3:5] for r in rows
@@ -704,6 +747,11 @@ def format_matrix(rows: list[dict], runs: list[str]) -> str:
                     notes.append(f"{KV_NAMES[kv]} not lock-step")
                 elif r and str(r.get("timing_ok")) == "False":
                     notes.append(f"{KV_NAMES[kv]} noisy ({_fmt(r.get('spread_pct'), 1)}%)")
+            repeated = [f"{KV_NAMES[kv]} {r['repeat_tpot_ms'].replace(' ', '/')}"
+                        for kv, r in per_kv.items()
+                        if r and (number(r.get("repeats")) or 0) > 1]
+            if repeated:
+                notes.append("runs' TPOT ms: " + ", ".join(repeated))
             ok = {kv: r if r.get("status") == "ok" else {} for kv, r in per_kv.items()}
             lines.append(
                 f"| {context} | {batch} | {tokens} ({width}) | "
@@ -805,12 +853,17 @@ def plot_matrix(rows: list[dict], path: Path, title: str) -> list[str]:
 
 
 def write_outputs(out: Path, info: dict | None, matrix_rows=(), serve_rows=(),
-                  plot: bool = True, switch_interval_ms: str = "") -> tuple[list[dict], list[dict]]:
+                  plot: bool = True, switch_interval_ms: str = "", repeats: int = 1
+                  ) -> tuple[list[dict], list[dict]]:
     """Merge the new rows into ``out``'s matrix.csv and serve.csv and rewrite them with their
     tables (and matrix.png with ``plot``).  ``info`` (this run's ``run_info``) is added to the
     runs in the headers; None (--replot) keeps them.  New rows are stamped with the run's date,
-    commit and ``--switch-interval`` ("" for Python's default).  Returns all rows."""
+    commit and ``--switch-interval`` ("" for Python's default).  With ``repeats`` > 1 the new
+    cell rows (one run of the plan each, their ``repeat``) go into repeats.csv, and matrix.csv
+    gets each cell's ``combine_repeats`` of this command's runs.  Returns all rows."""
     out.mkdir(parents=True, exist_ok=True)
+    if repeats > 1 and matrix_rows:
+        matrix_rows = _record_repeats(out, info, matrix_rows, switch_interval_ms)
     results = []
     for name, fields, new, key, ratios, table in (
             ("matrix", MATRIX_FIELDS, matrix_rows, matrix_key, add_ratios, format_matrix),
@@ -832,6 +885,22 @@ def write_outputs(out: Path, info: dict | None, matrix_rows=(), serve_rows=(),
                 title[i:i + 160] for i in range(0, len(title), 160)))
         results.append(rows)
     return results[0], results[1]
+
+
+def _record_repeats(out: Path, info: dict, rows, switch_interval_ms: str) -> list[dict]:
+    """Merge ``rows`` (runs of --repeats) into repeats.csv; the combined row of each of their
+    cells over this command's runs so far."""
+    runs, old = read_csv(out / "repeats.csv")
+    if describe(info) not in runs:
+        runs.append(describe(info))
+    stamp = {"date": info["date"], "commit": info["commit"],
+             "switch_interval_ms": switch_interval_ms}
+    new = [{**stamp, **r} for r in rows]
+    every = merge_by_key(old, new, repeat_key, lambda k: (_matrix_order(k[:6]), k[6:]))
+    write_csv(every, out / "repeats.csv", REPEAT_FIELDS, runs)
+    cells = dict.fromkeys((*matrix_key(r), *run_of(r)) for r in new)
+    return [combine_repeats([r for r in every if (*matrix_key(r), *run_of(r)) == cell])
+            for cell in cells]
 
 
 def switch_interval_arg_problem(ms: float) -> str | None:
@@ -875,7 +944,7 @@ def engine_rows(engine: Engine, results: list[dict], failure: str | None, facts:
     started = next((r for r in results if r.get("kind") == "engine"), {})
     # The backend's block size (vLLM's BF16 default on Hopper, FlashAttention MLA, uses 16).
     block_size = started.get("block_size") or BLOCK_SIZE
-    cell_base = {**base, "max_model_len": engine.max_model_len,
+    cell_base = {**base, "repeat": engine.repeat, "max_model_len": engine.max_model_len,
                  "max_model_len_tokens": engine.max_model_len_tokens, "block_size": block_size,
                  "table_width": math.ceil(engine.max_model_len_tokens / block_size)}
     capacity = started.get("kv_cache_tokens", "")
@@ -954,6 +1023,9 @@ def main(argv=None) -> None:
                         help="start N engines at once (their compilation and CUDA-graph "
                              "capture overlap), then let them measure one at a time; 1: one "
                              "engine after the other")
+    parser.add_argument("--repeats", type=int, default=1, metavar="N",
+                        help="run the whole plan N times over, a fresh engine each time; a "
+                             "cell's TPOT is the median of its runs' (repeats.csv has each)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
     parser.add_argument("--switch-interval", type=float, metavar="MS",
                         help="Python's GIL switch interval in each engine-core process, in ms "
@@ -979,6 +1051,8 @@ def main(argv=None) -> None:
                      "engine's max_num_seqs) would not decode in one batch; raise --max-batch")
     if not 1 <= args.concurrent_starts <= 8:
         parser.error("--concurrent-starts must be 1 to 8")
+    if not 1 <= args.repeats <= 10:
+        parser.error("--repeats must be 1 to 10")
     problem = concurrent_memory_problem(args.concurrent_starts, args.kv_cache_gib,
                                         ENGINE_OVERHEAD_GIB)
     if problem:
@@ -1010,6 +1084,9 @@ def main(argv=None) -> None:
     engines, skipped = plan_matrix(args.kv, args.heads, args.contexts, args.batches,
                                    args.max_model_lens, args.modes, settings, serve,
                                    args.serve_only)
+    # The continuous-batching run (serve.csv keeps one row per format) runs once.
+    engines = [replace(e, repeat=r, serve=e.serve and r == 1)
+               for r in range(1, args.repeats + 1) for e in engines if e.cells or r == 1]
     info = run_info("benchmarks.bench_matrix", sys.argv[1:] if argv is None else argv)
     print(describe(info), flush=True)
     estimates = [estimate_engine_s(e, settings, workload) for e in engines]
@@ -1025,7 +1102,7 @@ def main(argv=None) -> None:
             " min"
           + (f", budget {args.budget_s / 60:.1f} min" if deadline else ""), flush=True)
     for i, (engine, (seconds, decisions)) in enumerate(zip(engines, estimates), 1):
-        print(f"  [{i}] {engine.describe()}: {len(engine.cells)} cells"
+        print(f"  [{i}] {engine.describe(args.repeats)}: {len(engine.cells)} cells"
               f"{' + serve' if engine.serve else ''}, ~{seconds:.0f} s", flush=True)
         if args.dry_run:
             print("\n".join(dry_run_cells(engine, decisions)), flush=True)
@@ -1053,7 +1130,8 @@ def main(argv=None) -> None:
                                == (result["context"], result["batch"]))
                     with write_lock:
                         rows, _ = write_outputs(out, info, [row], plot=False,
-                                                switch_interval_ms=switch_ms)
+                                                switch_interval_ms=switch_ms,
+                                                repeats=args.repeats)
                     # BF16 of this run only, as the CSV's ratios (the row as stamped there).
                     bf16 = baseline_of(rows)({**row, "date": info["date"],
                                               "commit": info["commit"]})
@@ -1099,7 +1177,7 @@ def main(argv=None) -> None:
                 if deadline is not None and time.time() + need > deadline:
                     reason = (f"--budget-s: engine start + first cell ~{need:.0f} s, "
                               f"{max(0.0, deadline - time.time()):.0f} s left")
-                    print(f"[{i}/{len(engines)}] {engine.describe()}: skipped, {reason}",
+                    print(f"[{i}/{len(engines)}] {engine.describe(args.repeats)}: skipped, {reason}",
                           flush=True)
                     matrix, serve_rows = engine_rows(
                         engine, [{"kind": "cell", "context": c, "batch": b, "status": "skipped",
@@ -1107,9 +1185,9 @@ def main(argv=None) -> None:
                         + ([{"kind": "serve", "status": "skipped", "reason": reason}]
                            if engine.serve else []), None, {})
                     write_outputs(out, info, matrix, serve_rows, plot=False,
-                                  switch_interval_ms=switch_ms)
+                                  switch_interval_ms=switch_ms, repeats=args.repeats)
                     continue
-                print(f"[{i}/{len(engines)}] {engine.describe()}: {len(engine.cells)} cells"
+                print(f"[{i}/{len(engines)}] {engine.describe(args.repeats)}: {len(engine.cells)} cells"
                       f"{' + serve' if engine.serve else ''}, ~{seconds:.0f} s "
                       f"({time.time() - started:.0f} s into the run)", flush=True)
                 group.append((i, engine))
@@ -1123,7 +1201,8 @@ def main(argv=None) -> None:
                 matrix, serve_rows = engine_rows(engine, results, failure, engine_log_facts(log))
                 for row in serve_rows:
                     row.update(rate=args.serve_rate, seed=args.serve_seed)
-                write_outputs(out, info, matrix, serve_rows, switch_interval_ms=switch_ms)
+                write_outputs(out, info, matrix, serve_rows, switch_interval_ms=switch_ms,
+                              repeats=args.repeats)
                 if failure:
                     print(f"    [{i}] engine failed: {failure}", flush=True)
     matrix, serve_rows = write_outputs(out, None)

@@ -412,6 +412,47 @@ def test_ratios_only_within_one_run():
     assert bm.add_serve_ratios(serve)[1]["tpot_p50_vs_bf16"] == 1.5
 
 
+def test_repeats_combine_into_the_median_tpot_with_the_runs_listed():
+    runs = [_cell("fp8_snapmla", 64000 / t, repeat=k, spread_pct=s)
+            for k, (t, s) in enumerate([(5.0, 1.0), (4.0, 7.0), (6.0, 2.0)], 1)]
+    row = bm.combine_repeats(runs)
+    assert row["tpot_ms"] == 5.0 and row["decode_tok_s"] == pytest.approx(64 * 1000 / 5.0)
+    assert row["repeats"] == 3 and row["repeat_tpot_ms"] == "5.000 4.000 6.000"
+    assert row["repeat_spread_pct"] == 40.0 and row["spread_pct"] == 7.0
+    assert row["lock_step"] is True and row["timing_ok"] is True
+    # A run that failed is left out and named; one not lock-step spoils the row's ratio.
+    runs[2].update(status="failed", reason="exit 1")
+    runs[1]["lock_step"] = "False"
+    row = bm.combine_repeats(runs)
+    assert row["tpot_ms"] == 4.5 and row["repeats"] == 2
+    assert row["reason"] == "1 of 3 runs failed: exit 1" and row["lock_step"] is False
+    runs[0].update(status="skipped", reason="--budget-s")
+    runs[1].update(status="failed", reason="exit 2")
+    row = bm.combine_repeats(runs)
+    assert row["status"] == "failed" and row["reason"] == "exit 1" and row["repeats"] == 0
+
+
+def test_outputs_with_repeats_keep_every_run_and_put_medians_in_the_matrix(tmp_path):
+    tpots = {"auto": (4.0, 5.0, 4.6), "fp8_snapmla": (5.2, 4.1, 4.4)}
+    for k in range(3):
+        rows = [_cell(kv, 64000 / t[k], mode="eager", repeat=k + 1) for kv, t in tpots.items()]
+        matrix, _ = bm.write_outputs(tmp_path, INFO, rows, repeats=3)
+    assert len(matrix) == 2
+    _, every = vllm_engine.read_csv(tmp_path / "repeats.csv")
+    assert sorted((r["kv"], r["repeat"]) for r in every) == sorted(
+        (kv, str(k)) for kv in tpots for k in (1, 2, 3))
+    ours = next(r for r in matrix if r["kv"] == "fp8_snapmla")
+    assert ours["tpot_ms"] == 4.4 and ours["repeats"] == 3
+    assert ours["vs_bf16"] == pytest.approx(4.6 / 4.4, abs=1e-3)   # medians, not one run's
+    table = (tmp_path / "matrix.md").read_text()
+    assert "runs' TPOT ms: BF16 4.000/5.000/4.600, fp8_snapmla 5.200/4.100/4.400" in table
+    # Another command's runs are combined apart from this one's.
+    later = {**INFO, "date": "2026-12-04 10:00 UTC"}
+    matrix, _ = bm.write_outputs(tmp_path, later, [_cell("auto", 64000 / 9.0, mode="eager",
+                                                         repeat=1)], repeats=2)
+    assert next(r for r in matrix if r["kv"] == "auto")["tpot_ms"] == 9.0
+
+
 def test_heat_maps_have_a_panel_per_heads_table_and_mode(tmp_path):
     pytest.importorskip("matplotlib")
     rows = bm.add_ratios(_sweep() + [_cell("auto", 50.0, heads=128, mml="tight")])
@@ -606,6 +647,36 @@ def test_main_gives_grouped_engines_a_go_file_and_a_memory_share(tmp_path, monke
     # The progress line of the cell measured second names its ratio to this run's BF16 cell.
     cell_lines = [line for line in capsys.readouterr().out.splitlines() if "tok/s, TPOT" in line]
     assert len(cell_lines) == 2 and ", 1.50x BF16," in cell_lines[1], cell_lines
+
+
+def test_main_repeats_the_plan_with_fresh_engines(tmp_path, monkeypatch, capsys):
+    specs, step_ms = [], {"auto": iter([10.0, 12.0, 11.0]), "fp8_snapmla": iter([9.0, 13.0, 10.0])}
+
+    def fake_run_child(command, spec, timeout, on_result, startup_timeout=None):
+        specs.append(spec["kv"])
+        on_result({"kind": "engine", "kv_cache_tokens": 6400, "block_size": 64,
+                   "max_num_batched_tokens": 16384, "start_s": 0.0})
+        tpot = next(step_ms[spec["kv"]])
+        result = {"kind": "cell", "context": 512, "batch": "1", "batch_size": 1,
+                  "max_tokens": 200, "kv_cache_tokens": 6400, "status": "ok",
+                  "decode_tok_s": 1000 / tpot, "tpot_ms": tpot, "spread_pct": 1.0,
+                  "timing_ok": True, "lock_step": True, "prefill_steps": 1, "timer": "core",
+                  "cell_s": 1.0, "estimated_s": 1.0}
+        on_result(result)
+        return [result], "", None
+
+    monkeypatch.setattr(bm, "run_child", fake_run_child)
+    bm.main(["--out", str(tmp_path), "--kv", "auto", "fp8_snapmla", "--heads", "16",
+             "--contexts", "512", "--batches", "1", "--max-model-len", "wide", "--modes",
+             "eager", "--repeats", "3"])
+    assert specs == ["auto", "fp8_snapmla"] * 3          # the plan in order, three times
+    _, rows = vllm_engine.read_csv(tmp_path / "matrix.csv")
+    ours = next(r for r in rows if r["kv"] == "fp8_snapmla")
+    assert float(ours["tpot_ms"]) == 10.0 and float(ours["vs_bf16"]) == pytest.approx(1.1)
+    assert ours["repeat_tpot_ms"] == "9.000 13.000 10.000"
+    assert "run 3 of 3" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bm.main(["--out", str(tmp_path), "--repeats", "0"])
 
 
 def test_waiting_engine_exits_when_the_go_folder_is_gone_or_after_its_limit(tmp_path):
