@@ -9,12 +9,14 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <tuple>
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <c10/util/safe_numerics.h>
 
 #include "api/checks.h"
 #include "api/ops.h"
@@ -157,9 +159,16 @@ std::tuple<at::Tensor, at::Tensor> check_decode_inputs(const char* op, const at:
 // may wait for.  Each buffer starts 512-byte aligned, as the caching allocator aligns its blocks.
 class Scratch {
  public:
-  int64_t reserve(int64_t bytes) {
+  // Reserves the product of `factors` bytes.  The shapes are checked, but a direct op caller's
+  // expanded (stride-0) inputs can still make that product pass int64: refuse rather than wrap.
+  int64_t reserve(std::initializer_list<int64_t> factors) {
+    int64_t bytes = 1;
+    bool overflow = false;
+    for (const int64_t factor : factors) overflow |= c10::mul_overflows(bytes, factor, &bytes);
+    overflow |= c10::add_overflows(bytes, int64_t(511), &bytes);
     const int64_t offset = size_;
-    size_ += (bytes + 511) / 512 * 512;
+    overflow |= c10::add_overflows(size_, bytes / 512 * 512, &size_);
+    TORCH_CHECK_VALUE(!overflow, "decode: the scratch memory of this batch exceeds 2^63 bytes");
     return offset;
   }
   void allocate(const at::TensorOptions& opts) {
@@ -184,11 +193,10 @@ SplitSpace reserve_splits(Scratch& scratch, int64_t batch, int64_t rows, const L
                           bool planned) {
   SplitSpace space;
   if (batch == 0 || rows == 0) return space;
-  if (planned) space.plan = scratch.reserve(sizeof(int32_t));
+  if (planned) space.plan = scratch.reserve({sizeof(int32_t)});
   if (shape.max_splits > 1) {
-    const int64_t partials = batch * shape.max_splits * rows;
-    space.part_out = scratch.reserve(partials * kKvLoraRank * int64_t(sizeof(float)));
-    space.part_lse = scratch.reserve(partials * int64_t(sizeof(float)));
+    space.part_out = scratch.reserve({batch, shape.max_splits, rows, kKvLoraRank, sizeof(float)});
+    space.part_lse = scratch.reserve({batch, shape.max_splits, rows, sizeof(float)});
   }
   return space;
 }
@@ -343,9 +351,9 @@ std::tuple<at::Tensor, at::Tensor> decode_sm90(const at::Tensor& q_nope, const a
   const int64_t tokens = batch * s_q;
   const bool planned = num_splits == 0 && d.shape.max_splits > 1;
   Scratch scratch;
-  const int64_t q8_at = scratch.reserve(tokens * heads * kKvLoraRank);
-  const int64_t q_scale_at = scratch.reserve(tokens * heads * int64_t(sizeof(float)));
-  const int64_t q_pe_at = scratch.reserve(tokens * heads * kRopeDim * 2);
+  const int64_t q8_at = scratch.reserve({tokens, heads, kKvLoraRank});
+  const int64_t q_scale_at = scratch.reserve({tokens, heads, sizeof(float)});
+  const int64_t q_pe_at = scratch.reserve({tokens, heads, kRopeDim, 2});
   const SplitSpace space = reserve_splits(scratch, batch, rows, d.shape, planned);
   scratch.allocate(q_nope.options());
   if (tokens == 0 || heads == 0) {
