@@ -97,6 +97,7 @@ import random
 import statistics
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from collections import deque
@@ -140,6 +141,7 @@ MATRIX_FIELDS = [
     "kv_cache_tokens",
     "backend", "prefill_steps", "lock_step", "timer", "spread_pct", "timing_ok", "decode_tok_s",
     "tpot_ms", "vs_bf16", "tpot_vs_bf16", "repeats", "repeat_tpot_ms", "repeat_spread_pct",
+    "vs_bf16_runs",
     "cell_s", "estimated_s", "switch_interval_ms", "date", "commit"]
 REPEAT_FIELDS = MATRIX_FIELDS + ["repeat"]
 SERVE_FIELDS = [
@@ -612,9 +614,10 @@ def repeat_key(row: dict) -> tuple:
 def combine_repeats(rows: list[dict]) -> dict:
     """The matrix row of one cell and format from its ``--repeats`` runs (rows of one run of the
     command, in run order): TPOT the median over the runs that measured (``ok``), decode tok/s
-    = B / that; ``repeat_tpot_ms`` their TPOTs, ``repeat_spread_pct`` (largest - smallest) /
-    median; lock-step and timing_ok only if every run's was; the other fields from the run
-    nearest the median.  No run measured: the last run's row (its status and reason)."""
+    = B / that; ``repeat_tpot_ms`` every run's TPOT ("-" where it did not measure),
+    ``repeat_spread_pct`` (largest - smallest) / median; lock-step and timing_ok only if every
+    measured run's was; the other fields from the run nearest the median.  No run measured: the
+    last run's row (its status and reason)."""
     ok = [r for r in rows if r.get("status") == "ok" and number(r.get("tpot_ms"))]
     if not ok:
         return {**rows[-1], "repeats": 0, "repeat_tpot_ms": "", "repeat_spread_pct": ""}
@@ -625,7 +628,9 @@ def combine_repeats(rows: list[dict]) -> dict:
     combined = {**nearest,
                 "tpot_ms": round(median, 3),
                 "decode_tok_s": round(number(nearest["batch_size"]) * 1000 / median, 1),
-                "repeats": len(ok), "repeat_tpot_ms": " ".join(f"{t:.3f}" for t in tpots),
+                "repeats": len(ok),
+                "repeat_tpot_ms": " ".join(f"{number(r['tpot_ms']):.3f}" if r in ok else "-"
+                                           for r in rows),
                 "repeat_spread_pct": round(100 * (max(tpots) - min(tpots)) / median, 2),
                 "lock_step": not any(not_lock_step(r) for r in ok),
                 "timing_ok": all(str(r.get("timing_ok")) != "False" for r in ok),
@@ -663,7 +668,27 @@ def add_ratios(rows: list[dict]) -> list[dict]:
         for column, value in (("vs_bf16", "decode_tok_s"), ("tpot_vs_bf16", "tpot_ms")):
             ours, theirs = number(row.get(value)), number(ref.get(value)) if ref else None
             row[column] = round(ours / theirs, 3) if ours and theirs else ""
+        row["vs_bf16_runs"] = _ratios_per_run(row, ref) if ref else ""
     return rows
+
+
+def _ratios_per_run(row: dict, ref: dict) -> str:
+    """With ``--repeats``: the decode tok/s ratio of each run of the plan to BF16's run of the
+    same pass ("-" where either did not measure), space-separated; "" for one run."""
+    ours = str(row.get("repeat_tpot_ms") or "").split()
+    theirs = str(ref.get("repeat_tpot_ms") or "").split()
+    batch, ref_batch = number(row.get("batch_size")), number(ref.get("batch_size"))
+    if len(ours) < 2 or len(ours) != len(theirs) or not batch or not ref_batch:
+        return ""
+    return " ".join(f"{batch * number(t) / (ref_batch * number(o)):.3f}"
+                    if number(o) and number(t) else "-" for o, t in zip(ours, theirs))
+
+
+def ratio_range(row: dict) -> tuple[float, float] | None:
+    """The lowest and highest per-run ratio of ``vs_bf16_runs``, or None."""
+    runs = [number(v) for v in str(row.get("vs_bf16_runs") or "").split()]
+    runs = [v for v in runs if v]
+    return (min(runs), max(runs)) if len(runs) > 1 else None
 
 
 def serve_key(row: dict) -> tuple:
@@ -699,6 +724,11 @@ def _ratio(value) -> str:
     return f"**{value:.2f}x** ▼" if value < 1.0 else f"{value:.2f}x"
 
 
+def _ratio_with_runs(row: dict) -> str:
+    span = ratio_range(row)
+    return _ratio(row.get("vs_bf16")) + (f" (runs {span[0]:.2f}-{span[1]:.2f})" if span else "")
+
+
 def _runs_header(title: str, runs: list[str]) -> list[str]:
     return [f"# {title}", "", "Runs (date | commit | GPU | vLLM | command), oldest first:", ""] + \
         [f"- {run}" for run in runs] + [""]
@@ -719,7 +749,8 @@ def format_matrix(rows: list[dict], runs: list[str]) -> str:
               "same cell (with `fill` the batches differ: the capacity gain is in the ratio); "
               "**bold ▼** marks those below 1.0x.  B: batch per format (BF16 / fp8_snapmla / "
               "fp8).  Where a note lists the runs' TPOTs (`--repeats`), each format's engine "
-              "ran that many times and TPOT is their median.", ""]
+              "ran that many times and TPOT is their median; `(runs a-b)` after a ratio: the "
+              "lowest and highest ratio of one pass of the plan to BF16's of the same pass.", ""]
     by_key = {matrix_key(r): r for r in rows}
     for heads, mml, mode in matrix_panels(rows):
         cells = sorted({matrix_key(r)[3:5] for r in rows
@@ -753,12 +784,13 @@ def format_matrix(rows: list[dict], runs: list[str]) -> str:
             if repeated:
                 notes.append("runs' TPOT ms: " + ", ".join(repeated))
             ok = {kv: r if r.get("status") == "ok" else {} for kv, r in per_kv.items()}
+            ratios = {kv: _ratio_with_runs(ok[kv]) for kv in ("fp8_snapmla", "fp8")}
             lines.append(
                 f"| {context} | {batch} | {tokens} ({width}) | "
                 + " / ".join(_fmt(r.get("batch_size")) for r in per_kv.values()) + " | "
                 + " | ".join(_fmt(ok[kv].get("decode_tok_s")) for kv in KV_SETTINGS) + " | "
                 + " / ".join(_fmt(ok[kv].get("tpot_ms"), 2) for kv in KV_SETTINGS) + " | "
-                + f"{_ratio(ok['fp8_snapmla'].get('vs_bf16'))} | {_ratio(ok['fp8'].get('vs_bf16'))}"
+                + f"{ratios['fp8_snapmla']} | {ratios['fp8']}"
                 + f" | {'; '.join(notes)} |")
         lines.append("")
     return "\n".join(lines)
@@ -791,8 +823,9 @@ def format_serve(rows: list[dict], runs: list[str]) -> str:
 def plot_matrix(rows: list[dict], path: Path, title: str) -> list[str]:
     """Heat maps of the fp8_snapmla/BF16 decode tok/s ratio, one panel per (heads,
     max_model_len, mode): rows = context, columns = batch, a diverging colormap centred at 1.0
-    with the ratio in each cell, missing cells grey and hatched.  Returns the panels' titles
-    (empty, and no file, without matplotlib)."""
+    with the ratio in each cell (under it, with ``--repeats``, the range of the per-pass
+    ratios), missing cells grey and hatched.  Returns the panels' titles (empty, and no file,
+    without matplotlib)."""
     try:
         import matplotlib
     except ImportError:
@@ -808,12 +841,15 @@ def plot_matrix(rows: list[dict], path: Path, title: str) -> list[str]:
         return []
     ratios = {matrix_key(r)[:5]: number(r.get("vs_bf16")) for r in rows
               if r["kv"] == "fp8_snapmla" and r.get("status") == "ok"}
+    spans = {matrix_key(r)[:5]: ratio_range(r) for r in rows
+             if r["kv"] == "fp8_snapmla" and r.get("status") == "ok"}
     values = [v for v in ratios.values() if v]
     norm = TwoSlopeNorm(vcenter=1.0, vmin=min([0.5, *values]), vmax=max([2.0, *values]))
     cmap = matplotlib.colormaps["RdYlGn"].with_extremes(bad="lightgrey")
     columns = min(len(panels), 4)
     grid_rows = math.ceil(len(panels) / columns)
-    fig, axes = plt.subplots(grid_rows, columns, figsize=(4.6 * columns + 1, 3.6 * grid_rows + 1),
+    width_in = 4.6 * columns + 1
+    fig, axes = plt.subplots(grid_rows, columns, figsize=(width_in, 3.6 * grid_rows + 1),
                              squeeze=False, layout="constrained")
     titles, image = [], None
     for ax, (heads, mml, mode) in zip(axes.flat, panels):
@@ -834,8 +870,13 @@ def plot_matrix(rows: list[dict], path: Path, title: str) -> list[str]:
                                            edgecolor="grey", lw=0))
                     ax.text(j, i, "n/a", ha="center", va="center", fontsize=7, color="dimgrey")
                 else:
-                    ax.text(j, i, f"{grid[i, j]:.2f}x", ha="center", va="center", fontsize=9,
+                    span = spans.get((heads, mml, mode, contexts[i], batches[j]))
+                    ax.text(j, i, f"{grid[i, j]:.2f}x", ha="center",
+                            va="bottom" if span else "center", fontsize=9,
                             fontweight="bold" if grid[i, j] < 1.0 else "normal")
+                    if span:   # --repeats: the per-pass ratios' range
+                        ax.text(j, i, f"{span[0]:.2f}-{span[1]:.2f}", ha="center", va="top",
+                                fontsize=6.5, color="dimgrey")
         ax.set_xticks(range(len(batches)), batches)
         ax.set_yticks(range(len(contexts)), [str(c) for c in contexts])
         ax.set_xlabel("batch")
@@ -846,7 +887,7 @@ def plot_matrix(rows: list[dict], path: Path, title: str) -> list[str]:
         ax.axis("off")
     fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8,
                  label="fp8_snapmla / BF16 decode tok/s")
-    fig.suptitle(title, fontsize=8)
+    fig.suptitle("\n".join(textwrap.wrap(title, int(width_in * 15))), fontsize=8)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return titles
@@ -880,9 +921,8 @@ def write_outputs(out: Path, info: dict | None, matrix_rows=(), serve_rows=(),
         write_csv(rows, out / f"{name}.csv", fields, runs)
         (out / f"{name}.md").write_text(table(rows, runs))
         if name == "matrix" and plot:
-            title = "fp8_snapmla / BF16 decode tok/s through vLLM; " + (runs[-1] if runs else "")
-            plot_matrix(rows, out / "matrix.png", "\n".join(
-                title[i:i + 160] for i in range(0, len(title), 160)))
+            plot_matrix(rows, out / "matrix.png", "fp8_snapmla / BF16 decode tok/s through vLLM; "
+                        + (runs[-1] if runs else ""))
         results.append(rows)
     return results[0], results[1]
 

@@ -425,6 +425,7 @@ def test_repeats_combine_into_the_median_tpot_with_the_runs_listed():
     runs[1]["lock_step"] = "False"
     row = bm.combine_repeats(runs)
     assert row["tpot_ms"] == 4.5 and row["repeats"] == 2
+    assert row["repeat_tpot_ms"] == "5.000 4.000 -"   # aligned with the passes
     assert row["reason"] == "1 of 3 runs failed: exit 1" and row["lock_step"] is False
     runs[0].update(status="skipped", reason="--budget-s")
     runs[1].update(status="failed", reason="exit 2")
@@ -444,8 +445,12 @@ def test_outputs_with_repeats_keep_every_run_and_put_medians_in_the_matrix(tmp_p
     ours = next(r for r in matrix if r["kv"] == "fp8_snapmla")
     assert ours["tpot_ms"] == 4.4 and ours["repeats"] == 3
     assert ours["vs_bf16"] == pytest.approx(4.6 / 4.4, abs=1e-3)   # medians, not one run's
+    # Each pass of the plan against BF16's of the same pass: 4.0/5.2, 5.0/4.1, 4.6/4.4.
+    assert ours["vs_bf16_runs"] == "0.769 1.220 1.045"
+    assert bm.ratio_range(ours) == (0.769, 1.22)
     table = (tmp_path / "matrix.md").read_text()
     assert "runs' TPOT ms: BF16 4.000/5.000/4.600, fp8_snapmla 5.200/4.100/4.400" in table
+    assert "| 1.04x (runs 0.77-1.22) |" in table
     # Another command's runs are combined apart from this one's.
     later = {**INFO, "date": "2026-12-04 10:00 UTC"}
     matrix, _ = bm.write_outputs(tmp_path, later, [_cell("auto", 64000 / 9.0, mode="eager",
