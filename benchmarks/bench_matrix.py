@@ -47,8 +47,8 @@ starts.  Each asks vLLM for 0.8/N of the GPU's memory to be free at its start.
 
 ``--repeats N`` runs the whole plan N times over, each engine a fresh process (the plan in
 order, then again), for cells whose step time moves between engine runs more than between the
-windows of one: eager steps are host-bound, and on an H100 one engine's eager TPOT came out up
-to 15% above or below another's of the same format and cell.  matrix.csv then holds per cell
+windows of one: eager steps are host-bound, and on an H100 the eager TPOTs of three engines of
+the same format and cell were up to 28% apart.  matrix.csv then holds per cell
 and format the median TPOT over the runs that measured (decode tok/s = B / that), with the
 runs' TPOTs and their spread; repeats.csv keeps every run's row.
 
