@@ -140,10 +140,9 @@ def per_step_difference(before: list, after: list, steps: int) -> list[tuple[str
 def decode_profile(prefill: tuple, full: tuple, steps: int) -> dict:
     """Per decode step, from two profiled calls on the same prompts' shapes: ``prefill`` =
     (wall µs, kernels, host ops) of a call with one output token, ``full`` the same with 1 +
-    ``steps``; kernels are ``(name, start µs, end µs)``, host ops ``(name, own CPU µs)`` (the
-    host part may be left out: older profiles).  What ran no more in the longer call (the
-    prefill's own) drops out."""
-    (wall_p, kernels_p, *host_p), (wall_f, kernels_f, *host_f) = prefill, full
+    ``steps``; kernels are ``(name, start µs, end µs)``, host ops ``(name, own CPU µs)``.  What
+    ran no more in the longer call (the prefill's own) drops out."""
+    (wall_p, kernels_p, host_p), (wall_f, kernels_f, host_f) = prefill, full
     per_step = per_step_difference([(name, end - start) for name, start, end in kernels_p],
                                    [(name, end - start) for name, start, end in kernels_f],
                                    steps)
@@ -152,8 +151,7 @@ def decode_profile(prefill: tuple, full: tuple, steps: int) -> dict:
         groups[kernel_group(name)] += us
     # Host rows that were not called more often in the longer call are the prefill's own, or the
     # profiled call's fixed costs, whatever their time did.
-    host = [h for h in per_step_difference(host_p[0] if host_p else [],
-                                           host_f[0] if host_f else [], steps) if h[2] > 0]
+    host = [h for h in per_step_difference(host_p, host_f, steps) if h[2] > 0]
     waits = [h for h in host if host_wait(h[0])]
     return {"steps": steps, "wall_us": (wall_f - wall_p) / steps,
             "busy_us": (busy_us(k[1:] for k in kernels_f)
