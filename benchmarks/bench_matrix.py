@@ -839,10 +839,10 @@ def plot_matrix(rows: list[dict], path: Path, title: str) -> list[str]:
     panels = matrix_panels(rows)
     if not panels:
         return []
-    ratios = {matrix_key(r)[:5]: number(r.get("vs_bf16")) for r in rows
-              if r["kv"] == "fp8_snapmla" and r.get("status") == "ok"}
-    spans = {matrix_key(r)[:5]: ratio_range(r) for r in rows
-             if r["kv"] == "fp8_snapmla" and r.get("status") == "ok"}
+    ours = {matrix_key(r)[:5]: r for r in rows
+            if r["kv"] == "fp8_snapmla" and r.get("status") == "ok"}
+    ratios = {cell: number(r.get("vs_bf16")) for cell, r in ours.items()}
+    spans = {cell: ratio_range(r) for cell, r in ours.items()}
     values = [v for v in ratios.values() if v]
     norm = TwoSlopeNorm(vcenter=1.0, vmin=min([0.5, *values]), vmax=max([2.0, *values]))
     cmap = matplotlib.colormaps["RdYlGn"].with_extremes(bad="lightgrey")

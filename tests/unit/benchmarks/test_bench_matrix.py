@@ -600,6 +600,18 @@ def test_total_estimate_counts_one_start_up_per_group():
         one_by_one - bm.ENGINE_START_S["graph"])
 
 
+# What a stand-in child reports: the engine is up, then one cell (512 tokens x 1).
+ENGINE_UP = {"kind": "engine", "kv_cache_tokens": 6400, "block_size": 64,
+             "max_num_batched_tokens": 16384, "start_s": 0.0}
+
+
+def _cell_result(tok_s: float, tpot_ms: float) -> dict:
+    return {"kind": "cell", "context": 512, "batch": "1", "batch_size": 1, "max_tokens": 200,
+            "kv_cache_tokens": 6400, "status": "ok", "decode_tok_s": tok_s, "tpot_ms": tpot_ms,
+            "spread_pct": 1.0, "timing_ok": True, "lock_step": True, "prefill_steps": 1,
+            "timer": "core", "cell_s": 1.0, "estimated_s": 1.0}
+
+
 @pytest.mark.parametrize("concurrent", [1, 2])
 def test_main_gives_grouped_engines_a_go_file_and_a_memory_share(tmp_path, monkeypatch,
                                                                  concurrent, capsys):
@@ -613,16 +625,11 @@ def test_main_gives_grouped_engines_a_go_file_and_a_memory_share(tmp_path, monke
         with lock:
             specs.append(spec)
             live[0] += 1
-        on_result({"kind": "engine", "kv_cache_tokens": 64 * 100, "block_size": 64,
-                   "max_num_batched_tokens": 16384, "start_s": 0.0})
+        on_result(ENGINE_UP)
         vllm_engine.wait_for_go(spec.get("go_file"), poll_s=0.005)
         with lock:
             most_live[0] = max(most_live[0], live[0])
-        result = {"kind": "cell", "context": 512, "batch": "1", "batch_size": 1,
-                  "max_tokens": 200, "kv_cache_tokens": 6400, "status": "ok",
-                  "decode_tok_s": 100.0 if spec["kv"] == "auto" else 150.0, "tpot_ms": 10.0,
-                  "spread_pct": 1.0, "timing_ok": True, "lock_step": True, "prefill_steps": 1,
-                  "timer": "core", "cell_s": 1.0, "estimated_s": 1.0}
+        result = _cell_result(100.0 if spec["kv"] == "auto" else 150.0, 10.0)
         on_result(result)
         with lock:
             live[0] -= 1
@@ -659,14 +666,9 @@ def test_main_repeats_the_plan_with_fresh_engines(tmp_path, monkeypatch, capsys)
 
     def fake_run_child(command, spec, timeout, on_result, startup_timeout=None):
         specs.append(spec["kv"])
-        on_result({"kind": "engine", "kv_cache_tokens": 6400, "block_size": 64,
-                   "max_num_batched_tokens": 16384, "start_s": 0.0})
+        on_result(ENGINE_UP)
         tpot = next(step_ms[spec["kv"]])
-        result = {"kind": "cell", "context": 512, "batch": "1", "batch_size": 1,
-                  "max_tokens": 200, "kv_cache_tokens": 6400, "status": "ok",
-                  "decode_tok_s": 1000 / tpot, "tpot_ms": tpot, "spread_pct": 1.0,
-                  "timing_ok": True, "lock_step": True, "prefill_steps": 1, "timer": "core",
-                  "cell_s": 1.0, "estimated_s": 1.0}
+        result = _cell_result(1000 / tpot, tpot)
         on_result(result)
         return [result], "", None
 
