@@ -1217,8 +1217,8 @@ def main(argv=None) -> None:
                 if deadline is not None and time.time() + need > deadline:
                     reason = (f"--budget-s: engine start + first cell ~{need:.0f} s, "
                               f"{max(0.0, deadline - time.time()):.0f} s left")
-                    print(f"[{i}/{len(engines)}] {engine.describe(args.repeats)}: skipped, {reason}",
-                          flush=True)
+                    print(f"[{i}/{len(engines)}] {engine.describe(args.repeats)}: skipped, "
+                          f"{reason}", flush=True)
                     matrix, serve_rows = engine_rows(
                         engine, [{"kind": "cell", "context": c, "batch": b, "status": "skipped",
                                   "reason": reason} for c, b in engine.cells]
@@ -1227,7 +1227,8 @@ def main(argv=None) -> None:
                     write_outputs(out, info, matrix, serve_rows, plot=False,
                                   switch_interval_ms=switch_ms, repeats=args.repeats)
                     continue
-                print(f"[{i}/{len(engines)}] {engine.describe(args.repeats)}: {len(engine.cells)} cells"
+                print(f"[{i}/{len(engines)}] {engine.describe(args.repeats)}: "
+                      f"{len(engine.cells)} cells"
                       f"{' + serve' if engine.serve else ''}, ~{seconds:.0f} s "
                       f"({time.time() - started:.0f} s into the run)", flush=True)
                 group.append((i, engine))
