@@ -32,7 +32,10 @@ estimate: a rest below zero says the kernel alone took longer than the whole ste
 
 Writes ``explain.csv`` (merged with earlier runs' rows), ``explain.md`` (a row per cell: TPOT,
 attention and rest of each side, and which of the two makes most of the difference) and
-``explain.png`` (a pair of stacked bars per cell).
+``explain.png`` (a pair of stacked bars per cell).  The rows follow the folder's matrix.csv (also
+with ``--replot``): where a cell was measured again since (a later run, ``--repeats``), its row is
+derived again from the new TPOTs and the kernel times it holds, or left out where the cell's
+shapes changed.
 """
 
 from __future__ import annotations
@@ -141,6 +144,52 @@ def explain_key(row: dict) -> tuple:
             str(row["batch"]), row.get("matrix_date", ""), row.get("matrix_commit", ""))
 
 
+def follow_matrix(rows: list[dict], matrix: list[dict]) -> list[dict]:
+    """``rows`` brought in line with the matrix they explain (its folder's ``matrix.csv``), so
+    that explain.md never describes a measurement the matrix no longer holds (a later run or
+    ``--repeats`` of the same cell replaces it).  A row of the cell's current measurement stays;
+    otherwise the latest row of the cell is derived again from the current TPOTs and the kernel
+    times it holds, where both sides' decode shapes and BF16 backend are unchanged (the kernel
+    times only depend on those); a cell with no such row, or no ratio any more, is left out.
+    Without a matrix, ``rows`` as they are."""
+    if not matrix:
+        return rows
+    reference = baseline_of(matrix)
+    current = {}
+    for ours in matrix:
+        bf16 = reference(ours) if ours["kv"] == OURS_KV else None
+        if bf16 is not None and number(ours.get("vs_bf16")) is not None:
+            current[explain_key(ours)[:5]] = (bf16, ours)
+    by_cell: dict[tuple, list[dict]] = {}
+    for row in rows:
+        by_cell.setdefault(explain_key(row)[:5], []).append(row)
+    followed = []
+    for cell, cell_rows in by_cell.items():
+        if cell not in current:
+            continue
+        bf16, ours = current[cell]
+        measured = (ours.get("date", ""), ours.get("commit", ""))
+        same = [r for r in cell_rows if (r.get("matrix_date", ""), r.get("matrix_commit", ""))
+                == measured]
+        latest = max(same or cell_rows, key=lambda r: r.get("date", ""))
+        if same:
+            followed.append(latest)
+            continue
+        shapes = (decode_shape(bf16)[0], decode_shape(bf16)[2], *decode_shape(ours))
+        held = tuple(int(latest[f]) for f in ("batch_size_bf16", "N_bf16", "batch_size",
+                                              "heads", "N", "table_width"))
+        if shapes != held or decode_backend(bf16) != latest["bf16_backend"]:
+            continue
+        # layer_*_us already hold the mode's choice of GPU and host time.
+        times = {"bf16": {"us": number(latest["layer_bf16_us"]),
+                          "metadata_us": number(latest["metadata_bf16_us"])},
+                 "ours": {"us": number(latest["layer_ours_us"])}}
+        again = explain(bf16, ours, times, int(latest["layers"]))
+        followed.append({**again, "date": latest.get("date", ""),
+                         "commit": latest.get("commit", "")})
+    return followed
+
+
 def _ms(value, digits=2) -> str:
     value = number(value)
     return "-" if value is None else f"{value:.{digits}f}"
@@ -213,6 +262,9 @@ def write_outputs(out: Path, info: dict | None, new_rows=()) -> list[dict]:
         runs.append(describe(info))
     stamp = {"date": info["date"], "commit": info["commit"]} if info else {}
     rows = merge_by_key(old, [{**r, **stamp} for r in new_rows], explain_key)
+    rows = follow_matrix(rows, read_csv(out / "matrix.csv")[1])
+    runs = [run for run in runs   # the runs whose rows are left
+            if any(run.startswith(f"{r.get('date')} | commit {r.get('commit')} |") for r in rows)]
     rows.sort(key=lambda r: number(r.get("vs_bf16")) or 0.0)
     write_csv(rows, out / "explain.csv", FIELDS, runs)
     (out / "explain.md").write_text(format_explain(rows, runs))

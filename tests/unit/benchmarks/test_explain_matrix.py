@@ -144,3 +144,37 @@ def test_without_matrix_or_cells_it_says_so_before_any_gpu_work(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "benchmarks.explain_matrix", "--out",
                            str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=_ROOT)
     assert proc.returncode == 0 and "nothing to explain" in proc.stdout
+
+
+def test_rows_follow_the_matrix_when_a_cell_is_measured_again(tmp_path):
+    pytest.importorskip("matplotlib")
+    first = _matrix(tmp_path, [_cell("auto", 20000.0), _cell("fp8_snapmla", 16000.0),
+                               _cell("auto", 20000.0, 2048), _cell("fp8_snapmla", 14000.0, 2048),
+                               _cell("auto", 20000.0, 8192), _cell("fp8_snapmla", 15000.0, 8192)])
+    times = {"bf16": {"us": 150.0, "metadata_us": 8.0}, "ours": {"us": 100.0}}
+    pairs = ex.cells_to_explain(first, 1.0)
+    kernels = {**INFO, "commit": "k111111", "command": "python -m benchmarks.explain_matrix"}
+    ex.write_outputs(tmp_path, kernels, [ex.explain(b, o, times) for b, o in pairs])
+    # A later run measures 512 again (new TPOTs, same shapes) and 2048 with another batch;
+    # 8192 is untouched.
+    later = {**INFO, "date": "2026-12-06 10:00 UTC", "commit": "def5678"}
+    _matrix(tmp_path, [_cell("auto", 20000.0), _cell("fp8_snapmla", 19000.0),
+                       _cell("auto", 20000.0, 2048, batch_size=32),
+                       _cell("fp8_snapmla", 14000.0, 2048, batch_size=32)], later)
+    rows = {int(r["context"]): r for r in ex.write_outputs(tmp_path, None)}
+    assert sorted(rows) == [512, 8192]    # 2048's kernel times were for another batch
+    again = rows[512]
+    assert float(again["vs_bf16"]) == pytest.approx(0.95)
+    assert float(again["tpot_ours_ms"]) == pytest.approx(64000 / 19000.0)
+    assert float(again["attention_ours_ms"]) == pytest.approx(0.4)       # the held kernel time
+    assert float(again["rest_ours_ms"]) == pytest.approx(64000 / 19000.0 - 0.4)
+    assert (again["matrix_date"], again["matrix_commit"]) == (later["date"], "def5678")
+    assert again["commit"] == "k111111"                                  # when the kernels ran
+    assert rows[8192]["matrix_commit"] == "abc1234" and float(rows[8192]["vs_bf16"]) == 0.75
+    table = (tmp_path / "explain.md").read_text()
+    assert "| 0.95x |" in table and "| 0.70x |" not in table and "commit k111111" in table
+    # The cell gone from the matrix (no ratio any more): its explanation goes too.
+    _matrix(tmp_path, [_cell("auto", 20000.0, 8192),
+                       _cell("fp8_snapmla", 15000.0, 8192, status="failed")],
+            {**INFO, "date": "2026-12-07 10:00 UTC"})
+    assert [int(r["context"]) for r in ex.write_outputs(tmp_path, None)] == [512]
