@@ -54,6 +54,8 @@ OURS_KV = "fp8_snapmla"
 DECODE_BACKEND = {("auto", "FLASH_ATTN_MLA"): "fa3-mla-bf16", ("auto", "FLASHMLA"): "flashmla-bf16",
                   ("fp8", "FLASHMLA"): "flashmla-fp8", (OURS_KV, "SNAPMLA"): "snapmla"}
 REP_MS, WARMUP_MS = 100, 10
+# The backend a BF16 engine logged, from bench_decode's name for it.
+_VLLM_BACKEND = {name: backend for (kv, backend), name in DECODE_BACKEND.items() if kv == "auto"}
 
 FIELDS = ["heads", "max_model_len", "mode", "context", "batch", "batch_size_bf16",
           "batch_size", "vs_bf16", "N_bf16", "N", "table_width", "layers", "bf16_backend",
@@ -178,7 +180,7 @@ def follow_matrix(rows: list[dict], matrix: list[dict]) -> list[dict]:
         shapes = (decode_shape(bf16)[0], decode_shape(bf16)[2], *decode_shape(ours))
         held = tuple(int(latest[f]) for f in ("batch_size_bf16", "N_bf16", "batch_size",
                                               "heads", "N", "table_width"))
-        if shapes != held or decode_backend(bf16) != latest["bf16_backend"]:
+        if shapes != held or bf16.get("backend") != _VLLM_BACKEND.get(latest["bf16_backend"]):
             continue
         # layer_*_us already hold the mode's choice of GPU and host time.
         times = {"bf16": {"us": number(latest["layer_bf16_us"]),

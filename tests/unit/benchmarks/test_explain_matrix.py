@@ -173,8 +173,13 @@ def test_rows_follow_the_matrix_when_a_cell_is_measured_again(tmp_path):
     assert rows[8192]["matrix_commit"] == "abc1234" and float(rows[8192]["vs_bf16"]) == 0.75
     table = (tmp_path / "explain.md").read_text()
     assert "| 0.95x |" in table and "| 0.70x |" not in table and "commit k111111" in table
+    # BF16 measured again on a backend with no kernel benchmark: left out, no error.
+    _matrix(tmp_path, [_cell("auto", 20000.0, backend="TRITON_MLA"),
+                       _cell("fp8_snapmla", 19000.0)],
+            {**INFO, "date": "2026-12-06 11:00 UTC"})
+    assert [int(r["context"]) for r in ex.write_outputs(tmp_path, None)] == [8192]
     # The cell gone from the matrix (no ratio any more): its explanation goes too.
     _matrix(tmp_path, [_cell("auto", 20000.0, 8192),
                        _cell("fp8_snapmla", 15000.0, 8192, status="failed")],
             {**INFO, "date": "2026-12-07 10:00 UTC"})
-    assert [int(r["context"]) for r in ex.write_outputs(tmp_path, None)] == [512]
+    assert ex.write_outputs(tmp_path, None) == []
