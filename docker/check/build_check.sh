@@ -24,8 +24,11 @@ if ! docker info >/dev/null 2>&1; then
 fi
 docker info --format 'server {{.ServerVersion}}, storage {{.Driver}}'
 
-# ---- 2. The real base image, if the registry is reachable.
-if ! docker image inspect vllm/vllm-openai:v0.26.0 >/dev/null 2>&1; then
+# ---- 2. The real base image, if the registry is reachable (also where the tag holds a stand-in
+#         from an earlier run: a pull replaces it).
+standin_label() { docker image inspect -f '{{index .Config.Labels "org.vllm-snapmla.standin"}}' \
+    vllm/vllm-openai:v0.26.0 2>/dev/null; }
+if ! docker image inspect vllm/vllm-openai:v0.26.0 >/dev/null 2>&1 || [ "$(standin_label)" = true ]; then
     if timeout 60 docker pull vllm/vllm-openai:v0.26.0; then
         echo "using the REAL base image"
     else
@@ -46,7 +49,7 @@ if ! docker image inspect vllm/vllm-openai:v0.26.0 >/dev/null 2>&1; then
         fi
         mkdir -p "$T/standin/host-ca"
         cp "$REPO/docker/check/standin.Dockerfile" "$T/standin/Dockerfile"
-        cp /usr/local/share/ca-certificates/*.crt "$T/standin/host-ca/"
+        cp /usr/local/share/ca-certificates/*.crt "$T/standin/host-ca/" 2>/dev/null || true
         s=$(ts)
         docker build -t vllm/vllm-openai:v0.26.0 "$T/standin" 2>&1 | tee "$T/standin_build.log"
         echo "stand-in build: $(( $(ts) - s )) s"

@@ -1,4 +1,4 @@
-# STAND-IN for vllm/vllm-openai:v0.26.0 (Docker Hub is unreachable from this machine).
+# STAND-IN for vllm/vllm-openai:v0.26.0, for hosts that cannot reach Docker Hub.
 # Built FROM a debootstrapped Debian 12 (bookworm, minbase) rootfs imported as
 # snapmla-standin-rootfs:bookworm.  What it reproduces of the real image:
 #   - python3 is the system interpreter, with its dev headers (real: deadsnakes python3.12 +
@@ -17,6 +17,8 @@
 # FlashInfer JIT cache, DeepEP/gdrcopy/NCCL dev packages, cuBLAS/cuRAND dev headers, the NVIDIA
 # apt repository (unreachable here: the project's apt fallback branch cannot be exercised).
 FROM snapmla-standin-rootfs:bookworm
+# build_check.sh tries the real image again whenever the tag holds this stand-in.
+LABEL org.vllm-snapmla.standin="true"
 
 ENV DEBIAN_FRONTEND=noninteractive \
     NVARCH=x86_64 \
@@ -28,8 +30,8 @@ ENV DEBIAN_FRONTEND=noninteractive \
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
-# ENVIRONMENT ADAPTATION, not part of the real image: this machine reaches PyPI only through a
-# TLS-intercepting egress proxy, so its CA certificates are trusted system-wide (pip >= 24.2 uses
+# ENVIRONMENT ADAPTATION, not part of the real image: the host's extra CA certificates (a host
+# that reaches PyPI through a TLS-intercepting egress proxy needs them) are trusted system-wide (pip >= 24.2 uses
 # the system store through truststore).  Needed by every later pip download, including the
 # project Dockerfile's `pip install setuptools wheel ninja`.
 COPY host-ca/ /usr/local/share/ca-certificates/
