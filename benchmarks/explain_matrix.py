@@ -177,7 +177,8 @@ def follow_matrix(rows: list[dict], matrix: list[dict]) -> list[dict]:
         if same:
             followed.append(latest)
             continue
-        shapes = (decode_shape(bf16)[0], decode_shape(bf16)[2], *decode_shape(ours))
+        b_bf16, _, n_bf16, _ = decode_shape(bf16)
+        shapes = (b_bf16, n_bf16, *decode_shape(ours))
         held = tuple(int(latest[f]) for f in ("batch_size_bf16", "N_bf16", "batch_size",
                                               "heads", "N", "table_width"))
         if shapes != held or bf16.get("backend") != _VLLM_BACKEND.get(latest["bf16_backend"]):

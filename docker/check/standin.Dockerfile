@@ -31,8 +31,8 @@ ENV DEBIAN_FRONTEND=noninteractive \
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
 # ENVIRONMENT ADAPTATION, not part of the real image: the host's extra CA certificates (a host
-# that reaches PyPI through a TLS-intercepting egress proxy needs them) are trusted system-wide (pip >= 24.2 uses
-# the system store through truststore).  Needed by every later pip download, including the
+# that reaches PyPI through a TLS-intercepting egress proxy needs them) are trusted
+# system-wide (pip >= 24.2 uses the system store through truststore).  Needed by every later pip download, including the
 # project Dockerfile's `pip install setuptools wheel ninja`.
 COPY host-ca/ /usr/local/share/ca-certificates/
 
