@@ -675,19 +675,22 @@ def add_ratios(rows: list[dict]) -> list[dict]:
 def _ratios_per_run(row: dict, ref: dict) -> str:
     """With ``--repeats``: the decode tok/s ratio of each run of the plan to BF16's run of the
     same pass ("-" where either did not measure), space-separated; "" for one run."""
-    ours = str(row.get("repeat_tpot_ms") or "").split()
-    theirs = str(ref.get("repeat_tpot_ms") or "").split()
+    ours, theirs = _per_run(row, "repeat_tpot_ms"), _per_run(ref, "repeat_tpot_ms")
     batch, ref_batch = number(row.get("batch_size")), number(ref.get("batch_size"))
     if len(ours) < 2 or len(ours) != len(theirs) or not batch or not ref_batch:
         return ""
-    return " ".join(f"{batch * number(t) / (ref_batch * number(o)):.3f}"
-                    if number(o) and number(t) else "-" for o, t in zip(ours, theirs))
+    return " ".join(f"{batch * t / (ref_batch * o):.3f}" if o and t else "-"
+                    for o, t in zip(ours, theirs))
+
+
+def _per_run(row: dict, column: str) -> list[float | None]:
+    """A per-run column (space-separated, "-" for a run that did not measure) as numbers."""
+    return [None if v == "-" else number(v) for v in str(row.get(column) or "").split()]
 
 
 def ratio_range(row: dict) -> tuple[float, float] | None:
     """The lowest and highest per-run ratio of ``vs_bf16_runs``, or None."""
-    runs = [number(v) for v in str(row.get("vs_bf16_runs") or "").split()]
-    runs = [v for v in runs if v]
+    runs = [v for v in _per_run(row, "vs_bf16_runs") if v]
     return (min(runs), max(runs)) if len(runs) > 1 else None
 
 

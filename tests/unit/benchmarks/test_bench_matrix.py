@@ -458,6 +458,19 @@ def test_outputs_with_repeats_keep_every_run_and_put_medians_in_the_matrix(tmp_p
     assert next(r for r in matrix if r["kv"] == "auto")["tpot_ms"] == 9.0
 
 
+def test_a_pass_skipped_by_the_budget_leaves_a_gap_in_the_per_run_ratios(tmp_path):
+    # --budget-s skips the last format's second pass: its runs read "t -", and the ratios of
+    # the pass that measured are still given (a "-" there once made the merge raise).
+    for k, status in enumerate(("ok", "skipped"), 1):
+        rows = [_cell("auto", 64000 / (4.0 + k), repeat=k),
+                {**_cell("fp8_snapmla", 64000 / 3.0, repeat=k), "status": status}]
+        matrix, _ = bm.write_outputs(tmp_path, INFO, rows, repeats=2)
+    ours = next(r for r in matrix if r["kv"] == "fp8_snapmla")
+    assert ours["repeat_tpot_ms"] == "3.000 -" and ours["repeats"] == 1
+    assert ours["vs_bf16_runs"] == "1.667 -"
+    assert bm.ratio_range(ours) is None   # one measured pass is no range
+
+
 def test_heat_maps_have_a_panel_per_heads_table_and_mode(tmp_path):
     pytest.importorskip("matplotlib")
     rows = bm.add_ratios(_sweep() + [_cell("auto", 50.0, heads=128, mml="tight")])
