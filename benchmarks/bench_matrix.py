@@ -3,7 +3,8 @@
     python -m benchmarks.bench_matrix --out out/matrix [--dry-run] [--budget-s 480]
         [--kv auto fp8_snapmla fp8] [--heads 16 128] [--contexts 512 2048 8192 32768 131072]
         [--batches 1 8 64 fill] [--max-model-len wide tight] [--modes graph eager]
-        [--serve | --serve-only] [--concurrent-starts N] [--repeats N] [--switch-interval MS]
+        [--serve | --serve-only] [--concurrent-starts N | --interleave] [--repeats N]
+        [--switch-interval MS]
     python -m benchmarks.bench_matrix --out out/matrix --replot      # no GPU: redraw md/png
 
 The model is bench_e2e's: DeepSeek-V3.1's attention shapes with 4 dense layers and vLLM's dummy
@@ -44,6 +45,13 @@ engine core's timestamps, as in bench_e2e:
 capture (a minute or more each) overlap, and lets them measure one at a time, in plan order, once
 all N are up: while one measures, the others sit idle with their memory held, and nothing
 starts.  Each asks vLLM for 0.8/N of the GPU's memory to be free at its start.
+
+``--interleave`` starts the engines of one comparison (each --kv format of the same heads,
+table and mode) together and lets them measure in turns, a cell at a time: cell 1 on each
+format, then cell 2 on each, so that the formats of a cell are measured seconds apart.  The
+host's speed moves over minutes: on an H100 the step times of whole groups of engines, every
+format alike, were up to 62% longer for a minute or two (benchmarks/RESULTS.md), which a
+ratio of two engines measured minutes apart takes for a difference between the formats.
 
 ``--repeats N`` runs the whole plan N times over, each engine a fresh process (the plan in
 order, then again), for cells whose step time moves between engine runs more than between the
@@ -111,7 +119,8 @@ from benchmarks.vllm_engine import (
     concurrent_memory_problem, concurrent_start_spec, core_timestamp, engine_log_facts,
     estimated_kv_blocks, estimated_prefill_s, merge_by_key, mla_projection_weights, model_config,
     not_lock_step, number, random_prompts, read_csv, run_child, run_engines_together,
-    summarize_windows, timed_decode_windows, wait_for_go, warm_tokens, warm_up, write_csv)
+    summarize_windows, timed_decode_windows, wait_for_turn, end_turn, warm_tokens, warm_up,
+    write_csv)
 from vllm_snapmla.testing import write_tiny_deepseek_v3
 
 KV_NAMES = {"auto": "BF16", "fp8_snapmla": "fp8_snapmla", "fp8": "fp8"}
@@ -390,14 +399,35 @@ def dry_run_cells(engine: Engine, decisions: list[dict]) -> list[str]:
 
 # --- continuous batching (pure; unit-tested with a stand-in engine) ------------------------
 
-def estimate_total_s(engines: list[Engine], estimates: list[tuple], concurrent_starts: int
-                     ) -> float:
-    """The whole sweep's time: each engine's estimate, less the start-ups that overlap the
-    first of their group with ``--concurrent-starts`` (groups of consecutive engines)."""
-    total = sum(seconds for seconds, _ in estimates)
+def comparison_of(engine: Engine) -> tuple:
+    """What the engines of one comparison share (all but the KV format): ``--interleave``
+    starts them together and measures their cells in turns."""
+    return (engine.heads, engine.max_model_len, engine.max_model_len_tokens, engine.mode,
+            engine.repeat)
+
+
+def start_groups(engines: list[Engine], at_once: int, interleave: bool = False
+                 ) -> list[list[int]]:
+    """The indices of the engines that start together: runs of ``at_once`` consecutive
+    engines (``--concurrent-starts``); with ``interleave`` never across comparisons."""
+    groups: list[list[int]] = []
     for k, engine in enumerate(engines):
-        if k % concurrent_starts:
-            total -= ENGINE_START_S[engine.mode]
+        if (groups and len(groups[-1]) < at_once
+                and (not interleave or comparison_of(engines[groups[-1][0]])
+                     == comparison_of(engine))):
+            groups[-1].append(k)
+        else:
+            groups.append([k])
+    return groups
+
+
+def estimate_total_s(engines: list[Engine], estimates: list[tuple], at_once: int,
+                     interleave: bool = False) -> float:
+    """The whole sweep's time: each engine's estimate, less the start-ups that overlap the
+    first of their group (``start_groups``)."""
+    total = sum(seconds for seconds, _ in estimates)
+    for group in start_groups(engines, at_once, interleave):
+        total -= sum(ENGINE_START_S[engines[k].mode] for k in group[1:])
     return total
 
 
@@ -508,27 +538,25 @@ def run_engine(spec: dict):
     yield {"kind": "engine", "kv_cache_tokens": capacity, "block_size": cache.block_size,
            "max_num_batched_tokens": max_batched_tokens,
            "start_s": round(time.monotonic() - started, 1)}
-    wait_for_go(spec.get("go_file"))   # other engines of a --concurrent-starts group start up
-
     deadline = spec.get("deadline")   # time.time() after which no cell starts
     spent = estimated = 0.0           # of the finished cells, to rescale the estimates
-    for context, label in spec["cells"]:
+
+    def measure_cell(context: int, label: str) -> dict:
+        nonlocal spent, estimated
         decision = decide_cell(label, context, usable, cache.block_size,
                                spec["max_model_len_tokens"], max_batched_tokens, settings)
         result = {"kind": "cell", "context": context, "batch": label,
                   "batch_size": decision["batch_size"], "max_tokens": decision["max_tokens"],
                   "kv_cache_tokens": capacity}
         if decision["reason"]:
-            yield {**result, "status": "skipped", "reason": decision["reason"]}
-            continue
+            return {**result, "status": "skipped", "reason": decision["reason"]}
         estimate = estimate_cell_s(spec["heads"], spec["mode"], spec["kv"], context,
                                    decision["batch_size"], decision["max_tokens"])
         scale = min(4.0, max(0.25, spent / estimated)) if estimated else 1.0
         if deadline is not None and time.time() + scale * estimate > deadline:
-            yield {**result, "status": "skipped",
-                   "reason": f"--budget-s: needs ~{scale * estimate:.0f} s, "
-                             f"{max(0.0, deadline - time.time()):.0f} s left"}
-            continue
+            return {**result, "status": "skipped",
+                    "reason": f"--budget-s: needs ~{scale * estimate:.0f} s, "
+                              f"{max(0.0, deadline - time.time()):.0f} s left"}
         cell_start = time.monotonic()
         try:
             params = SamplingParams(temperature=0.0, max_tokens=decision["max_tokens"],
@@ -538,15 +566,22 @@ def run_engine(spec: dict):
                 params, settings.steps, settings.windows, id_prefix=f"cell-{context}-{label}")
             summary = summarize_windows(decision["batch_size"], seconds)
         except Exception as exc:  # noqa: BLE001  (record this cell; the next ones still try)
-            yield {**result, "status": "failed", "reason": f"{type(exc).__name__}: {exc}"[:300]}
-            continue
+            return {**result, "status": "failed", "reason": f"{type(exc).__name__}: {exc}"[:300]}
         cell_s = time.monotonic() - cell_start
         spent, estimated = spent + cell_s, estimated + estimate
-        yield {**result, **summary, "status": "ok", "lock_step": lock_step,
-               "prefill_steps": prefill_steps, "timer": timer, "cell_s": round(cell_s, 1),
-               "estimated_s": round(estimate, 1)}
+        return {**result, **summary, "status": "ok", "lock_step": lock_step,
+                "prefill_steps": prefill_steps, "timer": timer, "cell_s": round(cell_s, 1),
+                "estimated_s": round(estimate, 1)}
+
+    # Each cell, and the serve run after them, is a turn: it starts once the group's other
+    # engines are up (--concurrent-starts), or with --interleave once they have measured it.
+    for turn, (context, label) in enumerate(spec["cells"]):
+        wait_for_turn(spec, turn)
+        yield measure_cell(context, label)
+        end_turn(spec, turn)
 
     if spec.get("serve"):
+        wait_for_turn(spec, len(spec["cells"]))
         workload = [tuple(r) for r in spec["serve"]["workload"]]
         result = {"kind": "serve", "kv_cache_tokens": capacity}
         estimate = estimate_serve_s(workload, spec["mode"])
@@ -1005,8 +1040,9 @@ def engine_rows(engine: Engine, results: list[dict], failure: str | None, facts:
     return matrix, serve
 
 
-def _cell_line(row: dict, bf16: dict | None) -> str:
-    head = f"    ctx {row['context']:>6} x {row['batch']:>4}"
+def _cell_line(row: dict, bf16: dict | None, engine_no: int) -> str:
+    """A cell's progress line; it names the engine (engines of a group report interleaved)."""
+    head = f"    [{engine_no}] {row['kv']} ctx {row['context']:>6} x {row['batch']:>4}"
     if row.get("status") != "ok":
         return f"{head}: {row.get('status')}: {row.get('reason')}"
     ratio = ""
@@ -1066,6 +1102,12 @@ def main(argv=None) -> None:
                         help="start N engines at once (their compilation and CUDA-graph "
                              "capture overlap), then let them measure one at a time; 1: one "
                              "engine after the other")
+    parser.add_argument("--interleave", action="store_true",
+                        help="start the engines of each comparison (every --kv format of one "
+                             "heads, table and mode) together and let them measure cell by cell "
+                             "in turns, so that a cell's formats are measured within seconds of "
+                             "each other; starts as many engines at once as there are --kv "
+                             "formats (instead of --concurrent-starts)")
     parser.add_argument("--repeats", type=int, default=1, metavar="N",
                         help="run the whole plan N times over, a fresh engine each time; a "
                              "cell's TPOT is the median of its runs' (repeats.csv has each)")
@@ -1094,10 +1136,22 @@ def main(argv=None) -> None:
                      "engine's max_num_seqs) would not decode in one batch; raise --max-batch")
     if not 1 <= args.concurrent_starts <= 8:
         parser.error("--concurrent-starts must be 1 to 8")
+    args.kv = list(dict.fromkeys(args.kv))
+    if args.interleave and args.concurrent_starts not in (1, len(args.kv)):
+        parser.error(f"--interleave starts the {len(args.kv)} --kv formats of a comparison "
+                     f"together: leave out --concurrent-starts (or give {len(args.kv)})")
+    if args.interleave and len(args.kv) < 2:
+        parser.error("--interleave compares formats in turns: give at least two --kv formats")
+    at_once = len(args.kv) if args.interleave else args.concurrent_starts
     if not 1 <= args.repeats <= 10:
         parser.error("--repeats must be 1 to 10")
-    problem = concurrent_memory_problem(args.concurrent_starts, args.kv_cache_gib,
+    problem = concurrent_memory_problem(at_once, args.kv_cache_gib,
                                         ENGINE_OVERHEAD_GIB)
+    if problem and args.interleave:
+        # e.g. three formats on an 80 GB GPU: 3 x (4 + 20) GiB is just over 90% of it.
+        problem = (problem.replace(f"--concurrent-starts {at_once}", "--interleave")
+                   .replace("start fewer at once", "compare fewer --kv formats, or give each "
+                            "a smaller --kv-cache-gib"))
     if problem:
         parser.error(problem)
     if args.kv_cache_gib <= 0:
@@ -1141,7 +1195,7 @@ def main(argv=None) -> None:
           f"max_model_len), {len(skipped)} cell rows skipped now by --max-prefill-tokens"
           + (f", {sum(e.serve for e in engines)} serve runs of {len(workload)} requests"
              if serve else "")
-          + f"; estimated {estimate_total_s(engines, estimates, args.concurrent_starts) / 60:.1f}"
+          + f"; estimated {estimate_total_s(engines, estimates, at_once, args.interleave) / 60:.1f}"
             " min"
           + (f", budget {args.budget_s / 60:.1f} min" if deadline else ""), flush=True)
     for i, (engine, (seconds, decisions)) in enumerate(zip(engines, estimates), 1):
@@ -1178,7 +1232,7 @@ def main(argv=None) -> None:
                     # BF16 of this run only, as the CSV's ratios (the row as stamped there).
                     bf16 = baseline_of(rows)({**row, "date": info["date"],
                                               "commit": info["commit"]})
-                    print(_cell_line(row, bf16), flush=True)
+                    print(_cell_line(row, bf16, i), flush=True)
                 elif kind == "serve":
                     print(f"    serve: {result.get('status')} "
                           + (f"{result['output_tok_s']:,.0f} output tok/s, TTFT p50/p99 "
@@ -1196,12 +1250,14 @@ def main(argv=None) -> None:
                                           if args.switch_interval else None),
                     "serve": ({"workload": workload, "seed": args.serve_seed}
                               if engine.serve else None)}
-            spec.update(concurrent_start_spec(go_file, group_size))
-            # An engine waits for the ones before it in its group; past the budget each gets
-            # its grace after the one before it, time to record its cells as skipped.
-            timeout = args.timeout * (position + 1)
+            spec.update(concurrent_start_spec(go_file, group_size, in_turns=args.interleave))
+            # An engine waits for the ones before it in its group (with --interleave, for all of
+            # them); past the budget each gets its grace after the one before it, time to
+            # record its cells as skipped.
+            waits_for = group_size if args.interleave else position + 1
+            timeout = args.timeout * waits_for
             if deadline is not None:
-                timeout = min(timeout, deadline - time.time() + CHILD_GRACE_S * (position + 1))
+                timeout = min(timeout, deadline - time.time() + CHILD_GRACE_S * waits_for)
             return run_child(child_command(), spec, timeout, report,
                              startup_timeout=args.timeout)
         return run
@@ -1209,11 +1265,10 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-matrix-") as tmp:
         models = {h: str(write_tiny_deepseek_v3(Path(tmp) / f"deepseek-v31-attn-h{h}",
                                                 **model_config(h))) for h in args.heads}
-        pending = list(zip(range(1, len(engines) + 1), engines, estimates))
-        while pending:
+        for indices in start_groups(engines, at_once, args.interleave):
             group, queued = [], 0.0   # queued: the measuring time of the group so far
-            while pending and len(group) < args.concurrent_starts:
-                i, engine, (seconds, decisions) = pending.pop(0)
+            for k in indices:
+                i, engine, (seconds, decisions) = k + 1, engines[k], estimates[k]
                 first = next((d["estimated_s"] for d in decisions if not d["reason"]),
                              estimate_serve_s(workload, engine.mode) if engine.serve else 0.0)
                 need = ENGINE_START_S[engine.mode] + queued + first
@@ -1235,12 +1290,13 @@ def main(argv=None) -> None:
                       f"{' + serve' if engine.serve else ''}, ~{seconds:.0f} s "
                       f"({time.time() - started:.0f} s into the run)", flush=True)
                 group.append((i, engine))
-                queued += seconds - ENGINE_START_S[engine.mode]
+                # In turns an engine's first cell waits for the others' first cells only.
+                queued += first if args.interleave else seconds - ENGINE_START_S[engine.mode]
             if not group:
                 continue
             outcomes = run_engines_together(
                 [launch(i, engine, models, k, len(group)) for k, (i, engine) in enumerate(group)],
-                Path(tmp))
+                Path(tmp), in_turns=args.interleave)
             for (i, engine), (results, log, failure) in zip(group, outcomes):
                 matrix, serve_rows = engine_rows(engine, results, failure, engine_log_facts(log))
                 for row in serve_rows:

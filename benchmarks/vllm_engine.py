@@ -348,16 +348,22 @@ def child_main(run) -> None:
         print(RESULT_TAG + json.dumps(result), flush=True)
 
 
-def run_engines_together(launches: list, go_dir: Path) -> list:
+def run_engines_together(launches: list, go_dir: Path, in_turns: bool = False) -> list:
     """Run several engines with overlapping start-ups but one measurement at a time.
 
     ``launches[k](go_file, on_up)`` runs engine k to the end and returns its outcome; its child
     calls ``on_up()`` (through the parent's result handler) once the engine is up and warm, then
-    waits for ``go_file`` (``wait_for_go``) before it measures.  All engines start at once, so
-    their compilation and CUDA-graph capture overlap; once every one is up (or has ended), the
-    go files are created one at a time, in order, each after the previous engine has ended, so
-    no start-up and no other engine's work overlaps a measurement.  Returns the outcomes in
-    order; an exception in a launch is raised after all have ended."""
+    waits for its go (``wait_for_turn``) before it measures.  All engines start at once, so
+    their compilation and CUDA-graph capture overlap; once every one is up (or has ended):
+
+    - by default the go files are created one at a time, in order, each after the previous
+      engine has ended, so no start-up and no other engine's work overlaps a measurement;
+    - ``in_turns``: the engines measure in turns, one measurement (turn) each, in order, then
+      the next turn: engine k's turn t starts when engine k-1 has ended its turn t (or its
+      process), so that the same measurement on every engine lies within seconds, under the
+      same state of the host.
+
+    Returns the outcomes in order; an exception in a launch is raised after all have ended."""
     go_dir.mkdir(parents=True, exist_ok=True)
     group = tempfile.mkdtemp(prefix="go-", dir=go_dir)
     ups = [threading.Event() for _ in launches]
@@ -378,6 +384,8 @@ def run_engines_together(launches: list, go_dir: Path) -> list:
         thread.start()
     for up in ups:
         up.wait()
+    if in_turns:
+        _give_turns(group, threads)
     for k, thread in enumerate(threads):
         Path(group, str(k)).touch()
         thread.join()
@@ -385,6 +393,21 @@ def run_engines_together(launches: list, go_dir: Path) -> list:
         if exc is not None:
             raise exc
     return outcomes
+
+
+def _give_turns(folder: str, threads: list, poll_s: float = 0.005) -> None:
+    """``run_engines_together(in_turns=True)``: turn 0 to every engine still running, one after
+    the other, then turn 1, ..., until every engine has ended."""
+    turn = 0
+    while any(thread.is_alive() for thread in threads):
+        for k, thread in enumerate(threads):
+            if not thread.is_alive():
+                continue
+            Path(folder, f"{k}.{turn}").touch()
+            done = Path(folder, f"{k}.{turn}.done")
+            while thread.is_alive() and not done.exists():
+                time.sleep(poll_s)
+        turn += 1
 
 
 def visible_gpus() -> int | None:
@@ -428,12 +451,13 @@ CONCURRENT_MEMORY_FRACTION = 0.8
 ENGINE_OVERHEAD_GIB = 20.0
 
 
-def concurrent_start_spec(go_file: str, group_size: int) -> dict:
+def concurrent_start_spec(go_file: str, group_size: int, in_turns: bool = False) -> dict:
     """What an engine's spec adds when it starts together with ``group_size - 1`` others: the
-    go file to wait for once up, and its share of the free memory vLLM checks at start-up."""
+    go file to wait for once up (with ``in_turns``, for each measurement: ``wait_for_turn``),
+    and its share of the free memory vLLM checks at start-up."""
     if group_size <= 1:
         return {}
-    return {"go_file": go_file,
+    return {"go_file": go_file, "in_turns": in_turns,
             "gpu_memory_utilization": CONCURRENT_MEMORY_FRACTION / group_size}
 
 
@@ -471,6 +495,24 @@ def wait_for_go(go_file: str | None, poll_s: float = 0.05, max_wait_s: float = 8
             raise SystemExit(f"no go after {max_wait_s:.0f} s")
         time.sleep(poll_s)
     return time.monotonic() - start
+
+
+def wait_for_turn(spec: dict, turn: int, max_wait_s: float = 86400.0) -> None:
+    """In an engine child, before its measurement number ``turn`` (from 0): alone, at once; in a
+    group of ``run_engines_together``, once the group's go is given (turn 0); with ``in_turns``
+    in the spec, once this turn's go is."""
+    go_file = spec.get("go_file")
+    if go_file and spec.get("in_turns"):
+        wait_for_go(f"{go_file}.{turn}", max_wait_s=max_wait_s)
+    elif turn == 0:
+        wait_for_go(go_file, max_wait_s=max_wait_s)
+
+
+def end_turn(spec: dict, turn: int) -> None:
+    """In an engine child, after measurement ``turn``: with ``in_turns``, the next engine's go."""
+    go_file = spec.get("go_file")
+    if go_file and spec.get("in_turns"):
+        Path(f"{go_file}.{turn}.done").touch()
 
 
 def run_child(command: list[str], spec: dict, timeout: float, on_result=None,

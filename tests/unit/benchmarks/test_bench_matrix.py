@@ -591,6 +591,42 @@ def test_a_launch_that_raises_is_reraised_after_the_others_end(tmp_path):
     assert [e for e, k, _ in log if k == 1] == ["up", "measure", "done"]
 
 
+def _fake_turns_engine(k: int, turns: int, log: list, start_s: float = 0.01,
+                       die_at: int | None = None):
+    """A launch for run_engines_together(in_turns=True): measures ``turns`` times (20 ms each)
+    as the child does, each when its turn is given; with ``die_at`` it ends before that turn."""
+    import time
+
+    def run(go_file, on_up):
+        spec = vllm_engine.concurrent_start_spec(go_file, 2, in_turns=True)
+        time.sleep(start_s)
+        on_up()
+        for turn in range(turns):
+            if turn == die_at:
+                return ("died", k)
+            vllm_engine.wait_for_turn(spec, turn, max_wait_s=5)
+            log.append(("measure", k, turn, time.monotonic()))
+            time.sleep(0.02)
+            log.append(("done", k, turn, time.monotonic()))
+            vllm_engine.end_turn(spec, turn)
+        return ("ok", k)
+    return run
+
+
+def test_engines_in_turns_measure_each_cell_on_every_engine_before_the_next(tmp_path):
+    log: list = []
+    # Engine 1 comes up last; engine 2 has one cell fewer; engine 3 dies before its second.
+    launches = [_fake_turns_engine(0, 3, log), _fake_turns_engine(1, 3, log, start_s=0.2),
+                _fake_turns_engine(2, 2, log), _fake_turns_engine(3, 3, log, die_at=1)]
+    outcomes = vllm_engine.run_engines_together(launches, tmp_path, in_turns=True)
+    assert outcomes == [("ok", 0), ("ok", 1), ("ok", 2), ("died", 3)]
+    measures = [(k, turn) for e, k, turn, _ in log if e == "measure"]
+    assert measures == [(0, 0), (1, 0), (2, 0), (3, 0), (0, 1), (1, 1), (2, 1), (0, 2), (1, 2)]
+    events = sorted(log, key=lambda event: event[3])
+    # Never two at once: every measurement is followed by its own end.
+    assert [e for e, *_ in events] == ["measure", "done"] * len(measures)
+
+
 def test_wait_for_go_returns_at_once_without_a_file_and_waits_for_it_otherwise(tmp_path):
     import threading
 
@@ -672,6 +708,73 @@ def test_main_gives_grouped_engines_a_go_file_and_a_memory_share(tmp_path, monke
     # The progress line of the cell measured second names its ratio to this run's BF16 cell.
     cell_lines = [line for line in capsys.readouterr().out.splitlines() if "tok/s, TPOT" in line]
     assert len(cell_lines) == 2 and ", 1.50x BF16," in cell_lines[1], cell_lines
+    assert cell_lines[1].startswith("    [2] fp8_snapmla ctx    512 x    1 (B=1)"), cell_lines
+
+
+def test_start_groups_keep_comparisons_together_when_interleaved():
+    settings = bm.Settings()
+    engines, _ = bm.plan_matrix(["auto", "fp8_snapmla", "fp8"], [16], [512, 131072], ["1"],
+                                ["wide", "tight"], ["graph"], settings, False, False)
+    # One wide engine per format, then one tight engine per format and context.
+    assert [(e.max_model_len, e.kv) for e in engines][:4] == [
+        ("wide", "auto"), ("wide", "fp8_snapmla"), ("wide", "fp8"), ("tight", "auto")]
+    assert len(engines) == 9
+    assert bm.start_groups(engines, 2) == [[0, 1], [2, 3], [4, 5], [6, 7], [8]]
+    assert bm.start_groups(engines, 3, interleave=True) == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    # A comparison is never split across start groups nor joined to the next.
+    assert bm.start_groups(engines[1:], 3, interleave=True) == [[0, 1], [2, 3, 4], [5, 6, 7]]
+    estimates = [(100.0, []) for _ in engines]
+    start = bm.ENGINE_START_S["graph"]
+    assert bm.estimate_total_s(engines, estimates, 3, interleave=True) == 900 - 6 * start
+
+
+def test_main_interleave_measures_each_cell_on_every_format_in_turn(tmp_path, monkeypatch):
+    import threading
+
+    specs, order = [], []
+    lock = threading.Lock()
+
+    def fake_run_child(command, spec, timeout, on_result, startup_timeout=None):
+        with lock:
+            specs.append(spec)
+        on_result(ENGINE_UP)
+        results = []
+        for turn, (context, label) in enumerate(spec["cells"]):
+            vllm_engine.wait_for_turn(spec, turn, max_wait_s=10)
+            with lock:
+                order.append((context, spec["kv"]))
+            result = {**_cell_result(100.0 if spec["kv"] == "auto" else 150.0, 10.0),
+                      "context": context, "batch": label}
+            on_result(result)
+            results.append(result)
+            vllm_engine.end_turn(spec, turn)
+        return results, "", None
+
+    monkeypatch.setattr(bm, "run_child", fake_run_child)
+    bm.main(["--out", str(tmp_path), "--kv", "auto", "fp8_snapmla", "--heads", "16",
+             "--contexts", "512", "2048", "--batches", "1", "--max-model-len", "wide",
+             "--modes", "eager", "--interleave"])
+    assert order == [(512, "auto"), (512, "fp8_snapmla"), (2048, "auto"), (2048, "fp8_snapmla")]
+    assert all(s["in_turns"] and s["gpu_memory_utilization"] == pytest.approx(0.4)
+               for s in specs)
+    _, rows = vllm_engine.read_csv(tmp_path / "matrix.csv")
+    assert sorted(float(r["vs_bf16"]) for r in rows if r["kv"] == "fp8_snapmla") == [1.5, 1.5]
+    # It starts the formats of a comparison together: no other --concurrent-starts.
+    with pytest.raises(SystemExit):
+        bm.main(["--out", str(tmp_path), "--kv", "auto", "fp8_snapmla", "--interleave",
+                 "--concurrent-starts", "3"])
+    with pytest.raises(SystemExit):
+        bm.main(["--out", str(tmp_path), "--kv", "auto", "--interleave"])
+
+
+def test_interleave_names_its_own_way_out_of_the_memory_check(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(vllm_engine, "gpu_memory_gib", lambda: 79.6)   # an H100
+    with pytest.raises(SystemExit):
+        bm.main(["--out", str(tmp_path), "--interleave", "--dry-run"])   # three formats
+    error = capsys.readouterr().err
+    assert "--interleave: 3 engines x (4 GiB KV" in error and "smaller --kv-cache-gib" in error
+    bm.main(["--out", str(tmp_path), "--interleave", "--kv-cache-gib", "3.5", "--dry-run"])
+    bm.main(["--out", str(tmp_path), "--interleave", "--kv", "auto", "fp8_snapmla", "--dry-run"])
 
 
 def test_main_repeats_the_plan_with_fresh_engines(tmp_path, monkeypatch, capsys):
