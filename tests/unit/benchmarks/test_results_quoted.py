@@ -144,3 +144,11 @@ def test_matrix_ranges_are_the_recorded_ones(prefix, heads, mode, tables):
     fixed = _matrix_range(heads, mode, tables, False)
     fill = _matrix_range(heads, mode, tables, True)
     assert f"{fixed} / {fill}" in line.replace("**", ""), (fixed, fill, line)
+
+
+def test_continuous_batching_ratios_are_the_recorded_ones():
+    _, rows = read_csv(RESULTS / "matrix-h100" / "serve.csv")
+    ours = {r["mode"]: _ratio(r["tpot_p50_vs_bf16"]) for r in rows
+            if r["kv"] == "fp8_snapmla" and r["status"] == "ok" and r["heads"] == "16"}
+    line = _readme_line("| continuous batching on one H100")
+    assert f"{ours['graph']} / {ours['eager']}" in line, (ours, line)
