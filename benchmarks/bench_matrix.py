@@ -540,6 +540,9 @@ def run_engine(spec: dict):
            "start_s": round(time.monotonic() - started, 1)}
     deadline = spec.get("deadline")   # time.time() after which no cell starts
     spent = estimated = 0.0           # of the finished cells, to rescale the estimates
+    # With --interleave a cell is only worth starting if the engines after this one in the
+    # turn can measure it too: the budget check counts them (this one included).
+    turn_engines = spec.get("turn_engines", 1)
 
     def measure_cell(context: int, label: str) -> dict:
         nonlocal spent, estimated
@@ -553,9 +556,10 @@ def run_engine(spec: dict):
         estimate = estimate_cell_s(spec["heads"], spec["mode"], spec["kv"], context,
                                    decision["batch_size"], decision["max_tokens"])
         scale = min(4.0, max(0.25, spent / estimated)) if estimated else 1.0
-        if deadline is not None and time.time() + scale * estimate > deadline:
+        need = scale * estimate * turn_engines
+        if deadline is not None and time.time() + need > deadline:
             return {**result, "status": "skipped",
-                    "reason": f"--budget-s: needs ~{scale * estimate:.0f} s, "
+                    "reason": f"--budget-s: needs ~{need:.0f} s, "
                               f"{max(0.0, deadline - time.time()):.0f} s left"}
         cell_start = time.monotonic()
         try:
@@ -573,23 +577,14 @@ def run_engine(spec: dict):
                 "prefill_steps": prefill_steps, "timer": timer, "cell_s": round(cell_s, 1),
                 "estimated_s": round(estimate, 1)}
 
-    # Each cell, and the serve run after them, is a turn: it starts once the group's other
-    # engines are up (--concurrent-starts), or with --interleave once they have measured it.
-    for turn, (context, label) in enumerate(spec["cells"]):
-        wait_for_turn(spec, turn)
-        yield measure_cell(context, label)
-        end_turn(spec, turn)
-
-    if spec.get("serve"):
-        wait_for_turn(spec, len(spec["cells"]))
+    def measure_serve() -> dict:
         workload = [tuple(r) for r in spec["serve"]["workload"]]
         result = {"kind": "serve", "kv_cache_tokens": capacity}
-        estimate = estimate_serve_s(workload, spec["mode"])
+        estimate = estimate_serve_s(workload, spec["mode"]) * turn_engines
         if deadline is not None and time.time() + estimate > deadline:
-            yield {**result, "status": "skipped",
-                   "reason": f"--budget-s: needs ~{estimate:.0f} s, "
-                             f"{max(0.0, deadline - time.time()):.0f} s left"}
-            return
+            return {**result, "status": "skipped",
+                    "reason": f"--budget-s: needs ~{estimate:.0f} s, "
+                              f"{max(0.0, deadline - time.time()):.0f} s left"}
         serve_generator = torch.Generator().manual_seed(spec["serve"]["seed"])
         requests = [(arrival, random_prompts(serve_generator, 1, prompt_len)[0],
                      SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
@@ -602,10 +597,28 @@ def run_engine(spec: dict):
             start, records = run_serve(llm.llm_engine, requests, stop_at=stop_at)
             summary = serve_summary(start, records, [out for _, _, out in workload])
         except Exception as exc:  # noqa: BLE001  (report it like a cell)
-            yield {**result, "status": "failed", "reason": f"{type(exc).__name__}: {exc}"[:300]}
-            return
-        yield {**result, **summary, "status": "ok",
-               "prompt_tokens": sum(p for _, p, _ in workload)}
+            return {**result, "status": "failed", "reason": f"{type(exc).__name__}: {exc}"[:300]}
+        return {**result, **summary, "status": "ok",
+                "prompt_tokens": sum(p for _, p, _ in workload)}
+
+    yield from measure_in_turns(spec, measure_cell, measure_serve)
+
+
+def measure_in_turns(spec: dict, measure_cell, measure_serve=None):
+    """An engine child's measurements, each in its turn (``wait_for_turn``): every cell of
+    ``spec["cells"]`` (``measure_cell(context, label)``), then with ``spec["serve"]`` the serve
+    run (``measure_serve()``); yields each result.  Alone or in a --concurrent-starts group only
+    the first waits, for the group's go; with --interleave each waits for its turn and, once its
+    result is out, gives the next engine its turn (``end_turn``), except the last: that turn ends
+    with this engine's process, so that no engine measures during another one's shutdown."""
+    turns = [lambda c=c, b=b: measure_cell(c, b) for c, b in spec["cells"]]
+    if spec.get("serve"):
+        turns.append(measure_serve)
+    for turn, measure in enumerate(turns):
+        wait_for_turn(spec, turn)
+        yield measure()
+        if turn < len(turns) - 1:
+            end_turn(spec, turn)
 
 
 # --- results (pure; unit-tested on CPU) ----------------------------------------------------
@@ -1097,7 +1110,8 @@ def main(argv=None) -> None:
     parser.add_argument("--timeout", type=float, default=1800,
                         help="seconds for an engine to start, and for it to start and measure "
                              "(an engine of a --concurrent-starts group also gets the time of "
-                             "those measuring before it)")
+                             "those measuring before it, of an --interleave group that of all; "
+                             "with --interleave also the most one turn may take)")
     parser.add_argument("--concurrent-starts", type=int, default=1, metavar="N",
                         help="start N engines at once (their compilation and CUDA-graph "
                              "capture overlap), then let them measure one at a time; 1: one "
@@ -1251,6 +1265,8 @@ def main(argv=None) -> None:
                     "serve": ({"workload": workload, "seed": args.serve_seed}
                               if engine.serve else None)}
             spec.update(concurrent_start_spec(go_file, group_size, in_turns=args.interleave))
+            if args.interleave:
+                spec["turn_engines"] = group_size - position
             # An engine waits for the ones before it in its group (with --interleave, for all of
             # them); past the budget each gets its grace after the one before it, time to
             # record its cells as skipped.
@@ -1296,7 +1312,7 @@ def main(argv=None) -> None:
                 continue
             outcomes = run_engines_together(
                 [launch(i, engine, models, k, len(group)) for k, (i, engine) in enumerate(group)],
-                Path(tmp), in_turns=args.interleave)
+                Path(tmp), in_turns=args.interleave, turn_limit_s=args.timeout)
             for (i, engine), (results, log, failure) in zip(group, outcomes):
                 matrix, serve_rows = engine_rows(engine, results, failure, engine_log_facts(log))
                 for row in serve_rows:

@@ -348,7 +348,8 @@ def child_main(run) -> None:
         print(RESULT_TAG + json.dumps(result), flush=True)
 
 
-def run_engines_together(launches: list, go_dir: Path, in_turns: bool = False) -> list:
+def run_engines_together(launches: list, go_dir: Path, in_turns: bool = False,
+                         turn_limit_s: float | None = None) -> list:
     """Run several engines with overlapping start-ups but one measurement at a time.
 
     ``launches[k](go_file, on_up)`` runs engine k to the end and returns its outcome; its child
@@ -361,7 +362,8 @@ def run_engines_together(launches: list, go_dir: Path, in_turns: bool = False) -
     - ``in_turns``: the engines measure in turns, one measurement (turn) each, in order, then
       the next turn: engine k's turn t starts when engine k-1 has ended its turn t (or its
       process), so that the same measurement on every engine lies within seconds, under the
-      same state of the host.
+      same state of the host.  An engine whose turn takes more than ``turn_limit_s`` is left
+      out of the rounds (the others go on) and measures the rest of its turns after them.
 
     Returns the outcomes in order; an exception in a launch is raised after all have ended."""
     go_dir.mkdir(parents=True, exist_ok=True)
@@ -385,7 +387,7 @@ def run_engines_together(launches: list, go_dir: Path, in_turns: bool = False) -
     for up in ups:
         up.wait()
     if in_turns:
-        _give_turns(group, threads)
+        _give_turns(group, threads, turn_limit_s)
     for k, thread in enumerate(threads):
         Path(group, str(k)).touch()
         thread.join()
@@ -395,19 +397,33 @@ def run_engines_together(launches: list, go_dir: Path, in_turns: bool = False) -
     return outcomes
 
 
-def _give_turns(folder: str, threads: list, poll_s: float = 0.005) -> None:
+def _give_turns(folder: str, threads: list, turn_limit_s: float | None = None,
+                poll_s: float = 0.005) -> None:
     """``run_engines_together(in_turns=True)``: turn 0 to every engine still running, one after
-    the other, then turn 1, ..., until every engine has ended."""
-    turn = 0
-    while any(thread.is_alive() for thread in threads):
-        for k, thread in enumerate(threads):
-            if not thread.is_alive():
-                continue
-            Path(folder, f"{k}.{turn}").touch()
-            done = Path(folder, f"{k}.{turn}.done")
-            while thread.is_alive() and not done.exists():
-                time.sleep(poll_s)
-        turn += 1
+    the other, then turn 1, ..., until every engine has ended.  An engine whose turn overruns
+    ``turn_limit_s`` is left out of the rounds and gets its remaining turns after them."""
+    next_turn = [0] * len(threads)
+
+    def give_turn(k: int, limit: float | None) -> bool:
+        """Engine k's next turn, to its end (or its process's); False if it overran ``limit``."""
+        turn, next_turn[k] = next_turn[k], next_turn[k] + 1
+        Path(folder, f"{k}.{turn}").touch()
+        done, began = Path(folder, f"{k}.{turn}.done"), time.monotonic()
+        while threads[k].is_alive() and not done.exists():
+            if limit is not None and time.monotonic() - began > limit:
+                return False
+            time.sleep(poll_s)
+        return True
+
+    overran: set[int] = set()
+    while live := [k for k, thread in enumerate(threads)
+                   if thread.is_alive() and k not in overran]:
+        for k in live:
+            if not give_turn(k, turn_limit_s):
+                overran.add(k)
+    for k in sorted(overran):
+        while threads[k].is_alive():
+            give_turn(k, None)
 
 
 def visible_gpus() -> int | None:

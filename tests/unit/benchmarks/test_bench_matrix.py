@@ -591,40 +591,79 @@ def test_a_launch_that_raises_is_reraised_after_the_others_end(tmp_path):
     assert [e for e, k, _ in log if k == 1] == ["up", "measure", "done"]
 
 
-def _fake_turns_engine(k: int, turns: int, log: list, start_s: float = 0.01,
-                       die_at: int | None = None):
-    """A launch for run_engines_together(in_turns=True): measures ``turns`` times (20 ms each)
-    as the child does, each when its turn is given; with ``die_at`` it ends before that turn."""
+def _fake_turns_engine(k: int, cells: int, log: list, start_s: float = 0.01,
+                       die_at: int | None = None, serve: bool = False, hang_at: int | None = None,
+                       exit_s: float = 0.05):
+    """A launch for run_engines_together(in_turns=True) whose child runs bench_matrix's
+    measure_in_turns: each cell (and the serve run) 'measures' for 20 ms (``hang_at``: 0.6 s),
+    with ``die_at`` it ends before that cell; its exit (vLLM's shutdown) takes ``exit_s``."""
     import time
 
+    def measure(name):
+        log.append(("measure", k, name, time.monotonic()))
+        time.sleep(0.6 if name == hang_at else 0.02)
+        log.append(("done", k, name, time.monotonic()))
+        return {"kind": "cell", "k": k, "name": name}
+
     def run(go_file, on_up):
-        spec = vllm_engine.concurrent_start_spec(go_file, 2, in_turns=True)
+        spec = {**vllm_engine.concurrent_start_spec(go_file, 2, in_turns=True),
+                "cells": [(512, str(turn)) for turn in range(cells)],
+                "serve": {"workload": []} if serve else None}
         time.sleep(start_s)
         on_up()
-        for turn in range(turns):
-            if turn == die_at:
+        results = []
+        for result in bm.measure_in_turns(spec, lambda context, label: measure(int(label)),
+                                          lambda: measure("serve")):
+            results.append(result)
+            if len(results) == die_at:
                 return ("died", k)
-            vllm_engine.wait_for_turn(spec, turn, max_wait_s=5)
-            log.append(("measure", k, turn, time.monotonic()))
-            time.sleep(0.02)
-            log.append(("done", k, turn, time.monotonic()))
-            vllm_engine.end_turn(spec, turn)
+        log.append(("exit", k, None, time.monotonic()))
+        time.sleep(exit_s)
+        log.append(("exited", k, None, time.monotonic()))
         return ("ok", k)
     return run
 
 
 def test_engines_in_turns_measure_each_cell_on_every_engine_before_the_next(tmp_path):
     log: list = []
-    # Engine 1 comes up last; engine 2 has one cell fewer; engine 3 dies before its second.
-    launches = [_fake_turns_engine(0, 3, log), _fake_turns_engine(1, 3, log, start_s=0.2),
+    # Engine 1 comes up last and also runs the serve workload; engine 2 has one cell fewer;
+    # engine 3 dies after its first cell.
+    launches = [_fake_turns_engine(0, 3, log), _fake_turns_engine(1, 3, log, start_s=0.2,
+                                                                  serve=True),
                 _fake_turns_engine(2, 2, log), _fake_turns_engine(3, 3, log, die_at=1)]
     outcomes = vllm_engine.run_engines_together(launches, tmp_path, in_turns=True)
     assert outcomes == [("ok", 0), ("ok", 1), ("ok", 2), ("died", 3)]
-    measures = [(k, turn) for e, k, turn, _ in log if e == "measure"]
-    assert measures == [(0, 0), (1, 0), (2, 0), (3, 0), (0, 1), (1, 1), (2, 1), (0, 2), (1, 2)]
-    events = sorted(log, key=lambda event: event[3])
-    # Never two at once: every measurement is followed by its own end.
-    assert [e for e, *_ in events] == ["measure", "done"] * len(measures)
+    measures = [(k, name) for e, k, name, _ in log if e == "measure"]
+    assert measures == [(0, 0), (1, 0), (2, 0), (3, 0), (0, 1), (1, 1), (2, 1), (0, 2), (1, 2),
+                        (1, "serve")]
+    # Never two measurements at once, and none during another engine's exit (vLLM's shutdown):
+    # an engine's last turn ends with its process, not with its last result.
+    ends = {"measure": "done", "exit": "exited"}
+    spans = [(t, next(t2 for e2, k2, n2, t2 in log if (e2, k2, n2) == (ends[e], k, name)), k)
+             for e, k, name, t in log if e in ends]
+    assert len(spans) == 10 + 3
+    for start, end, k in spans:
+        for start2, end2, k2 in spans:
+            if (start, k) != (start2, k2):
+                assert end <= start2 or end2 <= start, (k, k2)
+
+
+def test_an_engine_that_overruns_its_turn_gets_no_more_turns(tmp_path):
+    import time
+
+    log: list = []
+    began = time.monotonic()
+    launches = [_fake_turns_engine(0, 3, log, hang_at=1), _fake_turns_engine(1, 3, log)]
+    outcomes = vllm_engine.run_engines_together(launches, tmp_path, in_turns=True,
+                                                turn_limit_s=0.2)
+    measures = [(k, name) for e, k, name, _ in log if e == "measure"]
+    # Engine 1 goes on once engine 0's second cell overran; engine 0 measures its last cell
+    # after engine 1 has ended.
+    assert measures == [(0, 0), (1, 0), (0, 1), (1, 1), (1, 2), (0, 2)]
+    t_hang = next(t for e, k, name, t in log if (e, k, name) == ("done", 0, 1))
+    t_next = next(t for e, k, name, t in log if (e, k, name) == ("measure", 1, 1))
+    assert t_next < t_hang and t_next - began < 0.6
+    assert outcomes == [("ok", 0), ("ok", 1)]
 
 
 def test_wait_for_go_returns_at_once_without_a_file_and_waits_for_it_otherwise(tmp_path):
@@ -757,6 +796,8 @@ def test_main_interleave_measures_each_cell_on_every_format_in_turn(tmp_path, mo
     assert order == [(512, "auto"), (512, "fp8_snapmla"), (2048, "auto"), (2048, "fp8_snapmla")]
     assert all(s["in_turns"] and s["gpu_memory_utilization"] == pytest.approx(0.4)
                for s in specs)
+    # The budget check of a cell counts the engines after this one in the turn.
+    assert {s["kv"]: s["turn_engines"] for s in specs} == {"auto": 2, "fp8_snapmla": 1}
     _, rows = vllm_engine.read_csv(tmp_path / "matrix.csv")
     assert sorted(float(r["vs_bf16"]) for r in rows if r["kv"] == "fp8_snapmla") == [1.5, 1.5]
     # It starts the formats of a comparison together: no other --concurrent-starts.
