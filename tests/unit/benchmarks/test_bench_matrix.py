@@ -696,7 +696,8 @@ ENGINE_UP = {"kind": "engine", "kv_cache_tokens": 6400, "block_size": 64,
 def _cell_result(tok_s: float, tpot_ms: float) -> dict:
     return {"kind": "cell", "context": 512, "batch": "1", "batch_size": 1, "max_tokens": 200,
             "kv_cache_tokens": 6400, "status": "ok", "decode_tok_s": tok_s, "tpot_ms": tpot_ms,
-            "spread_pct": 1.0, "timing_ok": True, "lock_step": True, "prefill_steps": 1,
+            "spread_pct": 1.0, "window_ms": f"{tpot_ms:.3f} {tpot_ms:.3f}", "timing_ok": True,
+            "lock_step": True, "prefill_steps": 1,
             "timer": "core", "cell_s": 1.0, "estimated_s": 1.0}
 
 
@@ -743,6 +744,7 @@ def test_main_gives_grouped_engines_a_go_file_and_a_memory_share(tmp_path, monke
         rows = [r for r in csv.DictReader(line for line in f if not line.startswith("#"))]
     ours = next(r for r in rows if r["kv"] == "fp8_snapmla")
     assert ours["status"] == "ok" and float(ours["vs_bf16"]) == pytest.approx(1.5)
+    assert ours["window_ms"] == "10.000 10.000"   # each window's step time is kept
     assert {r["switch_interval_ms"] for r in rows} == {"0.2" if concurrent == 2 else ""}
     # The progress line of the cell measured second names its ratio to this run's BF16 cell.
     cell_lines = [line for line in capsys.readouterr().out.splitlines() if "tok/s, TPOT" in line]
