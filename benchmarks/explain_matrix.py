@@ -204,7 +204,10 @@ def format_explain(rows: list[dict], runs: list[str]) -> str:
     lines += ["Per decode step, ms: time per output token through vLLM (bench_matrix), the "
               "attention kernels alone at the cell's shape (layers x one call + the per-step "
               "scheduling metadata), and the rest = TPOT - attention.  `gap` = ours - BF16 "
-              "(positive: ours slower); `mostly`: the part that makes most of a positive gap.",
+              "(positive: ours slower); `mostly`: the part that makes most of a positive gap.  "
+              "A cell measured again after its kernels were timed has the new TPOTs and the "
+              "kernel times it had (explain.csv: `date` and `commit` of the kernel times, "
+              "`matrix_date` and `matrix_commit` of the TPOTs).",
               "",
               "| H | max_model_len | mode | context | batch (B: BF16 / ours) | ours / BF16 | N "
               "| TPOT BF16 / ours | attention BF16 / ours | rest BF16 / ours "
