@@ -134,7 +134,7 @@ def _matrix_range(heads: int, mode: str, tables: str, fill: bool) -> str:
 
 @pytest.mark.parametrize("prefix, heads, mode, tables", [
     ("| workload matrix through vLLM on one H100, 16 heads", 16, "graph", "wide"),
-    ("| the same with `enforce_eager` (512-8k tokens: the median", 16, "eager", "wide"),
+    ("| the same with `enforce_eager` (1-64 requests of 512-8k tokens", 16, "eager", "wide"),
     ("| the same, default compilation, with tables as small", 16, "graph", "tight"),
     ("| that matrix at 128 heads", 128, "graph", "wide"),
     ("| the same with `enforce_eager` | **0.84", 128, "eager", "wide"),
