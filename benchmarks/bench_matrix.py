@@ -149,8 +149,8 @@ MATRIX_FIELDS = [
     "batch_size", "max_model_len_tokens", "block_size", "table_width", "max_tokens",
     "kv_cache_tokens",
     "backend", "prefill_steps", "lock_step", "timer", "spread_pct", "window_ms", "timing_ok",
-    "decode_tok_s", "tpot_ms", "vs_bf16", "tpot_vs_bf16", "repeats", "repeat_tpot_ms", "repeat_spread_pct",
-    "vs_bf16_runs",
+    "decode_tok_s", "tpot_ms", "vs_bf16", "tpot_vs_bf16", "repeats", "repeat_tpot_ms",
+    "repeat_spread_pct", "vs_bf16_runs",
     "cell_s", "estimated_s", "switch_interval_ms", "date", "commit"]
 REPEAT_FIELDS = MATRIX_FIELDS + ["repeat"]
 SERVE_FIELDS = [

@@ -94,7 +94,8 @@ def append_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
             and not _checks.data_checks_on(validate, kv_cache)):
         # vLLM's path, once per layer and step: one op call, whose C++ layer checks the same
         # contract (with the Python checks too, vLLM's cache-update op took 52 µs of host time
-        # a layer on its own, against 28 for the BF16 cache).  On an error, the Python contract names the argument.
+        # a layer on its own, against 28 for the BF16 cache).  On an error, the Python contract
+        # names the argument.
         append = _require_native("append_kv").append_kv
         try:
             append(kv_c, k_pe, kv_cache, slot_mapping.reshape(-1))
