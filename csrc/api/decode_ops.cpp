@@ -174,8 +174,10 @@ class Scratch {
   void allocate(const at::TensorOptions& opts) {
     if (size_ > 0) buffer_ = at::empty({size_}, opts.dtype(at::kByte));
   }
+  // The buffer reserved at `offset`; null for one not reserved (offset -1).
   template <class T>
   T* at(int64_t offset) const {
+    if (offset < 0) return nullptr;
     return reinterpret_cast<T*>(static_cast<uint8_t*>(buffer_.data_ptr()) + offset);
   }
 
@@ -226,8 +228,8 @@ QueryRows contiguous_rows(const uint8_t* q8, const float* q_scale, const uint8_t
 
 // The decode and, where some request may take several runs, the combine, for `batch` requests of
 // `s_q` x `heads` query rows.  `plan` is the planner's output (null: equal cut); `part_out` and
-// `part_lse` are needed when shape.max_splits > 1; `after_own_launch`: the last kernel in the
-// stream is our quantization or planner.
+// `part_lse` are set exactly when shape.max_splits > 1 (reserve_splits); `after_own_launch`: the
+// last kernel in the stream is our quantization or planner.
 std::tuple<at::Tensor, at::Tensor> run_decode(const char* op, const QueryRows& query,
                                               int64_t batch, int64_t s_q, int64_t heads,
                                               const at::TensorOptions& opts,
@@ -256,8 +258,8 @@ std::tuple<at::Tensor, at::Tensor> run_decode(const char* op, const QueryRows& q
   p.table_pages = static_cast<int>(table.size(1));
   p.out = out.data_ptr();
   p.lse = lse.data_ptr<float>();
-  p.part_out = shape.max_splits > 1 ? part_out : nullptr;
-  p.part_lse = shape.max_splits > 1 ? part_lse : nullptr;
+  p.part_out = part_out;
+  p.part_lse = part_lse;
   p.pages_per_split = plan;
   p.num_heads = static_cast<int>(heads);
   p.s_q = static_cast<int>(s_q);
@@ -364,7 +366,7 @@ std::tuple<at::Tensor, at::Tensor> decode_sm90(const at::Tensor& q_nope, const a
   uint8_t* q8 = scratch.at<uint8_t>(q8_at);
   float* q_scale = scratch.at<float>(q_scale_at);
   uint8_t* q_pe_scaled = scratch.at<uint8_t>(q_pe_at);
-  int32_t* plan = planned ? scratch.at<int32_t>(space.plan) : nullptr;
+  int32_t* plan = scratch.at<int32_t>(space.plan);
   SplitPlanParams plan_of_batch{};
   if (planned) plan_of_batch = plan_params(d.lens, d.table.size(1), batch, plan, d.shape);
   // Rows are (b * s_q + i, head): vLLM's [T, H, 512] bmm output viewed as [B, s_q, H, 512]
@@ -380,8 +382,7 @@ std::tuple<at::Tensor, at::Tensor> decode_sm90(const at::Tensor& q_nope, const a
   return run_decode(op, contiguous_rows(q8, q_scale, q_pe_scaled, s_q, heads), batch, s_q, heads,
                     q_nope.options(), kv_cache, d.table, d.lens, softmax_scale, causal, d.shape,
                     d.schedule, plan,
-                    space.part_out >= 0 ? scratch.at<float>(space.part_out) : nullptr,
-                    space.part_lse >= 0 ? scratch.at<float>(space.part_lse) : nullptr,
+                    scratch.at<float>(space.part_out), scratch.at<float>(space.part_lse),
                     /*after_own_launch=*/true);
 }
 
@@ -409,7 +410,7 @@ std::tuple<at::Tensor, at::Tensor> decode_sm90_quantized(
   Scratch scratch;
   const SplitSpace space = reserve_splits(scratch, batch, rows, d.shape, planned);
   scratch.allocate(q8.options());
-  int32_t* plan = planned ? scratch.at<int32_t>(space.plan) : nullptr;
+  int32_t* plan = scratch.at<int32_t>(space.plan);
   if (planned) {
     check_launch(op, launch_split_plan(plan_params(d.lens, d.table.size(1), batch, plan, d.shape),
                                        c10::cuda::getCurrentCUDAStream()));
@@ -423,8 +424,7 @@ std::tuple<at::Tensor, at::Tensor> decode_sm90_quantized(
   }
   return run_decode(op, query, batch, s_q, heads, q8.options(), kv_cache, d.table, d.lens,
                     softmax_scale, causal, d.shape, d.schedule, plan,
-                    space.part_out >= 0 ? scratch.at<float>(space.part_out) : nullptr,
-                    space.part_lse >= 0 ? scratch.at<float>(space.part_lse) : nullptr,
+                    scratch.at<float>(space.part_out), scratch.at<float>(space.part_lse),
                     /*after_own_launch=*/planned);
 }
 
