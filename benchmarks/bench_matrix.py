@@ -3,7 +3,8 @@
     python -m benchmarks.bench_matrix --out out/matrix [--dry-run] [--budget-s 480]
         [--kv auto fp8_snapmla fp8] [--heads 16 128] [--contexts 512 2048 8192 32768 131072]
         [--batches 1 8 64 fill] [--max-model-len wide tight] [--modes graph eager]
-        [--serve | --serve-only] [--concurrent-starts N | --interleave] [--repeats N]
+        [--serve | --serve-only] [--concurrent-starts N | --interleave [--rounds N]]
+        [--repeats N]
         [--switch-interval MS]
     python -m benchmarks.bench_matrix --out out/matrix --replot      # no GPU: redraw md/png
 
@@ -52,6 +53,11 @@ format, then cell 2 on each, so that the formats of a cell are measured seconds 
 host's speed moves over minutes: on an H100 the step times of whole groups of engines, every
 format alike, were up to 62% longer for a minute or two (benchmarks/RESULTS.md), which a
 ratio of two engines measured minutes apart takes for a difference between the formats.
+``--rounds N`` (with ``--interleave``) measures each cell N times on the same engines, the
+formats in turn each round (cell 1 on each format, again N times, then cell 2), each round with
+fresh requests: step times also move within seconds, by more than the formats differ in the short
+cells, and the median of N rounds with its range tells a difference from a spell.  Rows combine
+as with ``--repeats`` (a round is a run there).
 
 ``--repeats N`` runs the whole plan N times over, each engine a fresh process (the plan in
 order, then again), for cells whose step time moves between engine runs more than between the
@@ -187,15 +193,23 @@ class Engine:
     cells: list = field(default_factory=list)   # [(context, batch label)]
     serve: bool = False
     repeat: int = 1               # which run of the plan (--repeats)
+    rounds: int = 1               # measurements of each cell in this engine (--rounds)
 
     @property
     def table_width(self) -> int:
         return math.ceil(self.max_model_len_tokens / BLOCK_SIZE)
 
+    @property
+    def turns(self) -> list:
+        """The cells in the order this engine measures them: each ``rounds`` times in a row (with
+        --interleave the other formats measure the same cell between two of its rounds)."""
+        return [cell for cell in self.cells for _ in range(self.rounds)]
+
     def describe(self, repeats: int = 1) -> str:
         return (f"{self.kv} H={self.heads} {self.max_model_len} "
                 f"({self.max_model_len_tokens} tokens, {self.table_width} pages) {self.mode}"
-                + (f", run {self.repeat} of {repeats}" if repeats > 1 else ""))
+                + (f", run {self.repeat} of {repeats}" if repeats > 1 else "")
+                + (f", {self.rounds} rounds a cell" if self.rounds > 1 else ""))
 
 
 def parse_batch(label: str) -> str:
@@ -375,7 +389,7 @@ def estimate_engine_s(engine: Engine, settings: Settings, workload=None) -> tupl
             decision["estimated_s"] = estimate_cell_s(
                 engine.heads, engine.mode, engine.kv, context, decision["batch_size"],
                 decision["max_tokens"])
-            total += decision["estimated_s"]
+            total += decision["estimated_s"] * engine.rounds
         decisions.append(decision)
     if engine.serve and workload:
         total += estimate_serve_s(workload, engine.mode)
@@ -540,12 +554,13 @@ def run_engine(spec: dict):
            "start_s": round(time.monotonic() - started, 1)}
     deadline = spec.get("deadline")   # time.time() after which no cell starts
     spent = estimated = 0.0           # of the finished cells, to rescale the estimates
+    measured = 0                      # cells measured so far: each gets its own request ids
     # With --interleave a cell is only worth starting if the engines after this one in the
     # turn can measure it too: the budget check counts them (this one included).
     turn_engines = spec.get("turn_engines", 1)
 
     def measure_cell(context: int, label: str) -> dict:
-        nonlocal spent, estimated
+        nonlocal spent, estimated, measured
         decision = decide_cell(label, context, usable, cache.block_size,
                                spec["max_model_len_tokens"], max_batched_tokens, settings)
         result = {"kind": "cell", "context": context, "batch": label,
@@ -562,12 +577,14 @@ def run_engine(spec: dict):
                     "reason": f"--budget-s: needs ~{need:.0f} s, "
                               f"{max(0.0, deadline - time.time()):.0f} s left"}
         cell_start = time.monotonic()
+        measured += 1
         try:
             params = SamplingParams(temperature=0.0, max_tokens=decision["max_tokens"],
                                     ignore_eos=True, output_kind=RequestOutputKind.DELTA)
             seconds, lock_step, prefill_steps, timer = timed_decode_windows(
                 llm.llm_engine, random_prompts(generator, decision["batch_size"], context),
-                params, settings.steps, settings.windows, id_prefix=f"cell-{context}-{label}")
+                params, settings.steps, settings.windows,
+                id_prefix=f"cell{measured}-{context}-{label}")
             summary = summarize_windows(decision["batch_size"], seconds)
         except Exception as exc:  # noqa: BLE001  (record this cell; the next ones still try)
             return {**result, "status": "failed", "reason": f"{type(exc).__name__}: {exc}"[:300]}
@@ -610,8 +627,14 @@ def measure_in_turns(spec: dict, measure_cell, measure_serve=None):
     run (``measure_serve()``); yields each result.  Alone or in a --concurrent-starts group only
     the first waits, for the group's go; with --interleave each waits for its turn and, once its
     result is out, gives the next engine its turn (``end_turn``), except the last: that turn ends
-    with this engine's process, so that no engine measures during another one's shutdown."""
-    turns = [lambda c=c, b=b: measure_cell(c, b) for c, b in spec["cells"]]
+    with this engine's process, so that no engine measures during another one's shutdown.  A
+    cell listed more than once (--rounds) is measured each time; its results carry ``round``
+    (1, 2, ...)."""
+    rounds: dict = {}
+    turns = []
+    for c, b in spec["cells"]:
+        rounds[c, b] = rounds.get((c, b), 0) + 1
+        turns.append(lambda c=c, b=b, r=rounds[c, b]: {**measure_cell(c, b), "round": r})
     if spec.get("serve"):
         turns.append(measure_serve)
     for turn, measure in enumerate(turns):
@@ -721,8 +744,9 @@ def add_ratios(rows: list[dict]) -> list[dict]:
 
 
 def _ratios_per_run(row: dict, ref: dict) -> str:
-    """With ``--repeats``: the decode tok/s ratio of each run of the plan to BF16's run of the
-    same pass ("-" where either did not measure), space-separated; "" for one run."""
+    """With ``--repeats`` or ``--rounds``: the decode tok/s ratio of each run of the cell to
+    BF16's of the same run ("-" where either did not measure), space-separated; "" for one
+    run."""
     ours, theirs = _per_run(row, "repeat_tpot_ms"), _per_run(ref, "repeat_tpot_ms")
     batch, ref_batch = number(row.get("batch_size")), number(ref.get("batch_size"))
     if len(ours) < 2 or len(ours) != len(theirs) or not batch or not ref_batch:
@@ -799,9 +823,10 @@ def format_matrix(rows: list[dict], runs: list[str]) -> str:
               "core's step time.  Ratios: decode tok/s of the format over BF16's (`auto`) in the "
               "same cell (with `fill` the batches differ: the capacity gain is in the ratio); "
               "**bold ▼** marks those below 1.0x.  B: batch per format (BF16 / fp8_snapmla / "
-              "fp8).  Where a note lists the runs' TPOTs (`--repeats`), each format's engine "
-              "ran that many times and TPOT is their median; `(runs a-b)` after a ratio: the "
-              "lowest and highest ratio of one pass of the plan to BF16's of the same pass.", ""]
+              "fp8).  Where a note lists the runs' TPOTs, the cell ran that many times on each "
+              "format (`--repeats`: a fresh engine each time; `--rounds`: the same engines, the "
+              "formats in turn each round) and TPOT is their median; `(runs a-b)` after a "
+              "ratio: the lowest and highest ratio of one run to BF16's of the same run.", ""]
     by_key = {matrix_key(r): r for r in rows}
     for heads, mml, mode in matrix_panels(rows):
         cells = sorted({matrix_key(r)[3:5] for r in rows
@@ -1030,7 +1055,8 @@ def child_command() -> list[str]:
 def engine_rows(engine: Engine, results: list[dict], failure: str | None, facts: dict
                 ) -> tuple[list[dict], list[dict]]:
     """The matrix and serve rows of an engine from its child's results; cells without a result
-    get ``failure`` (or "no result")."""
+    get ``failure`` (or "no result").  With --rounds a row per cell and round, the round as its
+    ``repeat``."""
     base = {"heads": engine.heads, "kv": engine.kv, "mode": engine.mode}
     started = next((r for r in results if r.get("kind") == "engine"), {})
     # The backend's block size (vLLM's BF16 default on Hopper, FlashAttention MLA, uses 16).
@@ -1039,13 +1065,16 @@ def engine_rows(engine: Engine, results: list[dict], failure: str | None, facts:
                  "max_model_len_tokens": engine.max_model_len_tokens, "block_size": block_size,
                  "table_width": math.ceil(engine.max_model_len_tokens / block_size)}
     capacity = started.get("kv_cache_tokens", "")
-    by_cell = {(r["context"], r["batch"]): r for r in results if r.get("kind") == "cell"}
+    by_cell = {(r["context"], r["batch"], r.get("round", 1)): r for r in results
+               if r.get("kind") == "cell"}
     missing = {"status": "failed", "reason": failure or "no result", "kv_cache_tokens": capacity}
     matrix = []
     for context, label in engine.cells:
-        result = {k: v for k, v in (by_cell.get((context, label)) or missing).items()
-                  if k != "kind"}
-        matrix.append({**cell_base, **facts, "context": context, "batch": label, **result})
+        for round_ in range(1, engine.rounds + 1):
+            result = {k: v for k, v in (by_cell.get((context, label, round_)) or missing).items()
+                      if k not in ("kind", "round")}
+            matrix.append({**cell_base, **facts, "context": context, "batch": label, **result,
+                           **({"repeat": round_} if engine.rounds > 1 else {})})
     serve = []
     if engine.serve:
         result = next((r for r in results if r.get("kind") == "serve"), missing)
@@ -1053,9 +1082,11 @@ def engine_rows(engine: Engine, results: list[dict], failure: str | None, facts:
     return matrix, serve
 
 
-def _cell_line(row: dict, bf16: dict | None, engine_no: int) -> str:
-    """A cell's progress line; it names the engine (engines of a group report interleaved)."""
-    head = f"    [{engine_no}] {row['kv']} ctx {row['context']:>6} x {row['batch']:>4}"
+def _cell_line(row: dict, bf16: dict | None, engine_no: int, round_: int | None = None) -> str:
+    """A cell's progress line; it names the engine (engines of a group report interleaved) and,
+    with --rounds, the round."""
+    head = (f"    [{engine_no}] {row['kv']} ctx {row['context']:>6} x {row['batch']:>4}"
+            + (f" round {round_}" if round_ else ""))
     if row.get("status") != "ok":
         return f"{head}: {row.get('status')}: {row.get('reason')}"
     ratio = ""
@@ -1122,6 +1153,10 @@ def main(argv=None) -> None:
                              "in turns, so that a cell's formats are measured within seconds of "
                              "each other; starts as many engines at once as there are --kv "
                              "formats (instead of --concurrent-starts)")
+    parser.add_argument("--rounds", type=int, default=1, metavar="N",
+                        help="with --interleave: measure each cell N times on the same engines, "
+                             "the formats in turn each round; a cell's TPOT is the median of its "
+                             "rounds' (repeats.csv has each)")
     parser.add_argument("--repeats", type=int, default=1, metavar="N",
                         help="run the whole plan N times over, a fresh engine each time; a "
                              "cell's TPOT is the median of its runs' (repeats.csv has each)")
@@ -1159,6 +1194,13 @@ def main(argv=None) -> None:
     at_once = len(args.kv) if args.interleave else args.concurrent_starts
     if not 1 <= args.repeats <= 10:
         parser.error("--repeats must be 1 to 10")
+    if not 1 <= args.rounds <= 10:
+        parser.error("--rounds must be 1 to 10")
+    if args.rounds > 1 and not args.interleave:
+        parser.error("--rounds alternates the formats of a cell: it needs --interleave")
+    if args.rounds > 1 and args.repeats > 1:
+        parser.error("--rounds and --repeats both number a cell's runs: give one of them")
+    runs_per_cell = max(args.repeats, args.rounds)
     problem = concurrent_memory_problem(at_once, args.kv_cache_gib,
                                         ENGINE_OVERHEAD_GIB)
     if problem and args.interleave:
@@ -1196,7 +1238,7 @@ def main(argv=None) -> None:
                                    args.max_model_lens, args.modes, settings, serve,
                                    args.serve_only)
     # The continuous-batching run (serve.csv keeps one row per format) runs once.
-    engines = [replace(e, repeat=r, serve=e.serve and r == 1)
+    engines = [replace(e, repeat=r, serve=e.serve and r == 1, rounds=args.rounds)
                for r in range(1, args.repeats + 1) for e in engines if e.cells or r == 1]
     info = run_info("benchmarks.bench_matrix", sys.argv[1:] if argv is None else argv)
     print(describe(info), flush=True)
@@ -1204,7 +1246,8 @@ def main(argv=None) -> None:
     cells = sum(len(e.cells) for e in engines)
     est_skips = sum(1 for _, decisions in estimates for d in decisions if d["reason"])
     print(f"{len(engines)} engines ({sum(e.mode == 'graph' for e in engines)} graph, "
-          f"{sum(e.mode == 'eager' for e in engines)} eager), {cells} cells "
+          f"{sum(e.mode == 'eager' for e in engines)} eager), {cells} cells"
+          + (f" x {args.rounds} rounds" if args.rounds > 1 else "") + " "
           f"(about {est_skips} of them will be skipped by the engine: KV capacity, prefill, "
           f"max_model_len), {len(skipped)} cell rows skipped now by --max-prefill-tokens"
           + (f", {sum(e.serve for e in engines)} serve runs of {len(workload)} requests"
@@ -1222,6 +1265,7 @@ def main(argv=None) -> None:
     write_outputs(out, info, skipped, switch_interval_ms=switch_ms)
 
     write_lock = threading.Lock()   # result handlers run on the children's reader threads
+    bf16_rounds: dict = {}          # --rounds: BF16's row of each cell and round, for progress
 
     def launch(i: int, engine: Engine, models: dict, position: int, group_size: int):
         """What ``run_engines_together`` calls for engine ``i``: its child, with progress lines
@@ -1237,16 +1281,25 @@ def main(argv=None) -> None:
                           f"KV cache {result['kv_cache_tokens']:,} tokens", flush=True)
                 elif kind == "cell":
                     matrix, _ = engine_rows(engine, [result], None, {})
-                    row = next(r for r in matrix if (r["context"], r["batch"])
-                               == (result["context"], result["batch"]))
+                    row = next(r for r in matrix
+                               if (r["context"], r["batch"], r["repeat"])
+                               == (result["context"], result["batch"],
+                                   result.get("round", engine.repeat)))
                     with write_lock:
                         rows, _ = write_outputs(out, info, [row], plot=False,
                                                 switch_interval_ms=switch_ms,
-                                                repeats=args.repeats)
-                    # BF16 of this run only, as the CSV's ratios (the row as stamped there).
-                    bf16 = baseline_of(rows)({**row, "date": info["date"],
-                                              "commit": info["commit"]})
-                    print(_cell_line(row, bf16, i), flush=True)
+                                                repeats=runs_per_cell)
+                    # BF16 of this run only, as the CSV's ratios (the row as stamped there); with
+                    # --rounds BF16's row of the same round.
+                    if engine.rounds > 1:
+                        if row["kv"] == BASELINE_KV and row.get("status") == "ok":
+                            bf16_rounds[(*matrix_key(row)[:5], row["repeat"])] = row
+                        bf16 = bf16_rounds.get((*matrix_key(row)[:5], row["repeat"]))
+                    else:
+                        bf16 = baseline_of(rows)({**row, "date": info["date"],
+                                                  "commit": info["commit"]})
+                    print(_cell_line(row, bf16, i,
+                                     row["repeat"] if engine.rounds > 1 else None), flush=True)
                 elif kind == "serve":
                     print(f"    serve: {result.get('status')} "
                           + (f"{result['output_tok_s']:,.0f} output tok/s, TTFT p50/p99 "
@@ -1259,7 +1312,7 @@ def main(argv=None) -> None:
 
             spec = {"model": models[engine.heads], "kv": engine.kv, "heads": engine.heads,
                     "mode": engine.mode, "max_model_len_tokens": engine.max_model_len_tokens,
-                    "cells": engine.cells, "settings": asdict(settings), "deadline": deadline,
+                    "cells": engine.turns, "settings": asdict(settings), "deadline": deadline,
                     "switch_interval_s": (args.switch_interval / 1000
                                           if args.switch_interval else None),
                     "serve": ({"workload": workload, "seed": args.serve_seed}
@@ -1295,11 +1348,12 @@ def main(argv=None) -> None:
                           f"{reason}", flush=True)
                     matrix, serve_rows = engine_rows(
                         engine, [{"kind": "cell", "context": c, "batch": b, "status": "skipped",
-                                  "reason": reason} for c, b in engine.cells]
+                                  "reason": reason, "round": r} for c, b in engine.cells
+                                 for r in range(1, engine.rounds + 1)]
                         + ([{"kind": "serve", "status": "skipped", "reason": reason}]
                            if engine.serve else []), None, {})
                     write_outputs(out, info, matrix, serve_rows, plot=False,
-                                  switch_interval_ms=switch_ms, repeats=args.repeats)
+                                  switch_interval_ms=switch_ms, repeats=runs_per_cell)
                     continue
                 print(f"[{i}/{len(engines)}] {engine.describe(args.repeats)}: "
                       f"{len(engine.cells)} cells"
@@ -1318,7 +1372,7 @@ def main(argv=None) -> None:
                 for row in serve_rows:
                     row.update(rate=args.serve_rate, seed=args.serve_seed)
                 write_outputs(out, info, matrix, serve_rows, switch_interval_ms=switch_ms,
-                              repeats=args.repeats)
+                              repeats=runs_per_cell)
                 if failure:
                     print(f"    [{i}] engine failed: {failure}", flush=True)
     matrix, serve_rows = write_outputs(out, None)

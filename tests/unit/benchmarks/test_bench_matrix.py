@@ -810,6 +810,83 @@ def test_main_interleave_measures_each_cell_on_every_format_in_turn(tmp_path, mo
         bm.main(["--out", str(tmp_path), "--kv", "auto", "--interleave"])
 
 
+def test_main_rounds_alternate_the_formats_of_a_cell_and_combine_like_repeats(tmp_path,
+                                                                             monkeypatch,
+                                                                             capsys):
+    import threading
+
+    order, specs = [], []
+    lock = threading.Lock()
+    # Step times by round: round 2 is a slow spell for both formats.
+    tpot_by_round = {"auto": [10.0, 20.0, 11.0], "fp8_snapmla": [9.0, 18.0, 12.0]}
+
+    def fake_run_child(command, spec, timeout, on_result, startup_timeout=None):
+        # The child's real turn loop; measure_cell stands in for the engine.
+        with lock:
+            specs.append(spec)
+        on_result(ENGINE_UP)
+        done = {}
+
+        def measure_cell(context, label):
+            done[context, label] = done.get((context, label), 0) + 1
+            tpot = tpot_by_round[spec["kv"]][done[context, label] - 1]
+            with lock:
+                order.append((spec["kv"], done[context, label]))
+            return {**_cell_result(1000 / tpot, tpot), "context": context, "batch": label}
+
+        results = []
+        for result in bm.measure_in_turns({**spec, "serve": None}, measure_cell):
+            on_result(result)
+            results.append(result)
+        return results, "", None
+
+    monkeypatch.setattr(bm, "run_child", fake_run_child)
+    bm.main(["--out", str(tmp_path), "--kv", "auto", "fp8_snapmla", "--heads", "16",
+             "--contexts", "512", "--batches", "1", "--max-model-len", "wide", "--modes",
+             "eager", "--interleave", "--rounds", "3"])
+    assert all(s["cells"] == [(512, "1")] * 3 for s in specs)
+    assert order == [("auto", 1), ("fp8_snapmla", 1), ("auto", 2), ("fp8_snapmla", 2),
+                     ("auto", 3), ("fp8_snapmla", 3)]
+    _, every = vllm_engine.read_csv(tmp_path / "repeats.csv")
+    assert sorted((r["kv"], r["repeat"], r["tpot_ms"]) for r in every) == [
+        ("auto", "1", "10.0"), ("auto", "2", "20.0"), ("auto", "3", "11.0"),
+        ("fp8_snapmla", "1", "9.0"), ("fp8_snapmla", "2", "18.0"), ("fp8_snapmla", "3", "12.0")]
+    _, rows = vllm_engine.read_csv(tmp_path / "matrix.csv")
+    ours = next(r for r in rows if r["kv"] == "fp8_snapmla")
+    # The median TPOTs (12 against 11 ms) make the ratio; each round's pair its range.
+    assert float(ours["tpot_ms"]) == 12.0
+    assert float(ours["vs_bf16"]) == pytest.approx(11 / 12, abs=1e-3)
+    assert ours["repeat_tpot_ms"] == "9.000 18.000 12.000"
+    assert ours["vs_bf16_runs"] == "1.111 1.111 0.917"
+    assert "(runs 0.92-1.11)" in (tmp_path / "matrix.md").read_text()
+    out = capsys.readouterr().out
+    assert "3 rounds a cell" in out
+    # A round's progress line compares it with BF16's of the same round.
+    assert "fp8_snapmla ctx    512 x    1 round 2 (B=1): 56 tok/s, TPOT 18.00 ms, 1.11x BF16" in out
+    for wrong in (["--rounds", "2"], ["--rounds", "2", "--interleave", "--repeats", "2"],
+                  ["--rounds", "11", "--interleave"]):
+        with pytest.raises(SystemExit):
+            bm.main(["--out", str(tmp_path), "--kv", "auto", "fp8_snapmla", *wrong])
+
+
+def test_rounds_multiply_the_estimate_and_each_round_gets_a_row():
+    settings = bm.Settings()
+    engines, _ = bm.plan_matrix(["auto"], [16], [512, 2048], ["1"], ["wide"], ["eager"],
+                                settings, False, False)
+    once = bm.estimate_engine_s(engines[0], settings)[0]
+    thrice = bm.replace(engines[0], rounds=3)
+    assert thrice.turns == [(512, "1")] * 3 + [(2048, "1")] * 3
+    start = bm.ENGINE_START_S["eager"]
+    assert bm.estimate_engine_s(thrice, settings)[0] - start == pytest.approx(3 * (once - start))
+    # A round without a result is a row of its own, marked failed.
+    results = [ENGINE_UP, {**_cell_result(100.0, 10.0), "round": 1},
+               {**_cell_result(100.0, 10.0), "round": 3}]
+    matrix, _ = bm.engine_rows(thrice, results, None, {})
+    got = [(r["context"], r["repeat"], r["status"]) for r in matrix]
+    assert got == [(512, 1, "ok"), (512, 2, "failed"), (512, 3, "ok"), (2048, 1, "failed"),
+                   (2048, 2, "failed"), (2048, 3, "failed")]
+
+
 def test_interleave_names_its_own_way_out_of_the_memory_check(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(vllm_engine, "gpu_memory_gib", lambda: 79.6)   # an H100
     with pytest.raises(SystemExit):
