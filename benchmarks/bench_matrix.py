@@ -847,7 +847,12 @@ def format_matrix(rows: list[dict], runs: list[str]) -> str:
                            if r.get("max_model_len_tokens")), "")
             width = " / ".join(str(r.get("table_width") or "-") for r in per_kv.values() if r)
             notes = []
+            bf16_run = run_of(per_kv[BASELINE_KV]) if per_kv[BASELINE_KV] else None
             for kv, r in per_kv.items():
+                if r and r.get("status") == "ok" and bf16_run and run_of(r) != bf16_run:
+                    # Ratios are only taken within a run: say why this one has none.
+                    notes.append(f"{KV_NAMES[kv]} from another run ({r.get('date')}, "
+                                 f"{r.get('commit')}): no ratio")
                 if r and r.get("status") != "ok":
                     notes.append(f"{KV_NAMES[kv]} {r.get('status')}: {r.get('reason')}")
                 elif r and str(r.get("lock_step")) == "False":

@@ -402,6 +402,12 @@ def test_ratios_only_within_one_run():
     assert rows[1]["vs_bf16"] == "" and rows[1]["tpot_vs_bf16"] == ""
     rows = bm.add_ratios([_cell("auto", 100.0, **run_b), _cell("fp8_snapmla", 300.0, **run_b)])
     assert rows[1]["vs_bf16"] == 3.0
+    # matrix.md says why the cell has no ratio.
+    rows = bm.add_ratios([_cell("auto", 100.0, **run_a), _cell("fp8_snapmla", 300.0, **run_b)])
+    line = next(ln for ln in bm.format_matrix(rows, []).splitlines() if ln.startswith("| 512 |"))
+    assert "fp8_snapmla from another run (2026-12-04 09:10 UTC, bbb): no ratio" in line
+    assert "from another run" not in bm.format_matrix(bm.add_ratios(
+        [_cell("auto", 100.0, **run_b), _cell("fp8_snapmla", 300.0, **run_b)]), [])
     serve = [{"heads": 16, "mode": "graph", "kv": kv, "status": "ok", "output_tok_s": tok_s,
               **run} for kv, tok_s, run in (("auto", 100.0, run_a), ("fp8_snapmla", 90.0, run_b))]
     assert bm.add_serve_ratios(serve)[1]["vs_bf16"] == ""
