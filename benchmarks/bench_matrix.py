@@ -49,15 +49,15 @@ starts.  Each asks vLLM for 0.8/N of the GPU's memory to be free at its start.
 
 ``--interleave`` starts the engines of one comparison (each --kv format of the same heads,
 table and mode) together and lets them measure in turns, a cell at a time: cell 1 on each
-format, then cell 2 on each, so that the formats of a cell are measured seconds apart.  The
-host's speed moves over minutes: on an H100 the step times of whole groups of engines, every
-format alike, were up to 62% longer for a minute or two (benchmarks/RESULTS.md), which a
-ratio of two engines measured minutes apart takes for a difference between the formats.
+format, then cell 2 on each, so that the formats of a cell are measured seconds apart.  Steps
+of 1-64 requests at short contexts are host-bound, and the host's speed moves: on an H100 the
+same format's step time in the same cell differed between engine processes by up to 82%, and
+the timed windows of one engine by up to 49% (benchmarks/RESULTS.md, "Workload matrix"), which a
+ratio of one measurement per format takes for a difference between the formats.
 ``--rounds N`` (with ``--interleave``) measures each cell N times on the same engines, the
 formats in turn each round (cell 1 on each format, again N times, then cell 2), each round with
-fresh requests: step times also move within seconds, by more than the formats differ in the short
-cells, and the median of N rounds with its range tells a difference from a spell.  Rows combine
-as with ``--repeats`` (a round is a run there).
+fresh requests, so that the median of N rounds and the range of the rounds' ratios tell a
+difference from a spell.  Rows combine as with ``--repeats`` (a round is a run there).
 
 ``--repeats N`` runs the whole plan N times over, each engine a fresh process (the plan in
 order, then again), for cells whose step time moves between engine runs more than between the
@@ -1146,8 +1146,9 @@ def main(argv=None) -> None:
     parser.add_argument("--timeout", type=float, default=1800,
                         help="seconds for an engine to start, and for it to start and measure "
                              "(an engine of a --concurrent-starts group also gets the time of "
-                             "those measuring before it, of an --interleave group that of all; "
-                             "with --interleave also the most one turn may take)")
+                             "those measuring before it, of an --interleave group that of all, "
+                             "with --rounds N N times that; with --interleave also the most one "
+                             "turn may take)")
     parser.add_argument("--concurrent-starts", type=int, default=1, metavar="N",
                         help="start N engines at once (their compilation and CUDA-graph "
                              "capture overlap), then let them measure one at a time; 1: one "
@@ -1289,7 +1290,7 @@ def main(argv=None) -> None:
                     row = next(r for r in matrix
                                if (r["context"], r["batch"], r["repeat"])
                                == (result["context"], result["batch"],
-                                   result.get("round", engine.repeat)))
+                                   result["round"] if engine.rounds > 1 else engine.repeat))
                     with write_lock:
                         rows, _ = write_outputs(out, info, [row], plot=False,
                                                 switch_interval_ms=switch_ms,
@@ -1329,7 +1330,7 @@ def main(argv=None) -> None:
             # them); past the budget each gets its grace after the one before it, time to
             # record its cells as skipped.
             waits_for = group_size if args.interleave else position + 1
-            timeout = args.timeout * waits_for
+            timeout = args.timeout * waits_for * args.rounds
             if deadline is not None:
                 timeout = min(timeout, deadline - time.time() + CHILD_GRACE_S * waits_for)
             return run_child(child_command(), spec, timeout, report,

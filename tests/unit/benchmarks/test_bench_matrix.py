@@ -869,10 +869,12 @@ def test_main_rounds_alternate_the_formats_of_a_cell_and_combine_like_repeats(tm
     assert "3 rounds a cell" in out
     # A round's progress line compares it with BF16's of the same round.
     assert "fp8_snapmla ctx    512 x    1 round 2 (B=1): 56 tok/s, TPOT 18.00 ms, 1.11x BF16" in out
-    for wrong in (["--rounds", "2"], ["--rounds", "2", "--interleave", "--repeats", "2"],
-                  ["--rounds", "11", "--interleave"]):
+    for wrong, error in ((["--rounds", "2"], "it needs --interleave"),
+                         (["--rounds", "2", "--interleave", "--repeats", "2"], "give one of them"),
+                         (["--rounds", "11", "--interleave"], "--rounds must be 1 to 10")):
         with pytest.raises(SystemExit):
             bm.main(["--out", str(tmp_path), "--kv", "auto", "fp8_snapmla", *wrong])
+        assert error in capsys.readouterr().err
 
 
 def test_rounds_multiply_the_estimate_and_each_round_gets_a_row():
@@ -907,12 +909,18 @@ def test_main_repeats_the_plan_with_fresh_engines(tmp_path, monkeypatch, capsys)
     specs, step_ms = [], {"auto": iter([10.0, 12.0, 11.0]), "fp8_snapmla": iter([9.0, 13.0, 10.0])}
 
     def fake_run_child(command, spec, timeout, on_result, startup_timeout=None):
+        # The child's real turn loop, as run_engine drives it; a handler that raises would
+        # come back as the engine's failure (run_child does that).
         specs.append(spec["kv"])
         on_result(ENGINE_UP)
         tpot = next(step_ms[spec["kv"]])
-        result = _cell_result(1000 / tpot, tpot)
-        on_result(result)
-        return [result], "", None
+        results = list(bm.measure_in_turns(
+            {**spec, "serve": None},
+            lambda context, label: {**_cell_result(1000 / tpot, tpot), "context": context,
+                                    "batch": label}))
+        for result in results:
+            on_result(result)
+        return results, "", None
 
     monkeypatch.setattr(bm, "run_child", fake_run_child)
     bm.main(["--out", str(tmp_path), "--kv", "auto", "fp8_snapmla", "--heads", "16",
@@ -923,7 +931,10 @@ def test_main_repeats_the_plan_with_fresh_engines(tmp_path, monkeypatch, capsys)
     ours = next(r for r in rows if r["kv"] == "fp8_snapmla")
     assert float(ours["tpot_ms"]) == 10.0 and float(ours["vs_bf16"]) == pytest.approx(1.1)
     assert ours["repeat_tpot_ms"] == "9.000 13.000 10.000"
-    assert "run 3 of 3" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "run 3 of 3" in out
+    # Every run's progress line came out (the third run's cells too).
+    assert out.count("fp8_snapmla ctx    512 x    1 (B=1)") == 3, out
     with pytest.raises(SystemExit):
         bm.main(["--out", str(tmp_path), "--repeats", "0"])
 
