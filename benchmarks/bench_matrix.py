@@ -5,13 +5,16 @@
         [--batches 1 8 64 fill] [--max-model-len wide tight] [--modes graph eager]
         [--serve | --serve-only] [--concurrent-starts N | --interleave [--rounds N]]
         [--repeats N]
-        [--switch-interval MS]
+        [--layers N] [--switch-interval MS]
     python -m benchmarks.bench_matrix --out out/matrix --replot      # no GPU: redraw md/png
 
 The model is bench_e2e's: DeepSeek-V3.1's attention shapes with 4 dense layers and vLLM's dummy
 weights (``benchmarks/vllm_engine.py``); 16 heads is one TP8 rank of DeepSeek-V3.1, 128 the whole
-model.  The published figures are the long-context, capacity-filling FULL-CUDA-graph steady state
-with a block table as wide as the context; this matrix measures what users meet as well:
+model.  ``--layers N`` gives it N dense layers: with CUDA graphs the engine's host work per step
+stays while the GPU work grows, as in the 61-layer model (the default KV cache grows with the
+layers, --kv-cache-gib).  The published figures are the long-context, capacity-filling
+FULL-CUDA-graph steady state with a block table as wide as the context; this matrix measures what
+users meet as well:
 
 - kv: ``auto`` (vLLM's BF16 default, FLASH_ATTN_MLA on this model), ``fp8_snapmla``, ``fp8``
   (vLLM's per-tensor FP8 FlashMLA);
@@ -70,12 +73,12 @@ runs' TPOTs and their spread; repeats.csv keeps every run's row.
 (``sys.setswitchinterval`` through ``LLM.collective_rpc``, checked by reading it back), for the
 question of the engine core's threads waiting for the GIL (benchmarks/RESULTS.md): with
 ``fp8_snapmla`` a 0.2 ms interval removed a wait that Python's default 5 ms leaves.  Rows carry
-the value, and a folder holds one value only.
+the value, and a folder holds one value only (and one ``--layers``).
 
-Every engine has the same KV-cache bytes (``--kv-cache-gib``, default 4 GiB: for 4 layers that is
-the token capacity DeepSeek-V3.1's 61 layers have in about 61 GiB, about 1.5x what a TP8 rank of
-an 8xH200 deployment has left, 40 GiB by ``bench_deployment --budget-only``; 2.6 GiB matches
-that), so fp8_snapmla holds 1.756x the BF16 tokens.  Only the ``fill`` cells depend on it.
+Every engine has the same KV-cache bytes (``--kv-cache-gib``, default 1 GiB a layer, 4 GiB for 4
+layers: the token capacity DeepSeek-V3.1's 61 layers have in about 61 GiB, about 1.5x what a
+TP8 rank of an 8xH200 deployment has left, 40 GiB by ``bench_deployment --budget-only``; 2.6 GiB
+matches that), so fp8_snapmla holds 1.756x the BF16 tokens.  Only the ``fill`` cells depend on it.
 ``--max-batched-tokens`` is passed to vLLM (default 16384, vLLM's default for ``LLM`` on an
 H200) so that the prefill's length is known when cells are planned.
 
@@ -157,14 +160,14 @@ MATRIX_FIELDS = [
     "backend", "prefill_steps", "lock_step", "timer", "spread_pct", "window_ms", "timing_ok",
     "decode_tok_s", "tpot_ms", "vs_bf16", "tpot_vs_bf16", "repeats", "repeat_tpot_ms",
     "repeat_spread_pct", "vs_bf16_runs",
-    "cell_s", "estimated_s", "switch_interval_ms", "date", "commit"]
+    "cell_s", "estimated_s", "switch_interval_ms", "layers", "date", "commit"]
 REPEAT_FIELDS = MATRIX_FIELDS + ["repeat"]
 SERVE_FIELDS = [
     "heads", "mode", "kv", "status", "reason", "requests", "completed", "rate", "seed",
     "prompt_tokens", "output_tokens", "duration_s", "output_tok_s", "vs_bf16",
     "tpot_p50_vs_bf16", "ttft_p50_ms",
     "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "kv_cache_tokens", "backend",
-    "switch_interval_ms", "date", "commit"]
+    "switch_interval_ms", "layers", "date", "commit"]
 
 
 # --- planning (pure; unit-tested on CPU) ---------------------------------------------------
@@ -177,6 +180,7 @@ class Settings:
     max_batched_tokens: int = 16384
     max_prefill_tokens: int = 2_000_000
     kv_cache_gib: float = 4.0
+    layers: int = NUM_LAYERS      # dense layers of the model (--layers)
 
     @property
     def timed_tokens(self) -> int:
@@ -287,23 +291,25 @@ def tight_groups(needs: dict[int, int], factor: int = TIGHT_WIDTH_FACTOR
     return groups
 
 
-def prefill_weights_per_token(heads: int) -> int:
+def prefill_weights_per_token(heads: int, layers: int = NUM_LAYERS) -> int:
     """Weights a prefill token multiplies through (2 FLOPs each) in the benchmark's model:
     per layer the dense MLP and MLA's projections (q_a, q_b, kv_a, kv_b, o), most of them
     growing with the heads; the LM head runs on one token per request."""
     c = DEEPSEEK_V31_ATTENTION
-    return NUM_LAYERS * (3 * c["hidden_size"] * c["intermediate_size"]
-                         + mla_projection_weights(heads))
+    return layers * (3 * c["hidden_size"] * c["intermediate_size"]
+                     + mla_projection_weights(heads))
 
 
 def estimate_cell_s(heads: int, mode: str, kv: str, context: int, batch: int,
-                    max_tokens: int) -> float:
+                    max_tokens: int, layers: int = NUM_LAYERS) -> float:
     """Pessimistic seconds for a cell: prefill (the projection and MLP GEMMs, and causal
-    attention FLOPs of 4 layers) and max_tokens steps that each read the batch's KV cache."""
-    prefill = estimated_prefill_s(batch, context, heads, NUM_LAYERS,
-                                  prefill_weights_per_token(heads))
-    kv_read = batch * context * KV_BYTES_PER_TOKEN[kv] * NUM_LAYERS / HBM_BYTES_PER_S
-    return CELL_OVERHEAD_S + prefill + max_tokens * (DECODE_STEP_S[mode] + kv_read)
+    attention FLOPs of the layers) and max_tokens steps that each read the batch's KV cache
+    (a step's fixed time grows with the layers beyond 4)."""
+    prefill = estimated_prefill_s(batch, context, heads, layers,
+                                  prefill_weights_per_token(heads, layers))
+    kv_read = batch * context * KV_BYTES_PER_TOKEN[kv] * layers / HBM_BYTES_PER_S
+    step_s = DECODE_STEP_S[mode] * max(1.0, layers / NUM_LAYERS)
+    return CELL_OVERHEAD_S + prefill + max_tokens * (step_s + kv_read)
 
 
 def serve_workload(requests: int, rate: float, prompt_range: tuple[int, int],
@@ -380,7 +386,7 @@ def plan_matrix(kvs, heads, contexts, batches, max_model_lens, modes, settings: 
 def estimate_engine_s(engine: Engine, settings: Settings, workload=None) -> tuple[float, list]:
     """Seconds for ``engine`` (start, cells, serve run) and per cell its estimated decision,
     with the KV capacity estimated from --kv-cache-gib."""
-    usable = estimated_kv_blocks(engine.kv, settings.kv_cache_gib, NUM_LAYERS) - 1
+    usable = estimated_kv_blocks(engine.kv, settings.kv_cache_gib, settings.layers) - 1
     total, decisions = ENGINE_START_S[engine.mode], []
     for context, label in engine.cells:
         decision = decide_cell(label, context, usable, BLOCK_SIZE, engine.max_model_len_tokens,
@@ -388,7 +394,7 @@ def estimate_engine_s(engine: Engine, settings: Settings, workload=None) -> tupl
         if not decision["reason"]:
             decision["estimated_s"] = estimate_cell_s(
                 engine.heads, engine.mode, engine.kv, context, decision["batch_size"],
-                decision["max_tokens"])
+                decision["max_tokens"], settings.layers)
             total += decision["estimated_s"] * engine.rounds
         decisions.append(decision)
     if engine.serve and workload:
@@ -569,7 +575,8 @@ def run_engine(spec: dict):
         if decision["reason"]:
             return {**result, "status": "skipped", "reason": decision["reason"]}
         estimate = estimate_cell_s(spec["heads"], spec["mode"], spec["kv"], context,
-                                   decision["batch_size"], decision["max_tokens"])
+                                   decision["batch_size"], decision["max_tokens"],
+                                   settings.layers)
         scale = min(4.0, max(0.25, spent / estimated)) if estimated else 1.0
         need = scale * estimate * turn_engines
         if deadline is not None and time.time() + need > deadline:
@@ -819,6 +826,9 @@ def format_matrix(rows: list[dict], runs: list[str]) -> str:
     """matrix.md: a table per (heads, max_model_len, mode), a line per (context, batch)."""
     lines = _runs_header("fp8_snapmla vs vLLM's BF16 (`auto`) and FP8 caches: workload matrix",
                          runs)
+    layers = sorted({int(r.get("layers") or NUM_LAYERS) for r in rows})
+    lines += [f"The model: DeepSeek-V3.1's attention in {'/'.join(map(str, layers))} dense "
+              "layers (`--layers`).", ""]
     lines += ["decode tok/s = B / TPOT; TPOT = median over the timed windows of the engine "
               "core's step time.  Ratios: decode tok/s of the format over BF16's (`auto`) in the "
               "same cell (with `fill` the batches differ: the capacity gain is in the ratio); "
@@ -975,17 +985,19 @@ def plot_matrix(rows: list[dict], path: Path, title: str) -> list[str]:
 
 
 def write_outputs(out: Path, info: dict | None, matrix_rows=(), serve_rows=(),
-                  plot: bool = True, switch_interval_ms: str = "", repeats: int = 1
+                  plot: bool = True, run_fields: dict | None = None, repeats: int = 1
                   ) -> tuple[list[dict], list[dict]]:
     """Merge the new rows into ``out``'s matrix.csv and serve.csv and rewrite them with their
     tables (and matrix.png with ``plot``).  ``info`` (this run's ``run_info``) is added to the
     runs in the headers; None (--replot) keeps them.  New rows are stamped with the run's date,
-    commit and ``--switch-interval`` ("" for Python's default).  With ``repeats`` > 1 the new
-    cell rows (one run of the plan each, their ``repeat``) go into repeats.csv, and matrix.csv
-    gets each cell's ``combine_repeats`` of this command's runs.  Returns all rows."""
+    commit and ``run_fields`` (``run_fields_of``: --switch-interval and --layers).  With
+    ``repeats`` > 1 the new cell rows (one run of the plan each, their ``repeat``) go into
+    repeats.csv, and matrix.csv gets each cell's ``combine_repeats`` of this command's runs.
+    Returns all rows."""
     out.mkdir(parents=True, exist_ok=True)
+    run_fields = run_fields or run_fields_of()
     if repeats > 1 and matrix_rows:
-        matrix_rows = _record_repeats(out, info, matrix_rows, switch_interval_ms)
+        matrix_rows = _record_repeats(out, info, matrix_rows, run_fields)
     results = []
     for name, fields, new, key, ratios, table in (
             ("matrix", MATRIX_FIELDS, matrix_rows, matrix_key, add_ratios, format_matrix),
@@ -996,8 +1008,7 @@ def write_outputs(out: Path, info: dict | None, matrix_rows=(), serve_rows=(),
             continue
         if info is not None and new and describe(info) not in runs:
             runs.append(describe(info))
-        stamp = ({"date": info["date"], "commit": info["commit"],
-                  "switch_interval_ms": switch_interval_ms} if info else {})
+        stamp = {"date": info["date"], "commit": info["commit"], **run_fields} if info else {}
         rows = ratios(merge_rows(old, [{**stamp, **r} for r in new], key))
         write_csv(rows, out / f"{name}.csv", fields, runs)
         (out / f"{name}.md").write_text(table(rows, runs))
@@ -1008,15 +1019,13 @@ def write_outputs(out: Path, info: dict | None, matrix_rows=(), serve_rows=(),
     return results[0], results[1]
 
 
-def _record_repeats(out: Path, info: dict, rows, switch_interval_ms: str) -> list[dict]:
+def _record_repeats(out: Path, info: dict, rows, run_fields: dict) -> list[dict]:
     """Merge ``rows`` (runs of --repeats) into repeats.csv; the combined row of each of their
     cells over this command's runs so far."""
     runs, old = read_csv(out / "repeats.csv")
     if describe(info) not in runs:
         runs.append(describe(info))
-    stamp = {"date": info["date"], "commit": info["commit"],
-             "switch_interval_ms": switch_interval_ms}
-    new = [{**stamp, **r} for r in rows]
+    new = [{"date": info["date"], "commit": info["commit"], **run_fields, **r} for r in rows]
     every = merge_by_key(old, new, repeat_key, lambda k: (_matrix_order(k[:6]), k[6:]))
     write_csv(every, out / "repeats.csv", REPEAT_FIELDS, runs)
     cells = dict.fromkeys((*matrix_key(r), *run_of(r)) for r in new)
@@ -1037,17 +1046,29 @@ def switch_interval_arg_problem(ms: float) -> str | None:
     return None
 
 
-def switch_interval_problem(out: Path, switch_ms: str) -> str | None:
-    """Why this run's ``--switch-interval`` (``switch_ms``, "" for Python's default) must not
-    merge into ``out``: it holds rows measured with another; None if it may."""
+def run_fields_of(switch_ms: str = "", layers: int = NUM_LAYERS) -> dict:
+    """The fields every row of a run carries besides its date and commit: the GIL switch
+    interval ("" for Python's default) and the model's layers."""
+    return {"switch_interval_ms": switch_ms, "layers": layers}
+
+
+def folder_problem(out: Path, run_fields: dict) -> str | None:
+    """Why this run (``run_fields``) must not merge into ``out``: it holds rows measured with
+    another --switch-interval or --layers (rows from before --layers have 4); None if it may."""
+    asked_ms, asked_layers = run_fields["switch_interval_ms"], run_fields["layers"]
     for name in ("matrix", "serve"):
         _, rows = read_csv(out / f"{name}.csv")
-        other = {r.get("switch_interval_ms") or "" for r in rows} - {switch_ms}
+        other = {r.get("switch_interval_ms") or "" for r in rows} - {asked_ms}
         if other:
             held = ", ".join(sorted(f"{v} ms" if v else "Python's default" for v in other))
-            asked = f"{switch_ms} ms" if switch_ms else "Python's default"
+            asked = f"{asked_ms} ms" if asked_ms else "Python's default"
             return (f"{out / name}.csv holds results measured with the GIL switch interval at "
                     f"{held}; this run's ({asked}) needs another --out")
+        other = {int(r.get("layers") or NUM_LAYERS) for r in rows} - {asked_layers}
+        if other:
+            return (f"{out / name}.csv holds results of a model with "
+                    f"{', '.join(map(str, sorted(other)))} layers; this run's --layers "
+                    f"{asked_layers} needs another --out")
     return None
 
 
@@ -1134,9 +1155,11 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=Settings.steps,
                         help="decode steps per timed window")
     parser.add_argument("--windows", type=int, default=Settings.windows)
-    parser.add_argument("--kv-cache-gib", type=float, default=Settings.kv_cache_gib,
+    parser.add_argument("--layers", type=int, default=NUM_LAYERS,
+                        help="dense layers of the model (DeepSeek-V3.1 has 61)")
+    parser.add_argument("--kv-cache-gib", type=float,
                         help="KV-cache GiB of every engine, the same for every KV format "
-                             "(positive: the cells are planned on it)")
+                             "(positive: the cells are planned on it); default 1 GiB a layer")
     parser.add_argument("--max-batch", type=int, default=Settings.max_batch)
     parser.add_argument("--max-batched-tokens", type=int, default=Settings.max_batched_tokens)
     parser.add_argument("--max-prefill-tokens", type=int, default=Settings.max_prefill_tokens)
@@ -1207,6 +1230,10 @@ def main(argv=None) -> None:
     if args.rounds > 1 and args.repeats > 1:
         parser.error("--rounds and --repeats both number a cell's runs: give one of them")
     runs_per_cell = max(args.repeats, args.rounds)
+    if not 1 <= args.layers <= 61:
+        parser.error("--layers must be 1 to 61 (DeepSeek-V3.1's)")
+    if args.kv_cache_gib is None:   # the same tokens per engine whatever the layers
+        args.kv_cache_gib = Settings.kv_cache_gib * args.layers / NUM_LAYERS
     problem = concurrent_memory_problem(at_once, args.kv_cache_gib,
                                         ENGINE_OVERHEAD_GIB)
     if problem and args.interleave:
@@ -1223,7 +1250,8 @@ def main(argv=None) -> None:
         if problem:
             parser.error(problem)
     switch_ms = "" if args.switch_interval is None else f"{args.switch_interval:g}"
-    problem = switch_interval_problem(out, switch_ms)
+    run_fields = run_fields_of(switch_ms, args.layers)
+    problem = folder_problem(out, run_fields)
     if problem:
         parser.error(problem)
     low, high = args.serve_prompt_range
@@ -1235,7 +1263,7 @@ def main(argv=None) -> None:
     settings = Settings(steps=args.steps, windows=args.windows, max_batch=args.max_batch,
                         max_batched_tokens=args.max_batched_tokens,
                         max_prefill_tokens=args.max_prefill_tokens,
-                        kv_cache_gib=args.kv_cache_gib)
+                        kv_cache_gib=args.kv_cache_gib, layers=args.layers)
     serve = args.serve or args.serve_only
     workload = serve_workload(args.serve_requests, args.serve_rate,
                               tuple(args.serve_prompt_range), tuple(args.serve_output_range),
@@ -1268,7 +1296,7 @@ def main(argv=None) -> None:
             print("\n".join(dry_run_cells(engine, decisions)), flush=True)
     if args.dry_run:
         return
-    write_outputs(out, info, skipped, switch_interval_ms=switch_ms)
+    write_outputs(out, info, skipped, run_fields=run_fields)
 
     write_lock = threading.Lock()   # result handlers run on the children's reader threads
     bf16_rounds: dict = {}          # --rounds: BF16's row of each cell and round, for progress
@@ -1293,7 +1321,7 @@ def main(argv=None) -> None:
                                    result["round"] if engine.rounds > 1 else engine.repeat))
                     with write_lock:
                         rows, _ = write_outputs(out, info, [row], plot=False,
-                                                switch_interval_ms=switch_ms,
+                                                run_fields=run_fields,
                                                 repeats=runs_per_cell)
                     # BF16 of this run only, as the CSV's ratios (the row as stamped there); with
                     # --rounds BF16's row of the same round.
@@ -1339,7 +1367,8 @@ def main(argv=None) -> None:
 
     with tempfile.TemporaryDirectory(prefix="bench-matrix-") as tmp:
         models = {h: str(write_tiny_deepseek_v3(Path(tmp) / f"deepseek-v31-attn-h{h}",
-                                                **model_config(h))) for h in args.heads}
+                                                **model_config(h, args.layers)))
+                  for h in args.heads}
         for indices in start_groups(engines, at_once, args.interleave):
             group, queued = [], 0.0   # queued: the measuring time of the group so far
             for k in indices:
@@ -1359,7 +1388,7 @@ def main(argv=None) -> None:
                         + ([{"kind": "serve", "status": "skipped", "reason": reason}]
                            if engine.serve else []), None, {})
                     write_outputs(out, info, matrix, serve_rows, plot=False,
-                                  switch_interval_ms=switch_ms, repeats=runs_per_cell)
+                                  run_fields=run_fields, repeats=runs_per_cell)
                     continue
                 print(f"[{i}/{len(engines)}] {engine.describe(args.repeats)}: "
                       f"{len(engine.cells)} cells"
@@ -1377,7 +1406,7 @@ def main(argv=None) -> None:
                 matrix, serve_rows = engine_rows(engine, results, failure, engine_log_facts(log))
                 for row in serve_rows:
                     row.update(rate=args.serve_rate, seed=args.serve_seed)
-                write_outputs(out, info, matrix, serve_rows, switch_interval_ms=switch_ms,
+                write_outputs(out, info, matrix, serve_rows, run_fields=run_fields,
                               repeats=runs_per_cell)
                 if failure:
                     print(f"    [{i}] engine failed: {failure}", flush=True)

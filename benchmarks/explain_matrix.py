@@ -105,6 +105,12 @@ def layer_us(times: dict, mode: str) -> float:
     return times["us"] if mode == "graph" else max(times["us"], times.get("host_us") or 0.0)
 
 
+def layers_of(row: dict) -> int:
+    """The layers of the model a matrix row was measured with (rows from before
+    ``bench_matrix --layers`` have none: 4)."""
+    return int(row.get("layers") or NUM_LAYERS)
+
+
 def explain(bf16: dict, ours: dict, times: dict, layers: int = NUM_LAYERS) -> dict:
     """The split of both sides' TPOT.  ``times``: {"bf16"|"ours": ``measure_call``'s times in
     microseconds}: one layer's attention (``us``, ``host_us``) and, where vLLM computes it once
@@ -187,7 +193,7 @@ def follow_matrix(rows: list[dict], matrix: list[dict]) -> list[dict]:
         times = {"bf16": {"us": number(latest["layer_bf16_us"]),
                           "metadata_us": number(latest["metadata_bf16_us"])},
                  "ours": {"us": number(latest["layer_ours_us"])}}
-        again = explain(bf16, ours, times, int(latest["layers"]))
+        again = explain(bf16, ours, times, layers_of(ours))
         followed.append({**again, "date": latest.get("date", ""),
                          "commit": latest.get("commit", "")})
     return followed
@@ -353,7 +359,7 @@ def main(argv=None) -> None:
             print(f"[{k}/{len(pairs)}] {matrix_key(ours)[:5]}: not explained: "
                   f"{str(e).splitlines()[0][:200]}", flush=True)
             continue
-        row = explain(bf16, ours, times)
+        row = explain(bf16, ours, times, layers_of(ours))
         write_outputs(out, info, [row])   # after every cell: a cut-short run keeps its rows
         print(f"[{k}/{len(pairs)}] H={row['heads']} {row['max_model_len']} {row['mode']} "
               f"{row['context']} x {row['batch']} (B={row['batch_size']}, "

@@ -87,9 +87,13 @@ _ROUTING_LOG = re.compile(r"Simulating MoE routing using a (\w+) strategy")
 
 # --- pure helpers (unit-tested on CPU) -----------------------------------------------------
 
-def model_config(heads: int) -> dict:
-    """Overrides of the tiny DeepSeek-V3 config that give DeepSeek-V3.1's attention shapes."""
-    return {**DEEPSEEK_V31_ATTENTION, "num_attention_heads": heads, "num_key_value_heads": heads}
+def model_config(heads: int, layers: int | None = None) -> dict:
+    """Overrides of the tiny DeepSeek-V3 config that give DeepSeek-V3.1's attention shapes;
+    ``layers``: that many dense layers instead of 4 (none of them MoE)."""
+    config = {**DEEPSEEK_V31_ATTENTION, "num_attention_heads": heads, "num_key_value_heads": heads}
+    if layers is not None:
+        config.update(num_hidden_layers=layers, first_k_dense_replace=layers)
+    return config
 
 
 def batch_to_fill(num_blocks: int, block_size: int, context: int, gen_tokens: int,

@@ -1134,20 +1134,65 @@ def test_switch_interval_python_cannot_hold_is_refused_before_any_engine(ms, cap
     assert bm.switch_interval_arg_problem(5) is None
 
 
-def test_runs_with_another_switch_interval_need_their_own_folder(tmp_path, capsys):
+def test_runs_with_another_switch_interval_or_layers_need_their_own_folder(tmp_path, capsys):
     serve = [{"heads": 16, "mode": "graph", "kv": "auto", "status": "ok", "requests": 4,
               "completed": 4, "output_tok_s": 100.0}]
-    _, rows = bm.write_outputs(tmp_path, INFO, serve_rows=serve, switch_interval_ms="0.2")
-    assert rows[0]["switch_interval_ms"] == "0.2"
-    assert bm.switch_interval_problem(tmp_path, "0.2") is None
-    problem = bm.switch_interval_problem(tmp_path, "")
+    _, rows = bm.write_outputs(tmp_path, INFO, serve_rows=serve,
+                               run_fields=bm.run_fields_of("0.2"))
+    assert rows[0]["switch_interval_ms"] == "0.2" and rows[0]["layers"] == 4
+    assert bm.folder_problem(tmp_path, bm.run_fields_of("0.2")) is None
+    problem = bm.folder_problem(tmp_path, bm.run_fields_of(""))
     assert "0.2 ms" in problem and "Python's default" in problem
-    assert bm.switch_interval_problem(tmp_path / "empty", "0.5") is None
+    assert bm.folder_problem(tmp_path / "empty", bm.run_fields_of("0.5")) is None
+    problem = bm.folder_problem(tmp_path, bm.run_fields_of("0.2", 16))
+    assert "4 layers" in problem and "--layers 16" in problem
     with pytest.raises(SystemExit):
         bm.main(["--out", str(tmp_path), "--dry-run", "--heads", "16", "--contexts", "512"])
     assert "0.2 ms" in capsys.readouterr().err
     bm.main(["--out", str(tmp_path), "--dry-run", "--heads", "16", "--contexts", "512",
              "--switch-interval", "0.2"])
+    # Rows written before --layers existed count as 4 layers.
+    legacy = tmp_path / "legacy"
+    bm.write_outputs(legacy, INFO, serve_rows=serve,
+                     run_fields={"switch_interval_ms": "", "layers": ""})
+    assert vllm_engine.read_csv(legacy / "serve.csv")[1][0]["layers"] == ""
+    assert bm.folder_problem(legacy, bm.run_fields_of()) is None
+    assert bm.folder_problem(legacy, bm.run_fields_of("", 8)) is not None
+
+
+def test_layers_set_the_model_the_kv_cache_and_the_estimates(tmp_path, monkeypatch, capsys):
+    import json
+
+    specs = []
+
+    def fake_run_child(command, spec, timeout, on_result, startup_timeout=None):
+        config = json.loads((Path(spec["model"]) / "config.json").read_text())
+        specs.append((spec, config))
+        on_result(ENGINE_UP)
+        result = _cell_result(100.0, 10.0)
+        on_result(result)
+        return [result], "", None
+
+    monkeypatch.setattr(bm, "run_child", fake_run_child)
+    bm.main(["--out", str(tmp_path), "--kv", "auto", "--heads", "16", "--contexts", "512",
+             "--batches", "1", "--max-model-len", "wide", "--modes", "eager", "--layers", "16"])
+    (spec, config), = specs
+    # Sixteen dense layers (none MoE), and the KV cache holds the tokens it does at 4 layers.
+    assert config["num_hidden_layers"] == 16 and config["first_k_dense_replace"] == 16
+    assert spec["settings"]["layers"] == 16
+    assert spec["settings"]["kv_cache_gib"] == pytest.approx(16.0)
+    _, rows = vllm_engine.read_csv(tmp_path / "matrix.csv")
+    assert {r["layers"] for r in rows} == {"16"}
+    assert "attention in 16 dense layers" in (tmp_path / "matrix.md").read_text()
+    four, sixteen = bm.Settings(), bm.Settings(layers=16, kv_cache_gib=16.0)
+    engine = bm.Engine("auto", 16, "wide", 163840, "eager", [(8192, "fill")])
+    (t4, (d4,)), (t16, (d16,)) = (bm.estimate_engine_s(engine, s) for s in (four, sixteen))
+    assert d4["batch_size"] == d16["batch_size"] and t16 > t4
+    assert (bm.estimate_cell_s(16, "graph", "auto", 512, 8, 100, 16)
+            > bm.estimate_cell_s(16, "graph", "auto", 512, 8, 100))
+    with pytest.raises(SystemExit):
+        bm.main(["--out", str(tmp_path / "x"), "--dry-run", "--layers", "0"])
+    assert "--layers must be 1 to 61" in capsys.readouterr().err
 
 
 def test_a_fixed_batch_above_max_batch_is_refused(capsys):

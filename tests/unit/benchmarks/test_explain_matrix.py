@@ -183,3 +183,14 @@ def test_rows_follow_the_matrix_when_a_cell_is_measured_again(tmp_path):
                        _cell("fp8_snapmla", 15000.0, 8192, status="failed")],
             {**INFO, "date": "2026-12-07 10:00 UTC"})
     assert ex.write_outputs(tmp_path, None) == []
+
+
+def test_a_deeper_models_cells_count_its_layers(tmp_path):
+    rows = [_cell("auto", 20000.0), _cell("fp8_snapmla", 16000.0)]
+    bm.write_outputs(tmp_path, INFO, rows, plot=False, run_fields=bm.run_fields_of("", 16))
+    matrix = vllm_engine.read_csv(tmp_path / "matrix.csv")[1]
+    (bf16, ours), = ex.cells_to_explain(matrix, 1.0)
+    assert ex.layers_of(ours) == 16 and ex.layers_of({"layers": ""}) == 4
+    times = {"bf16": {"us": 150.0, "metadata_us": 8.0}, "ours": {"us": 100.0}}
+    row = ex.explain(bf16, ours, times, ex.layers_of(ours))
+    assert row["attention_ours_ms"] == pytest.approx(1.6) and row["layers"] == 16
