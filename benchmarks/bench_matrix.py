@@ -78,7 +78,8 @@ the value, and a folder holds one value only (and one ``--layers``).
 Every engine has the same KV-cache bytes (``--kv-cache-gib``, default 1 GiB a layer, 4 GiB for 4
 layers: the token capacity DeepSeek-V3.1's 61 layers have in about 61 GiB, about 1.5x what a
 TP8 rank of an 8xH200 deployment has left, 40 GiB by ``bench_deployment --budget-only``; 2.6 GiB
-matches that), so fp8_snapmla holds 1.756x the BF16 tokens.  Only the ``fill`` cells depend on it.
+matches that, 0.65 GiB a layer), so fp8_snapmla holds 1.756x the BF16 tokens.  Only the ``fill``
+cells depend on it.
 ``--max-batched-tokens`` is passed to vLLM (default 16384, vLLM's default for ``LLM`` on an
 H200) so that the prefill's length is known when cells are planned.
 
@@ -151,6 +152,9 @@ ENGINE_START_S = {"graph": 90.0, "eager": 30.0}
 DECODE_STEP_S = {"graph": 0.005, "eager": 0.015}
 HBM_BYTES_PER_S = 2e12
 CELL_OVERHEAD_S = 0.5
+# The default KV cache per layer: at 4 layers the token capacity DeepSeek-V3.1's 61 layers have
+# in about 61 GiB (module docstring); with --layers N every N holds those tokens.
+KV_CACHE_GIB_PER_LAYER = 1.0
 CHILD_GRACE_S = 30.0   # how long past the budget a running engine may go before it is killed
 
 MATRIX_FIELDS = [
@@ -179,7 +183,7 @@ class Settings:
     max_batch: int = 512
     max_batched_tokens: int = 16384
     max_prefill_tokens: int = 2_000_000
-    kv_cache_gib: float = 4.0
+    kv_cache_gib: float = KV_CACHE_GIB_PER_LAYER * NUM_LAYERS
     layers: int = NUM_LAYERS      # dense layers of the model (--layers)
 
     @property
@@ -308,8 +312,7 @@ def estimate_cell_s(heads: int, mode: str, kv: str, context: int, batch: int,
     prefill = estimated_prefill_s(batch, context, heads, layers,
                                   prefill_weights_per_token(heads, layers))
     kv_read = batch * context * KV_BYTES_PER_TOKEN[kv] * layers / HBM_BYTES_PER_S
-    step_s = DECODE_STEP_S[mode] * max(1.0, layers / NUM_LAYERS)
-    return CELL_OVERHEAD_S + prefill + max_tokens * (step_s + kv_read)
+    return CELL_OVERHEAD_S + prefill + max_tokens * (step_s(mode, layers) + kv_read)
 
 
 def serve_workload(requests: int, rate: float, prompt_range: tuple[int, int],
@@ -328,10 +331,21 @@ def serve_workload(requests: int, rate: float, prompt_range: tuple[int, int],
     return workload
 
 
-def estimate_serve_s(workload: list, mode: str) -> float:
+def step_s(mode: str, layers: int) -> float:
+    """A decode step's pessimistic fixed time: DECODE_STEP_S of the 4-layer model, growing with
+    the layers beyond 4."""
+    return DECODE_STEP_S[mode] * max(1.0, layers / NUM_LAYERS)
+
+
+def extra_weights_gib(heads: int, layers: int) -> float:
+    """BF16 weights of the layers beyond 4 (ENGINE_OVERHEAD_GIB holds those of 4)."""
+    return max(0, layers - NUM_LAYERS) * prefill_weights_per_token(heads, 1) * 2 / 2**30
+
+
+def estimate_serve_s(workload: list, mode: str, layers: int = NUM_LAYERS) -> float:
     """Arrivals, then the last requests' decode, pessimistically."""
     return (CELL_OVERHEAD_S + workload[-1][0]
-            + 2 * max(out for _, _, out in workload) * DECODE_STEP_S[mode])
+            + 2 * max(out for _, _, out in workload) * step_s(mode, layers))
 
 
 def plan_matrix(kvs, heads, contexts, batches, max_model_lens, modes, settings: Settings,
@@ -398,7 +412,7 @@ def estimate_engine_s(engine: Engine, settings: Settings, workload=None) -> tupl
             total += decision["estimated_s"] * engine.rounds
         decisions.append(decision)
     if engine.serve and workload:
-        total += estimate_serve_s(workload, engine.mode)
+        total += estimate_serve_s(workload, engine.mode, settings.layers)
     return total, decisions
 
 
@@ -604,7 +618,7 @@ def run_engine(spec: dict):
     def measure_serve() -> dict:
         workload = [tuple(r) for r in spec["serve"]["workload"]]
         result = {"kind": "serve", "kv_cache_tokens": capacity}
-        estimate = estimate_serve_s(workload, spec["mode"]) * turn_engines
+        estimate = estimate_serve_s(workload, spec["mode"], settings.layers) * turn_engines
         if deadline is not None and time.time() + estimate > deadline:
             return {**result, "status": "skipped",
                     "reason": f"--budget-s: needs ~{estimate:.0f} s, "
@@ -984,18 +998,20 @@ def plot_matrix(rows: list[dict], path: Path, title: str) -> list[str]:
     return titles
 
 
-def write_outputs(out: Path, info: dict | None, matrix_rows=(), serve_rows=(),
-                  plot: bool = True, run_fields: dict | None = None, repeats: int = 1
+def write_outputs(out: Path, info: dict | None, matrix_rows=(), serve_rows=(), *,
+                  run_fields: dict | None, plot: bool = True, repeats: int = 1
                   ) -> tuple[list[dict], list[dict]]:
     """Merge the new rows into ``out``'s matrix.csv and serve.csv and rewrite them with their
     tables (and matrix.png with ``plot``).  ``info`` (this run's ``run_info``) is added to the
     runs in the headers; None (--replot) keeps them.  New rows are stamped with the run's date,
-    commit and ``run_fields`` (``run_fields_of``: --switch-interval and --layers).  With
+    commit and ``run_fields`` (``run_fields_of``: --switch-interval and --layers; required with
+    ``info``, so that no row is stamped with defaults its run did not have).  With
     ``repeats`` > 1 the new cell rows (one run of the plan each, their ``repeat``) go into
     repeats.csv, and matrix.csv gets each cell's ``combine_repeats`` of this command's runs.
     Returns all rows."""
+    if info is not None and run_fields is None:
+        raise ValueError("write_outputs: a run's rows need its run_fields (run_fields_of)")
     out.mkdir(parents=True, exist_ok=True)
-    run_fields = run_fields or run_fields_of()
     if repeats > 1 and matrix_rows:
         matrix_rows = _record_repeats(out, info, matrix_rows, run_fields)
     results = []
@@ -1126,7 +1142,7 @@ def _cell_line(row: dict, bf16: dict | None, engine_no: int, round_: int | None 
 
 
 def replot(out: Path) -> None:
-    matrix, serve = write_outputs(out, None)
+    matrix, serve = write_outputs(out, None, run_fields=None)
     if not (matrix or serve):
         sys.exit(f"no matrix.csv or serve.csv in {out}")
     print(f"redrew {out}/matrix.md, matrix.png ({len(matrix)} rows) and serve.md "
@@ -1156,7 +1172,8 @@ def main(argv=None) -> None:
                         help="decode steps per timed window")
     parser.add_argument("--windows", type=int, default=Settings.windows)
     parser.add_argument("--layers", type=int, default=NUM_LAYERS,
-                        help="dense layers of the model (DeepSeek-V3.1 has 61)")
+                        help="layers of the model, all dense (DeepSeek-V3.1 has 61 layers, 58 "
+                             "of them MoE)")
     parser.add_argument("--kv-cache-gib", type=float,
                         help="KV-cache GiB of every engine, the same for every KV format "
                              "(positive: the cells are planned on it); default 1 GiB a layer")
@@ -1233,9 +1250,12 @@ def main(argv=None) -> None:
     if not 1 <= args.layers <= 61:
         parser.error("--layers must be 1 to 61 (DeepSeek-V3.1's)")
     if args.kv_cache_gib is None:   # the same tokens per engine whatever the layers
-        args.kv_cache_gib = Settings.kv_cache_gib * args.layers / NUM_LAYERS
-    problem = concurrent_memory_problem(at_once, args.kv_cache_gib,
-                                        ENGINE_OVERHEAD_GIB)
+        args.kv_cache_gib = KV_CACHE_GIB_PER_LAYER * args.layers
+    # A deeper model holds more weights; with more than 4 layers one engine is checked too.
+    problem = concurrent_memory_problem(
+        at_once, args.kv_cache_gib,
+        ENGINE_OVERHEAD_GIB + extra_weights_gib(max(args.heads), args.layers),
+        check_one=args.layers > NUM_LAYERS)
     if problem and args.interleave:
         # e.g. three formats on an 80 GB GPU: 3 x (4 + 20) GiB is just over 90% of it.
         problem = (problem.replace(f"--concurrent-starts {at_once}", "--interleave")
@@ -1374,7 +1394,8 @@ def main(argv=None) -> None:
             for k in indices:
                 i, engine, (seconds, decisions) = k + 1, engines[k], estimates[k]
                 first = next((d["estimated_s"] for d in decisions if not d["reason"]),
-                             estimate_serve_s(workload, engine.mode) if engine.serve else 0.0)
+                             estimate_serve_s(workload, engine.mode, args.layers)
+                             if engine.serve else 0.0)
                 need = ENGINE_START_S[engine.mode] + queued + first
                 if deadline is not None and time.time() + need > deadline:
                     reason = (f"--budget-s: engine start + first cell ~{need:.0f} s, "
@@ -1410,7 +1431,7 @@ def main(argv=None) -> None:
                               repeats=runs_per_cell)
                 if failure:
                     print(f"    [{i}] engine failed: {failure}", flush=True)
-    matrix, serve_rows = write_outputs(out, None)
+    matrix, serve_rows = write_outputs(out, None, run_fields=None)
     print(f"\nwrote {out}/matrix.csv, matrix.md, matrix.png"
           + (", serve.csv, serve.md" if serve_rows else "")
           + f" in {(time.time() - started) / 60:.1f} min", flush=True)

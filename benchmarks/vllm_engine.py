@@ -462,7 +462,8 @@ def gpu_memory_gib() -> float | None:
 # free at its start (its KV cache has a fixed size whatever the fraction).
 CONCURRENT_MEMORY_FRACTION = 0.8
 # An engine's memory besides its KV cache (activations, CUDA graphs, torch's pool, and the
-# weights of bench_matrix's 4-layer model; bench_deployment adds its proxies' weights): what
+# weights of bench_matrix's 4-layer model; bench_matrix --layers and bench_deployment add the
+# weights of their deeper models): what
 # the memory check of --concurrent-starts assumes.  An engine's memory grows past what it
 # holds at start-up once it prefills long contexts (torch keeps the pool): on the H200 three
 # DP8/TP1 proxy engines (10.5 GiB of weights, 1.8 of KV cache each) held 96 GiB while one of
@@ -482,18 +483,24 @@ def concurrent_start_spec(go_file: str, group_size: int, in_turns: bool = False)
 
 
 def concurrent_memory_problem(engines: int, kv_cache_gib: float, overhead_gib: float,
-                              total_gib: float | None = None) -> str | None:
+                              total_gib: float | None = None, check_one: bool = False
+                              ) -> str | None:
     """Why ``engines`` engines of ``kv_cache_gib`` KV cache and ``overhead_gib`` besides cannot
-    be up on the GPU at once (90% of its memory), or None (also when it cannot be told)."""
-    if engines <= 1:
+    be up on the GPU at once (90% of its memory), or None (also when it cannot be told).  One
+    engine is only checked with ``check_one``."""
+    if engines < 1 or (engines == 1 and not check_one):
         return None
     total_gib = gpu_memory_gib() if total_gib is None else total_gib
     if total_gib is None:
         return None
     need = engines * (kv_cache_gib + overhead_gib)
+    if need > 0.9 * total_gib and engines == 1:
+        return (f"one engine of {kv_cache_gib:g} GiB KV + ~{overhead_gib:.0f} GiB = {need:.0f} GiB "
+                f"does not fit in 90% of the GPU's {total_gib:.0f} GiB; give a smaller "
+                "--kv-cache-gib")
     if need > 0.9 * total_gib:
         return (f"--concurrent-starts {engines}: {engines} engines x ({kv_cache_gib:g} GiB KV "
-                f"+ ~{overhead_gib:g} GiB) = {need:.0f} GiB do not fit in 90% of the GPU's "
+                f"+ ~{overhead_gib:.0f} GiB) = {need:.0f} GiB do not fit in 90% of the GPU's "
                 f"{total_gib:.0f} GiB; start fewer at once")
     return None
 

@@ -348,12 +348,13 @@ def _sweep():
 
 def test_outputs_merge_runs_replace_cells_and_compute_ratios(tmp_path):
     rows = _sweep()
-    bm.write_outputs(tmp_path, INFO, rows[:12])
+    bm.write_outputs(tmp_path, INFO, rows[:12], run_fields=bm.run_fields_of())
     second = {**INFO, "commit": "def5678", "command": "python -m benchmarks.bench_matrix x"}
     skipped = {"heads": 16, "max_model_len": "wide", "mode": "eager", "context": 131072,
                "batch": "64", "kv": "auto", "status": "skipped",
                "reason": "prefill 64 x 131072 = 8,388,608 tokens > --max-prefill-tokens"}
-    matrix, _ = bm.write_outputs(tmp_path, second, rows[12:] + [skipped])
+    matrix, _ = bm.write_outputs(tmp_path, second, rows[12:] + [skipped],
+                                 run_fields=bm.run_fields_of())
     assert len(matrix) == 25
     runs, on_disk = vllm_engine.read_csv(tmp_path / "matrix.csv")
     assert runs == [bm.describe(INFO), bm.describe(second)]
@@ -367,7 +368,7 @@ def test_outputs_merge_runs_replace_cells_and_compute_ratios(tmp_path):
     # Re-running a cell replaces its row; a failure has no ratio.
     failed = _cell("fp8_snapmla", 1.0, 8192, "1", mode="eager", status="failed",
                    reason="exit 1: CUDA error")
-    matrix, _ = bm.write_outputs(tmp_path, INFO, [failed])
+    matrix, _ = bm.write_outputs(tmp_path, INFO, [failed], run_fields=bm.run_fields_of())
     assert len(matrix) == 25
     row = next(r for r in matrix if bm.matrix_key(r) == bm.matrix_key(failed))
     assert row["status"] == "failed" and row["vs_bf16"] == ""
@@ -443,7 +444,7 @@ def test_outputs_with_repeats_keep_every_run_and_put_medians_in_the_matrix(tmp_p
     tpots = {"auto": (4.0, 5.0, 4.6), "fp8_snapmla": (5.2, 4.1, 4.4)}
     for k in range(3):
         rows = [_cell(kv, 64000 / t[k], mode="eager", repeat=k + 1) for kv, t in tpots.items()]
-        matrix, _ = bm.write_outputs(tmp_path, INFO, rows, repeats=3)
+        matrix, _ = bm.write_outputs(tmp_path, INFO, rows, repeats=3, run_fields=bm.run_fields_of())
     assert len(matrix) == 2
     _, every = vllm_engine.read_csv(tmp_path / "repeats.csv")
     assert sorted((r["kv"], r["repeat"]) for r in every) == sorted(
@@ -460,7 +461,8 @@ def test_outputs_with_repeats_keep_every_run_and_put_medians_in_the_matrix(tmp_p
     # Another command's runs are combined apart from this one's.
     later = {**INFO, "date": "2026-12-04 10:00 UTC"}
     matrix, _ = bm.write_outputs(tmp_path, later, [_cell("auto", 64000 / 9.0, mode="eager",
-                                                         repeat=1)], repeats=2)
+                                                         repeat=1)], repeats=2,
+                                 run_fields=bm.run_fields_of())
     assert next(r for r in matrix if r["kv"] == "auto")["tpot_ms"] == 9.0
 
 
@@ -470,7 +472,7 @@ def test_a_pass_skipped_by_the_budget_leaves_a_gap_in_the_per_run_ratios(tmp_pat
     for k, status in enumerate(("ok", "skipped"), 1):
         rows = [_cell("auto", 64000 / (4.0 + k), repeat=k),
                 {**_cell("fp8_snapmla", 64000 / 3.0, repeat=k), "status": status}]
-        matrix, _ = bm.write_outputs(tmp_path, INFO, rows, repeats=2)
+        matrix, _ = bm.write_outputs(tmp_path, INFO, rows, repeats=2, run_fields=bm.run_fields_of())
     ours = next(r for r in matrix if r["kv"] == "fp8_snapmla")
     assert ours["repeat_tpot_ms"] == "3.000 -" and ours["repeats"] == 1
     assert ours["vs_bf16_runs"] == "1.667 -"
@@ -491,7 +493,7 @@ def test_serve_rows_merge_with_ratios_and_a_table(tmp_path):
               "completed": 96, "rate": 3.0, "output_tok_s": tok_s, "ttft_p50_ms": 80.0,
               "ttft_p99_ms": 400.0, "tpot_p50_ms": 9.0, "tpot_p99_ms": 20.0}
              for kv, tok_s in (("fp8", 900.0), ("auto", 1000.0), ("fp8_snapmla", 1200.0))]
-    _, rows = bm.write_outputs(tmp_path, INFO, serve_rows=serve)
+    _, rows = bm.write_outputs(tmp_path, INFO, serve_rows=serve, run_fields=bm.run_fields_of())
     assert [r["kv"] for r in rows] == ["auto", "fp8_snapmla", "fp8"]
     assert [r["vs_bf16"] for r in rows] == [1.0, 1.2, 0.9]
     table = (tmp_path / "serve.md").read_text()
@@ -521,7 +523,7 @@ def test_engine_rows_mark_cells_without_a_result():
 
 def test_replot_redraws_md_and_png_from_the_csvs(tmp_path):
     pytest.importorskip("matplotlib")
-    bm.write_outputs(tmp_path, INFO, _sweep())
+    bm.write_outputs(tmp_path, INFO, _sweep(), run_fields=bm.run_fields_of())
     (tmp_path / "matrix.md").unlink()
     (tmp_path / "matrix.png").unlink()
     before = (tmp_path / "matrix.csv").read_text()
@@ -1193,6 +1195,66 @@ def test_layers_set_the_model_the_kv_cache_and_the_estimates(tmp_path, monkeypat
     with pytest.raises(SystemExit):
         bm.main(["--out", str(tmp_path / "x"), "--dry-run", "--layers", "0"])
     assert "--layers must be 1 to 61" in capsys.readouterr().err
+
+
+def test_every_row_of_a_deeper_run_carries_its_layers(tmp_path, monkeypatch):
+    def fake_run_child(command, spec, timeout, on_result, startup_timeout=None):
+        on_result(ENGINE_UP)
+        results = list(bm.measure_in_turns(
+            {**spec, "serve": None},
+            lambda context, label: {**_cell_result(100.0, 10.0), "context": context,
+                                    "batch": label}))
+        for result in results:
+            on_result(result)
+        return results, "", None
+
+    monkeypatch.setattr(bm, "run_child", fake_run_child)
+    # Skipped before any engine (prefill limit), measured, repeated (repeats.csv), and skipped
+    # by the budget: each kind of row is stamped with --layers.
+    bm.main(["--out", str(tmp_path), "--kv", "auto", "fp8_snapmla", "--heads", "16",
+             "--contexts", "512", "--batches", "1", "64", "--max-prefill-tokens", "1000",
+             "--max-model-len", "wide", "--modes", "eager", "--layers", "16", "--repeats", "2"])
+    for name in ("matrix", "repeats"):
+        _, rows = vllm_engine.read_csv(tmp_path / f"{name}.csv")
+        assert rows and {r["layers"] for r in rows} == {"16"}, name
+        assert {r["status"] for r in rows} == ({"ok", "skipped"} if name == "matrix"
+                                               else {"ok"})
+    bm.main(["--out", str(tmp_path / "budget"), "--kv", "auto", "--heads", "16", "--contexts",
+             "512", "--batches", "1", "--max-model-len", "wide", "--modes", "eager", "--layers",
+             "16", "--budget-s", "1"])
+    _, rows = vllm_engine.read_csv(tmp_path / "budget" / "matrix.csv")
+    assert [(r["status"], r["layers"]) for r in rows] == [("skipped", "16")]
+    # An eager step's fixed time grows with the layers.
+    gap = (bm.estimate_cell_s(16, "eager", "auto", 512, 8, 100, 16)
+           - bm.estimate_cell_s(16, "eager", "auto", 512, 8, 100))
+    assert gap >= 100 * bm.DECODE_STEP_S["eager"] * 3
+    workload = [(0.0, 100, 64), (1.0, 100, 64)]
+    assert bm.estimate_serve_s(workload, "graph", 16) > bm.estimate_serve_s(workload, "graph")
+
+
+def test_a_deeper_model_counts_its_weights_in_the_memory_check(monkeypatch, capsys):
+    monkeypatch.setattr(vllm_engine, "gpu_memory_gib", lambda: 79.6)   # an H100
+    assert bm.extra_weights_gib(128, 4) == 0 and bm.extra_weights_gib(128, 61) > 20
+    # One engine of 61 layers: 61 GiB of KV cache and its weights do not fit an H100.
+    with pytest.raises(SystemExit):
+        bm.main(["--out", "unused", "--dry-run", "--layers", "61", "--kv", "auto"])
+    assert "one engine of 61 GiB KV" in capsys.readouterr().err
+    bm.main(["--out", "unused", "--dry-run", "--layers", "61", "--kv", "auto",
+             "--kv-cache-gib", "8"])
+    # Two interleaved engines of 16 layers: their weights tip them over at 128 heads.
+    with pytest.raises(SystemExit):
+        bm.main(["--out", "unused", "--dry-run", "--layers", "16", "--kv", "auto",
+                 "fp8_snapmla", "--interleave", "--kv-cache-gib", "12"])
+    assert "2 engines x (12 GiB KV + ~25 GiB)" in capsys.readouterr().err
+    bm.main(["--out", "unused", "--dry-run", "--layers", "16", "--kv", "auto", "fp8_snapmla",
+             "--interleave", "--kv-cache-gib", "12", "--heads", "16"])
+    assert vllm_engine.concurrent_memory_problem(1, 60.0, 20.0, total_gib=79.6) is None
+
+
+def test_write_outputs_needs_the_runs_fields(tmp_path):
+    with pytest.raises(ValueError, match="run_fields"):
+        bm.write_outputs(tmp_path / "out", INFO, [_cell("auto", 100.0)], run_fields=None)
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_fixed_batch_above_max_batch_is_refused(capsys):

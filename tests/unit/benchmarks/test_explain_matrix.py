@@ -29,7 +29,7 @@ def _cell(kv, tok_s, context=512, batch="64", mode="graph", **extra):
 
 
 def _matrix(tmp_path, rows, info=INFO):
-    bm.write_outputs(tmp_path, info, rows, plot=False)
+    bm.write_outputs(tmp_path, info, rows, plot=False, run_fields=bm.run_fields_of())
     return vllm_engine.read_csv(tmp_path / "matrix.csv")[1]
 
 
@@ -194,3 +194,21 @@ def test_a_deeper_models_cells_count_its_layers(tmp_path):
     times = {"bf16": {"us": 150.0, "metadata_us": 8.0}, "ours": {"us": 100.0}}
     row = ex.explain(bf16, ours, times, ex.layers_of(ours))
     assert row["attention_ours_ms"] == pytest.approx(1.6) and row["layers"] == 16
+
+
+def test_rows_of_a_deeper_model_follow_its_matrix_with_its_layers(tmp_path):
+    fields = bm.run_fields_of("", 16)
+    bm.write_outputs(tmp_path, INFO, [_cell("auto", 20000.0), _cell("fp8_snapmla", 16000.0)],
+                     plot=False, run_fields=fields)
+    matrix = vllm_engine.read_csv(tmp_path / "matrix.csv")[1]
+    times = {"bf16": {"us": 150.0, "metadata_us": 8.0}, "ours": {"us": 100.0}}
+    kernels = {**INFO, "commit": "k111111", "command": "python -m benchmarks.explain_matrix"}
+    ex.write_outputs(tmp_path, kernels, [ex.explain(b, o, times, ex.layers_of(o))
+                                         for b, o in ex.cells_to_explain(matrix, 1.0)])
+    later = {**INFO, "date": "2026-12-06 10:00 UTC", "commit": "def5678"}
+    bm.write_outputs(tmp_path, later, [_cell("auto", 20000.0), _cell("fp8_snapmla", 19000.0)],
+                     plot=False, run_fields=fields)
+    again, = ex.write_outputs(tmp_path, None)
+    assert again["matrix_commit"] == "def5678"
+    assert float(again["attention_ours_ms"]) == pytest.approx(1.6)    # 16 x 100 us
+    assert float(again["attention_bf16_ms"]) == pytest.approx(2.408)  # 16 x 150 + 8 us
