@@ -213,6 +213,11 @@ class Engine:
         --interleave the other formats measure the same cell between two of its rounds)."""
         return [cell for cell in self.cells for _ in range(self.rounds)]
 
+    def run_number(self, round_: int) -> int:
+        """The ``repeat`` a row of this engine's ``round_`` carries: the round with --rounds,
+        else the run of the plan (--repeats)."""
+        return round_ if self.rounds > 1 else self.repeat
+
     def describe(self, repeats: int = 1) -> str:
         return (f"{self.kv} H={self.heads} {self.max_model_len} "
                 f"({self.max_model_len_tokens} tokens, {self.table_width} pages) {self.mode}"
@@ -1103,7 +1108,7 @@ def engine_rows(engine: Engine, results: list[dict], failure: str | None, facts:
     started = next((r for r in results if r.get("kind") == "engine"), {})
     # The backend's block size (vLLM's BF16 default on Hopper, FlashAttention MLA, uses 16).
     block_size = started.get("block_size") or BLOCK_SIZE
-    cell_base = {**base, "repeat": engine.repeat, "max_model_len": engine.max_model_len,
+    cell_base = {**base, "max_model_len": engine.max_model_len,
                  "max_model_len_tokens": engine.max_model_len_tokens, "block_size": block_size,
                  "table_width": math.ceil(engine.max_model_len_tokens / block_size)}
     capacity = started.get("kv_cache_tokens", "")
@@ -1116,7 +1121,7 @@ def engine_rows(engine: Engine, results: list[dict], failure: str | None, facts:
             result = {k: v for k, v in (by_cell.get((context, label, round_)) or missing).items()
                       if k not in ("kind", "round")}
             matrix.append({**cell_base, **facts, "context": context, "batch": label, **result,
-                           **({"repeat": round_} if engine.rounds > 1 else {})})
+                           "repeat": engine.run_number(round_)})
     serve = []
     if engine.serve:
         result = next((r for r in results if r.get("kind") == "serve"), missing)
@@ -1338,7 +1343,7 @@ def main(argv=None) -> None:
                     row = next(r for r in matrix
                                if (r["context"], r["batch"], r["repeat"])
                                == (result["context"], result["batch"],
-                                   result["round"] if engine.rounds > 1 else engine.repeat))
+                                   engine.run_number(result.get("round", 1))))
                     with write_lock:
                         rows, _ = write_outputs(out, info, [row], plot=False,
                                                 run_fields=run_fields,

@@ -709,6 +709,21 @@ def _cell_result(tok_s: float, tpot_ms: float) -> dict:
             "timer": "core", "cell_s": 1.0, "estimated_s": 1.0}
 
 
+def _child_in_turns(spec: dict, on_result, tpot_ms: float) -> tuple[list, str, None]:
+    """What run_child returns for a stand-in child that runs the real turn loop
+    (``measure_in_turns``, as run_engine does), each cell at ``tpot_ms``; a result handler that
+    raises comes back as the engine's failure, as in run_child."""
+    on_result(ENGINE_UP)
+    results = []
+    for result in bm.measure_in_turns(
+            {**spec, "serve": None},
+            lambda context, label: {**_cell_result(1000 / tpot_ms, tpot_ms),
+                                    "context": context, "batch": label}):
+        on_result(result)
+        results.append(result)
+    return results, "", None
+
+
 @pytest.mark.parametrize("concurrent", [1, 2])
 def test_main_gives_grouped_engines_a_go_file_and_a_memory_share(tmp_path, monkeypatch,
                                                                  concurrent, capsys):
@@ -911,18 +926,8 @@ def test_main_repeats_the_plan_with_fresh_engines(tmp_path, monkeypatch, capsys)
     specs, step_ms = [], {"auto": iter([10.0, 12.0, 11.0]), "fp8_snapmla": iter([9.0, 13.0, 10.0])}
 
     def fake_run_child(command, spec, timeout, on_result, startup_timeout=None):
-        # The child's real turn loop, as run_engine drives it; a handler that raises would
-        # come back as the engine's failure (run_child does that).
         specs.append(spec["kv"])
-        on_result(ENGINE_UP)
-        tpot = next(step_ms[spec["kv"]])
-        results = list(bm.measure_in_turns(
-            {**spec, "serve": None},
-            lambda context, label: {**_cell_result(1000 / tpot, tpot), "context": context,
-                                    "batch": label}))
-        for result in results:
-            on_result(result)
-        return results, "", None
+        return _child_in_turns(spec, on_result, next(step_ms[spec["kv"]]))
 
     monkeypatch.setattr(bm, "run_child", fake_run_child)
     bm.main(["--out", str(tmp_path), "--kv", "auto", "fp8_snapmla", "--heads", "16",
@@ -1199,14 +1204,7 @@ def test_layers_set_the_model_the_kv_cache_and_the_estimates(tmp_path, monkeypat
 
 def test_every_row_of_a_deeper_run_carries_its_layers(tmp_path, monkeypatch):
     def fake_run_child(command, spec, timeout, on_result, startup_timeout=None):
-        on_result(ENGINE_UP)
-        results = list(bm.measure_in_turns(
-            {**spec, "serve": None},
-            lambda context, label: {**_cell_result(100.0, 10.0), "context": context,
-                                    "batch": label}))
-        for result in results:
-            on_result(result)
-        return results, "", None
+        return _child_in_turns(spec, on_result, 10.0)
 
     monkeypatch.setattr(bm, "run_child", fake_run_child)
     # Skipped before any engine (prefill limit), measured, repeated (repeats.csv), and skipped
