@@ -60,7 +60,9 @@ ratio of one measurement per format takes for a difference between the formats.
 ``--rounds N`` (with ``--interleave``) measures each cell N times on the same engines, the
 formats in turn each round (cell 1 on each format, again N times, then cell 2), each round with
 fresh requests, so that the median of N rounds and the range of the rounds' ratios tell a
-difference from a spell.  Rows combine as with ``--repeats`` (a round is a run there).
+difference from a spell.  Rows combine as with ``--repeats`` (a round is a run there).  On an
+H100 a 4-layer cell's highest round ratio was still a median 1.22x its lowest; with
+``--layers 16`` and CUDA graphs, within 8% in 8 of 9 cells.
 
 ``--repeats N`` runs the whole plan N times over, each engine a fresh process (the plan in
 order, then again), for cells whose step time moves between engine runs more than between the

@@ -121,8 +121,9 @@ def test_flashattention_kernel_ratios_are_the_recorded_ones():
     assert f"ran {_range(fa3)} BF16 FlashMLA" in item, (_range(fa3), item)
 
 
-def _matrix_range(heads: int, mode: str, tables: str, fill: bool) -> str:
-    _, rows = read_csv(RESULTS / "matrix-h100" / "matrix.csv")
+def _matrix_range(heads: int, mode: str, tables: str, fill: bool,
+                  folder: str = "matrix-h100") -> str:
+    _, rows = read_csv(RESULTS / folder / "matrix.csv")
     values = [float(r["vs_bf16"]) for r in rows
               if r["kv"] == "fp8_snapmla" and r["status"] == "ok" and r["vs_bf16"]
               and int(r["heads"]) == heads and r["mode"] == mode
@@ -139,12 +140,21 @@ def _matrix_range(heads: int, mode: str, tables: str, fill: bool) -> str:
     ("| the same, tight tables and `enforce_eager`", 16, "eager", "tight"),
     ("| that matrix at 128 heads", 128, "graph", "wide"),
     ("| the same with `enforce_eager` | **0.84", 128, "eager", "wide"),
+    ("| 128 heads, default compilation, tight tables", 128, "graph", "tight"),
 ])
 def test_matrix_ranges_are_the_recorded_ones(prefix, heads, mode, tables):
     line = _readme_line(prefix)
     fixed = _matrix_range(heads, mode, tables, False)
     fill = _matrix_range(heads, mode, tables, True)
     assert f"{fixed} / {fill}" in line.replace("**", ""), (fixed, fill, line)
+
+
+def test_deeper_model_range_is_the_recorded_one():
+    line = _readme_line("| the 1-64 request cells at 512-8k tokens with 16 layers")
+    _, rows = read_csv(RESULTS / "matrix-h100-16layers" / "matrix.csv")
+    assert {r["layers"] for r in rows} == {"16"}, {r["layers"] for r in rows}
+    fixed = _matrix_range(16, "graph", "wide", False, folder="matrix-h100-16layers")
+    assert f"{fixed} (see" in line.replace("**", ""), (fixed, line)
 
 
 def test_continuous_batching_ratios_are_the_recorded_ones():
