@@ -54,15 +54,15 @@ starts.  Each asks vLLM for 0.8/N of the GPU's memory to be free at its start.
 table and mode) together and lets them measure in turns, a cell at a time: cell 1 on each
 format, then cell 2 on each, so that the formats of a cell are measured seconds apart.  Steps
 of 1-64 requests at short contexts are host-bound, and the host's speed moves: on an H100 the
-same format's step time in the same cell differed between engine processes by up to 82%, and
-the timed windows of one engine by up to 49% (benchmarks/RESULTS.md, "Workload matrix"), which a
-ratio of one measurement per format takes for a difference between the formats.
+same cell's ratio moved between two runs by a median 13% (benchmarks/RESULTS.md, "Workload
+matrix"), which a ratio of one measurement per format takes for a difference between the
+formats.
 ``--rounds N`` (with ``--interleave``) measures each cell N times on the same engines, the
 formats in turn each round (cell 1 on each format, again N times, then cell 2), each round with
 fresh requests, so that the median of N rounds and the range of the rounds' ratios tell a
 difference from a spell.  Rows combine as with ``--repeats`` (a round is a run there).  On an
 H100 a 4-layer cell's highest round ratio was still a median 1.22x its lowest; with
-``--layers 16`` and CUDA graphs, within 8% in 8 of 9 cells.
+``--layers 16`` and CUDA graphs, within 9% in 8 of 9 cells.
 
 ``--repeats N`` runs the whole plan N times over, each engine a fresh process (the plan in
 order, then again), for cells whose step time moves between engine runs more than between the
