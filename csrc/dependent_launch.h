@@ -1,9 +1,10 @@
 // Programmatic dependent launch (PDL, sm_90 and later) of the Hopper decode kernel right after our
 // own query quantization (with the split planner) or the planner alone.  After any other kernel
 // (a pre-quantized query with a fixed split count) it is an ordinary launch: that kernel's
-// author made no promise about the kernels before it.  The combine after the decode kernel
-// stays an ordinary launch: as a dependent launch it made 4 x 128 x 4k 6% slower
-// (docs/decode-kernels.md).
+// author made no promise about the kernels before it.  The combine is a programmatic dependent
+// of our decode kernel, which never triggers its dependents early: the combine's CTAs are
+// placed only as the decode's CTAs exit, so they take no SM the decode still needs (an early
+// trigger made 4 x 128 x 4k 6% slower: docs/decode-kernels.md).
 //
 // A kernel launched with the attribute may start before the kernel ahead of it in the stream
 // has finished: its CTAs become resident while the previous grid drains, so the launch

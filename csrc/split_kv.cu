@@ -100,6 +100,7 @@ __device__ __forceinline__ int request_runs(const CombineParams& p, int b) {
 // One warp merges one query row of one request, split after split (few splits: the loads of
 // other rows' warps keep memory busy).
 __global__ void __launch_bounds__(32 * kCombineRowsPerBlock) combine_kernel(const CombineParams p) {
+  wait_for_prior_grids();   // after our decode kernel, a dependent launch: its partials
   const int lane = threadIdx.x % 32;
   const int row = blockIdx.x * kCombineRowsPerBlock + threadIdx.x / 32;
   const int b = blockIdx.y;
@@ -143,6 +144,7 @@ __global__ void __launch_bounds__(32 * kCombineWideWarps) combine_wide_kernel(
     const CombineParams p) {
   __shared__ __align__(16) float shares[kCombineWideWarps][kKvLoraRank];   // float4 stores
   __shared__ float totals[kCombineWideWarps];
+  wait_for_prior_grids();   // as combine_kernel
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int row = blockIdx.x;
   const int b = blockIdx.y;
@@ -188,17 +190,17 @@ cudaError_t launch_split_plan(const SplitPlanParams& params, cudaStream_t stream
   return cudaGetLastError();
 }
 
-cudaError_t launch_combine(const CombineParams& params, cudaStream_t stream) {
+cudaError_t launch_combine(const CombineParams& params, cudaStream_t stream,
+                           bool after_own_decode) {
   if (params.batch == 0 || params.num_rows == 0) return cudaSuccess;
   if (params.max_splits >= kCombineWideFrom) {
-    combine_wide_kernel<<<dim3(params.num_rows, params.batch), 32 * kCombineWideWarps, 0,
-                          stream>>>(params);
-  } else {
-    const dim3 grid((params.num_rows + kCombineRowsPerBlock - 1) / kCombineRowsPerBlock,
-                    params.batch);
-    combine_kernel<<<grid, 32 * kCombineRowsPerBlock, 0, stream>>>(params);
+    return launch_kernel(combine_wide_kernel, dim3(params.num_rows, params.batch),
+                         dim3(32 * kCombineWideWarps), 0, stream, after_own_decode, params);
   }
-  return cudaGetLastError();
+  const dim3 grid((params.num_rows + kCombineRowsPerBlock - 1) / kCombineRowsPerBlock,
+                  params.batch);
+  return launch_kernel(combine_kernel, grid, dim3(32 * kCombineRowsPerBlock), 0, stream,
+                       after_own_decode, params);
 }
 
 }  // namespace snapmla

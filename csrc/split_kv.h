@@ -107,7 +107,12 @@ struct CombineParams {
 // The planner alone (one warp); the decode ops fuse it into launch_quantize_q instead.
 cudaError_t launch_split_plan(const SplitPlanParams& params, cudaStream_t stream);
 
-cudaError_t launch_combine(const CombineParams& params, cudaStream_t stream);
+// `after_own_decode`: the last kernel in `stream` is our Hopper decode kernel, which lets the
+// combine be a programmatic dependent of it (csrc/dependent_launch.h).  The decode kernels never
+// trigger their dependents early, so the combine's CTAs are placed only as the decode's exit:
+// the launch latency between the two is hidden without taking SMs from the decode.
+cudaError_t launch_combine(const CombineParams& params, cudaStream_t stream,
+                           bool after_own_decode);
 
 // The launch's splits per (request, row block): enough for the GPU to run two waves of CTAs
 // even when every request is as long as the table allows, never more than the table's pages.

@@ -287,7 +287,7 @@ std::tuple<at::Tensor, at::Tensor> run_decode(const char* op, const QueryRows& q
     c.num_heads = p.num_heads;
     c.s_q = p.s_q;
     c.num_rows = p.num_rows;
-    check_launch(op, launch_combine(c, stream));
+    check_launch(op, launch_combine(c, stream, /*after_own_decode=*/true));
   }
   return {out, lse};
 }
@@ -505,7 +505,8 @@ void combine_splits(const at::Tensor& part_out, const at::Tensor& part_lse,
   c.num_heads = static_cast<int>(out.size(2));
   c.s_q = static_cast<int>(out.size(1));
   c.num_rows = static_cast<int>(rows);
-  check_launch(op, launch_combine(c, c10::cuda::getCurrentCUDAStream()));
+  check_launch(op, launch_combine(c, c10::cuda::getCurrentCUDAStream(),
+                                  /*after_own_decode=*/false));
 }
 
 }  // namespace snapmla::api

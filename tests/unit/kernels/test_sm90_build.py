@@ -149,11 +149,29 @@ _BEFORE_WAIT = {"LDC", "ULDC", "S2R", "S2UR", "CS2R", "MOV", "UMOV", "IMAD", "UI
                 "UIADD3", "LEA", "ULEA", "SHF", "USHF", "LOP3", "ULOP3", "NOP"}
 
 
-def test_decode_kernels_wait_for_the_launch_ahead(decode_kernels):
-    # Each decode kernel is launched as a programmatic dependent of the launch ahead of it
-    # (csrc/dependent_launch.h): its CTAs may start while that kernel still writes the query, so
-    # every thread must execute griddepcontrol.wait (ACQBULK) before any memory access.
-    for name, body in decode_kernels.items():
+@pytest.fixture(scope="module")
+def combine_kernels() -> dict[str, str]:
+    """SASS text of the sm_90a split-combine kernels, by mangled name."""
+    sass = _dump("-sass", "SASS")
+    kernels = {name: body for name, body in
+               re.findall(r"Function : (\S+)\n(.*?)(?=\n\s*Function : |\Z)", sass, re.S)
+               if re.search(r"combine(_wide)?_kernel", name)}
+    if not kernels:
+        pytest.skip("the extension has no sm_90a combine kernel (SNAPMLA_ARCHS without 90a)")
+    return kernels
+
+
+def test_every_combine_variant_is_built(combine_kernels):
+    assert len(combine_kernels) == 2, sorted(combine_kernels)
+
+
+@pytest.mark.parametrize("kind", ["decode", "combine"])
+def test_dependent_kernels_wait_for_the_launch_ahead(kind, request):
+    # Each decode kernel is launched as a programmatic dependent of the launch ahead of it, and
+    # the combine of the decode kernel (csrc/dependent_launch.h): their CTAs may start while
+    # that kernel still writes the query or the partials, so every thread must execute
+    # griddepcontrol.wait (ACQBULK) before any memory access.
+    for name, body in request.getfixturevalue(f"{kind}_kernels").items():
         code = [line.split("*/", 1)[1].split(";")[0].strip() for line in body.splitlines()
                 if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
         waits = [i for i, ins in enumerate(code) if "ACQBULK" in ins.split()]
