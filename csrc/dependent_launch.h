@@ -3,8 +3,9 @@
 // (a pre-quantized query with a fixed split count) it is an ordinary launch: that kernel's
 // author made no promise about the kernels before it.  The combine is a programmatic dependent
 // of our decode kernel, which never triggers its dependents early: the combine's CTAs are
-// placed only as the decode's CTAs exit, so they take no SM the decode still needs (an early
-// trigger made 4 x 128 x 4k 6% slower: docs/decode-kernels.md).
+// placed only once every decode CTA has exited, so they take no SM the decode still needs (an
+// early trigger made 4 x 128 x 4k 6% slower: docs/decode-kernels.md).  A failed launch clears
+// the runtime's last error, as the caller reports it, so that the next launch does not.
 //
 // A kernel launched with the attribute may start before the kernel ahead of it in the stream
 // has finished: its CTAs become resident while the previous grid drains, so the launch
@@ -53,7 +54,9 @@ cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, int 
   config.stream = stream;
   config.attrs = &attribute;
   config.numAttrs = dependent ? 1 : 0;
-  return cudaLaunchKernelEx(&config, kernel, static_cast<Args&&>(args)...);
+  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, static_cast<Args&&>(args)...);
+  if (err != cudaSuccess) cudaGetLastError();
+  return err;
 }
 
 }  // namespace snapmla

@@ -109,8 +109,8 @@ cudaError_t launch_split_plan(const SplitPlanParams& params, cudaStream_t stream
 
 // `after_own_decode`: the last kernel in `stream` is our Hopper decode kernel, which lets the
 // combine be a programmatic dependent of it (csrc/dependent_launch.h).  The decode kernels never
-// trigger their dependents early, so the combine's CTAs are placed only as the decode's exit:
-// the launch latency between the two is hidden without taking SMs from the decode.
+// trigger their dependents early, so the combine's CTAs are placed only once every decode CTA
+// has exited: the launch latency between the two is hidden without taking SMs from the decode.
 cudaError_t launch_combine(const CombineParams& params, cudaStream_t stream,
                            bool after_own_decode);
 

@@ -83,7 +83,6 @@ const char* launch(dim3 grid, int threads, int smem_bytes, int device,
   // quantization (or the planner) drains, and wait for it in the kernel.
   const cudaError_t err = launch_kernel(kKernel, grid, dim3(threads), smem_bytes, stream,
                                         dependent, content_map, rope_map, scale_map, params);
-  if (err != cudaSuccess) cudaGetLastError();   // clear it for the next launch
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
 
