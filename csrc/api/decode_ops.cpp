@@ -326,6 +326,11 @@ DecodeSetup setup_decode(const char* op, const at::Device& device, int64_t batch
   schedule = resolve_schedule(op, schedule, rows);
   const LaunchShape shape =
       launch_shape(op, device, batch, rows, schedule, table.size(1), num_splits);
+  // The combine's grid holds the requests in y.  Planned splits give more than 264 programs one
+  // split, so only a fixed count reaches this.
+  TORCH_CHECK_VALUE(shape.max_splits == 1 || batch <= 65535, op, ": ", batch,
+                    " requests cut into ", shape.max_splits, " splits each: more than 65535 "
+                    "requests take num_splits 1 or 0 (planned)");
   return {table, lens, schedule, shape};
 }
 
@@ -468,6 +473,8 @@ void combine_splits(const at::Tensor& part_out, const at::Tensor& part_lse,
   // A request's runs are counted against the splits (split_range divides by them).
   TORCH_CHECK_VALUE(splits >= 1 && splits <= 65535, op,
                     ": part_out must hold 1 to 65535 splits per request, got ", splits);
+  TORCH_CHECK_VALUE(batch <= 65535, op, ": part_out must hold at most 65535 requests (the "
+                    "combine's grid), got ", batch);
   check_cuda(op, "part_lse", part_lse, device);
   check_shape(op, "part_lse", part_lse, at::kFloat, {batch, splits, rows});
   TORCH_CHECK_VALUE(part_lse.is_contiguous(), op, ": part_lse must be contiguous");

@@ -91,3 +91,14 @@ def test_combine_refuses_partials_without_splits():
     seq_lens = torch.tensor([64], dtype=torch.int32, device="cuda")
     with pytest.raises(ValueError, match="1 to 65535 splits"):
         splits.combine(part_out, part_lse, seq_lens, None, 1, out, lse)
+
+
+def test_combine_refuses_more_requests_than_its_grid():
+    batch = 65536   # the combine's grid holds the requests in y, at most 65535
+    part_out = torch.zeros(batch, 1, 1, fmt.KV_LORA_RANK, device="cuda")
+    part_lse = torch.zeros(batch, 1, 1, device="cuda")
+    out = torch.zeros(batch, 1, 1, fmt.KV_LORA_RANK, dtype=torch.bfloat16, device="cuda")
+    lse = torch.zeros(batch, 1, 1, device="cuda")
+    seq_lens = torch.full((batch,), 64, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="at most 65535 requests"):
+        splits.combine(part_out, part_lse, seq_lens, None, 1, out, lse)

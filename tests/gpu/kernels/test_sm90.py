@@ -284,6 +284,21 @@ def test_rejects_bad_inputs_of_the_fused_op():
         sm90.decode_sm90(q, qp, cache, bt[:, :0], sl, SCALE)
 
 
+def test_fixed_splits_refuse_more_requests_than_the_combine_grid():
+    # The combine's grid holds the requests in y (at most 65535); planned splits give so many
+    # requests one split each, with no combine, and run.
+    batch = 65536
+    q = torch.randn(batch, 1, 1, fmt.KV_LORA_RANK, dtype=torch.bfloat16, device="cuda")
+    qp = torch.randn(batch, 1, 1, fmt.ROPE_DIM, dtype=torch.bfloat16, device="cuda")
+    cache = torch.zeros(1, fmt.PAGE_SIZE, fmt.BYTES_PER_TOKEN, dtype=torch.uint8, device="cuda")
+    bt = torch.zeros(batch, 1, dtype=torch.int32, device="cuda")
+    sl = torch.zeros(batch, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="more than 65535 requests"):
+        sm90.decode_sm90(q, qp, cache, bt, sl, SCALE, num_splits=2)
+    out, lse = sm90.decode_sm90(q, qp, cache, bt, sl, SCALE)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+
+
 # --- the chain of launches in one decode call, queued as vLLM queues it ---------------------
 
 def _chained_decodes(q0, qp, cache, table, lengths, steps):
