@@ -794,6 +794,13 @@ def ratio_range(row: dict) -> tuple[float, float] | None:
     return (min(runs), max(runs)) if len(runs) > 1 else None
 
 
+def within_spread(row: dict) -> bool:
+    """Whether the cell's per-run ratios lie on both sides of 1.0x: its runs do not agree on
+    which format is faster, whatever side their median falls on."""
+    span = ratio_range(row)
+    return span is not None and span[0] < 1.0 <= span[1]
+
+
 def serve_key(row: dict) -> tuple:
     return int(row["heads"]), row["mode"], row["kv"]
 
@@ -828,8 +835,13 @@ def _ratio(value) -> str:
 
 
 def _ratio_with_runs(row: dict) -> str:
+    text = _ratio(row.get("vs_bf16"))
     span = ratio_range(row)
-    return _ratio(row.get("vs_bf16")) + (f" (runs {span[0]:.2f}-{span[1]:.2f})" if span else "")
+    if span is None:
+        return text
+    if within_spread(row):
+        text = text.removesuffix(" ▼") + " ≈"
+    return f"{text} (runs {span[0]:.2f}-{span[1]:.2f})"
 
 
 def _runs_header(title: str, runs: list[str]) -> list[str]:
@@ -853,7 +865,9 @@ def format_matrix(rows: list[dict], runs: list[str]) -> str:
     lines += ["decode tok/s = B / TPOT; TPOT = median over the timed windows of the engine "
               "core's step time.  Ratios: decode tok/s of the format over BF16's (`auto`) in the "
               "same cell (with `fill` the batches differ: the capacity gain is in the ratio); "
-              "**bold ▼** marks those below 1.0x.  B: batch per format (BF16 / fp8_snapmla / "
+              "**bold** marks those below 1.0x, with ▼ where every run was below (or the cell "
+              "ran once) and ≈ where the runs lie on both sides of 1.0x (they do not agree on "
+              "which format is faster).  B: batch per format (BF16 / fp8_snapmla / "
               "fp8).  Where a note lists the runs' TPOTs, the cell ran that many times on each "
               "format (`--repeats`: a fresh engine each time; `--rounds`: the same engines, the "
               "formats in turn each round) and TPOT is their median; `(runs a-b)` after a "
@@ -935,8 +949,9 @@ def format_serve(rows: list[dict], runs: list[str]) -> str:
 def plot_matrix(rows: list[dict], path: Path, title: str) -> list[str]:
     """Heat maps of the fp8_snapmla/BF16 decode tok/s ratio, one panel per (heads,
     max_model_len, mode): rows = context, columns = batch, a diverging colormap centred at 1.0
-    with the ratio in each cell (under it, with ``--repeats``, the range of the per-pass
-    ratios), missing cells grey and hatched.  Returns the panels' titles (empty, and no file,
+    with the ratio in each cell (under it, with ``--repeats`` or ``--rounds``, the range of the
+    per-run ratios, and ≈ before it where they lie on both sides of 1.0x), missing cells grey
+    and hatched.  Returns the panels' titles (empty, and no file,
     without matplotlib)."""
     try:
         import matplotlib
@@ -982,8 +997,10 @@ def plot_matrix(rows: list[dict], path: Path, title: str) -> list[str]:
                                            edgecolor="grey", lw=0))
                     ax.text(j, i, "n/a", ha="center", va="center", fontsize=7, color="dimgrey")
                 else:
-                    span = spans.get((heads, mml, mode, contexts[i], batches[j]))
-                    ax.text(j, i, f"{grid[i, j]:.2f}x", ha="center",
+                    cell = (heads, mml, mode, contexts[i], batches[j])
+                    span = spans.get(cell)
+                    mark = "≈" if within_spread(ours[cell]) else ""
+                    ax.text(j, i, f"{mark}{grid[i, j]:.2f}x", ha="center",
                             va="bottom" if span else "center", fontsize=9,
                             fontweight="bold" if grid[i, j] < 1.0 else "normal")
                     if span:   # --repeats: the per-pass ratios' range
@@ -999,7 +1016,11 @@ def plot_matrix(rows: list[dict], path: Path, title: str) -> list[str]:
         ax.axis("off")
     fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8,
                  label="fp8_snapmla / BF16 decode tok/s")
-    fig.suptitle("\n".join(textwrap.wrap(title, int(width_in * 15))), fontsize=8)
+    lines = textwrap.wrap(title, int(width_in * 15))
+    if any(spans.values()):
+        lines.append("small numbers: the lowest and highest run's ratio; ≈: they lie on both "
+                     "sides of 1.0x")
+    fig.suptitle("\n".join(lines), fontsize=8)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return titles

@@ -457,13 +457,26 @@ def test_outputs_with_repeats_keep_every_run_and_put_medians_in_the_matrix(tmp_p
     assert bm.ratio_range(ours) == (0.769, 1.22)
     table = (tmp_path / "matrix.md").read_text()
     assert "runs' TPOT ms: BF16 4.000/5.000/4.600, fp8_snapmla 5.200/4.100/4.400" in table
-    assert "| 1.04x (runs 0.77-1.22) |" in table
+    assert "| 1.04x ≈ (runs 0.77-1.22) |" in table   # runs on both sides of 1.0x
     # Another command's runs are combined apart from this one's.
     later = {**INFO, "date": "2026-12-04 10:00 UTC"}
     matrix, _ = bm.write_outputs(tmp_path, later, [_cell("auto", 64000 / 9.0, mode="eager",
                                                          repeat=1)], repeats=2,
                                  run_fields=bm.run_fields_of())
     assert next(r for r in matrix if r["kv"] == "auto")["tpot_ms"] == 9.0
+
+
+@pytest.mark.parametrize("runs, median, text", [
+    ("0.940 0.950 0.990", 0.95, "| **0.95x** ▼ (runs 0.94-0.99) |"),   # slower in every run
+    ("0.710 1.160 0.870", 0.87, "| **0.87x** ≈ (runs 0.71-1.16) |"),   # the runs disagree
+    ("1.120 0.940 1.080", 1.08, "| 1.08x ≈ (runs 0.94-1.12) |"),
+    ("1.000 1.200 1.100", 1.10, "| 1.10x (runs 1.00-1.20) |"),          # 1.0x is not slower
+])
+def test_cells_whose_runs_disagree_are_marked_apart_from_slower_ones(runs, median, text):
+    ours = {**_cell("fp8_snapmla", 64000 / 4.0), "vs_bf16": median, "vs_bf16_runs": runs}
+    assert bm.within_spread(ours) == ("≈" in text)
+    table = bm.format_matrix([_cell("auto", 64000 / 4.0), ours], ["run"])
+    assert text in table, table
 
 
 def test_a_pass_skipped_by_the_budget_leaves_a_gap_in_the_per_run_ratios(tmp_path):
