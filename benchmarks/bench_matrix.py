@@ -794,6 +794,12 @@ def ratio_range(row: dict) -> tuple[float, float] | None:
     return (min(runs), max(runs)) if len(runs) > 1 else None
 
 
+def layers_of(row: dict) -> int:
+    """The layers of the model a row was measured with (rows from before --layers have none:
+    4)."""
+    return int(row.get("layers") or NUM_LAYERS)
+
+
 def within_spread(row: dict) -> bool:
     """Whether the cell's per-run ratios lie on both sides of 1.0x: its runs do not agree on
     which format is faster, whatever side their median falls on."""
@@ -859,7 +865,7 @@ def format_matrix(rows: list[dict], runs: list[str]) -> str:
     """matrix.md: a table per (heads, max_model_len, mode), a line per (context, batch)."""
     lines = _runs_header("fp8_snapmla vs vLLM's BF16 (`auto`) and FP8 caches: workload matrix",
                          runs)
-    layers = sorted({int(r.get("layers") or NUM_LAYERS) for r in rows})
+    layers = sorted({layers_of(r) for r in rows})
     lines += [f"The model: DeepSeek-V3.1's attention in {'/'.join(map(str, layers))} dense "
               "layers (`--layers`).", ""]
     lines += ["decode tok/s = B / TPOT; TPOT = median over the timed windows of the engine "
@@ -1003,7 +1009,7 @@ def plot_matrix(rows: list[dict], path: Path, title: str) -> list[str]:
                     ax.text(j, i, f"{mark}{grid[i, j]:.2f}x", ha="center",
                             va="bottom" if span else "center", fontsize=9,
                             fontweight="bold" if grid[i, j] < 1.0 else "normal")
-                    if span:   # --repeats: the per-pass ratios' range
+                    if span:   # --repeats, --rounds: the per-run ratios' range
                         ax.text(j, i, f"{span[0]:.2f}-{span[1]:.2f}", ha="center", va="top",
                                 fontsize=6.5, color="dimgrey")
         ax.set_xticks(range(len(batches)), batches)
@@ -1108,7 +1114,7 @@ def folder_problem(out: Path, run_fields: dict) -> str | None:
             asked = f"{asked_ms} ms" if asked_ms else "Python's default"
             return (f"{out / name}.csv holds results measured with the GIL switch interval at "
                     f"{held}; this run's ({asked}) needs another --out")
-        other = {int(r.get("layers") or NUM_LAYERS) for r in rows} - {asked_layers}
+        other = {layers_of(r) for r in rows} - {asked_layers}
         if other:
             return (f"{out / name}.csv holds results of a model with "
                     f"{', '.join(map(str, sorted(other)))} layers; this run's --layers "

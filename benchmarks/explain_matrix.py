@@ -45,7 +45,7 @@ import math
 import sys
 from pathlib import Path
 
-from benchmarks.bench_matrix import NUM_LAYERS, Settings, baseline_of, matrix_key
+from benchmarks.bench_matrix import NUM_LAYERS, Settings, baseline_of, layers_of, matrix_key
 from benchmarks.provenance import describe, run_info
 from benchmarks.vllm_engine import BLOCK_SIZE, merge_by_key, number, read_csv, write_csv
 
@@ -103,12 +103,6 @@ def layer_us(times: dict, mode: str) -> float:
     """One layer's attention in a step of ``mode``, from ``bench_decode.measure_call``'s times:
     under a graph its GPU time; eagerly the larger of GPU and host time."""
     return times["us"] if mode == "graph" else max(times["us"], times.get("host_us") or 0.0)
-
-
-def layers_of(row: dict) -> int:
-    """The layers of the model a matrix row was measured with (rows from before
-    ``bench_matrix --layers`` have none: 4)."""
-    return int(row.get("layers") or NUM_LAYERS)
 
 
 def explain(bf16: dict, ours: dict, times: dict, layers: int = NUM_LAYERS) -> dict:

@@ -61,13 +61,16 @@ def launch_registers() -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def decode_kernels() -> dict[str, str]:
-    """SASS text of each sm_90a decode kernel instantiation, by mangled name."""
+def sass_functions() -> list[tuple[str, str]]:
+    """(mangled name, SASS text) of every sm_90a function of the extension, dumped once."""
     sass = _dump("-sass", "SASS")
-    kernels = {}
-    for name, body in re.findall(r"Function : (\S+)\n(.*?)(?=\n\s*Function : |\Z)", sass, re.S):
-        if _DECODE_KERNEL.search(name):
-            kernels[name] = body
+    return re.findall(r"Function : (\S+)\n(.*?)(?=\n\s*Function : |\Z)", sass, re.S)
+
+
+@pytest.fixture(scope="module")
+def decode_kernels(sass_functions) -> dict[str, str]:
+    """SASS text of each sm_90a decode kernel instantiation, by mangled name."""
+    kernels = {name: body for name, body in sass_functions if _DECODE_KERNEL.search(name)}
     if not kernels:
         pytest.skip(_NO_KERNEL)
     return kernels
@@ -150,11 +153,9 @@ _BEFORE_WAIT = {"LDC", "ULDC", "S2R", "S2UR", "CS2R", "MOV", "UMOV", "IMAD", "UI
 
 
 @pytest.fixture(scope="module")
-def combine_kernels() -> dict[str, str]:
+def combine_kernels(sass_functions) -> dict[str, str]:
     """SASS text of the sm_90a split-combine kernels, by mangled name."""
-    sass = _dump("-sass", "SASS")
-    kernels = {name: body for name, body in
-               re.findall(r"Function : (\S+)\n(.*?)(?=\n\s*Function : |\Z)", sass, re.S)
+    kernels = {name: body for name, body in sass_functions
                if re.search(r"combine(_wide)?_kernel", name)}
     if not kernels:
         pytest.skip("the extension has no sm_90a combine kernel (SNAPMLA_ARCHS without 90a)")
