@@ -114,10 +114,15 @@ cudaError_t launch_split_plan(const SplitPlanParams& params, cudaStream_t stream
 cudaError_t launch_combine(const CombineParams& params, cudaStream_t stream,
                            bool after_own_decode);
 
-// The launch's splits per (request, row block): enough for the GPU to run two waves of CTAs
-// even when every request is as long as the table allows, never more than the table's pages.
-inline int max_splits_for(int64_t programs, int slots, int64_t table_pages) {
-  int64_t splits = (2 * int64_t(slots) + programs - 1) / (programs > 0 ? programs : 1);
+// The launch's splits per (request, row block).  Several requests: enough for the GPU to run
+// two waves of CTAs even when every request is as long as the table allows, so that a long
+// request among short ones can still be cut finely.  One request: one wave (at least one split),
+// since more runs than fit at once never pay for their overhead, and every split the plan leaves
+// empty is a CTA that still has to be placed, after the working ones, before the combine starts.
+// Never more than the table's pages.
+inline int max_splits_for(int64_t batch, int64_t programs, int slots, int64_t table_pages) {
+  if (programs < 1) programs = 1;
+  int64_t splits = batch == 1 ? slots / programs : (2 * int64_t(slots) + programs - 1) / programs;
   if (splits > table_pages) splits = table_pages;
   if (splits > 65535) splits = 65535;
   return splits > 1 ? static_cast<int>(splits) : 1;

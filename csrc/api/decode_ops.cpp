@@ -98,7 +98,7 @@ LaunchShape launch_shape(const char* op, const at::Device& device, int64_t batch
   const int64_t programs = batch * row_blocks;
   const int slots = device_info(op, device).multiprocessors;
   const int max_splits = num_splits > 0 ? static_cast<int>(num_splits)
-                                        : max_splits_for(programs, slots, table_pages);
+                                        : max_splits_for(batch, programs, slots, table_pages);
   return {static_cast<int>(programs), slots, max_splits};
 }
 

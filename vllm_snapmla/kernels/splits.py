@@ -17,10 +17,11 @@ from vllm_snapmla import format as fmt
 from vllm_snapmla._native import require_native
 
 
-def max_splits_for(programs: int, slots: int, table_pages: int) -> int:
-    """The grid's splits: enough for two waves of CTAs even when every request is as long as the
-    table allows, never more than the table's pages (``split_kv.h max_splits_for``)."""
-    splits = -(-2 * slots // max(programs, 1))
+def max_splits_for(batch: int, programs: int, slots: int, table_pages: int) -> int:
+    """The grid's splits: two waves of CTAs for several requests, one for a single request,
+    never more than the table's pages (``split_kv.h max_splits_for``)."""
+    programs = max(programs, 1)
+    splits = slots // programs if batch == 1 else -(-2 * slots // programs)
     return max(1, min(splits, table_pages, 65535))
 
 

@@ -307,7 +307,7 @@ def snapmla_decode(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: torch.T
     row_blocks = triton.cdiv(num_rows, cfg.block_h)
     programs = B * row_blocks
     if num_splits is None:
-        max_splits = splits.max_splits_for(programs, num_sms * cfg.programs_per_sm,
+        max_splits = splits.max_splits_for(B, programs, num_sms * cfg.programs_per_sm,
                                            block_table.shape[1])
         pages_per_split = (splits.plan(seq_lens, block_table.shape[1], B, programs,
                                        num_sms * cfg.programs_per_sm, max_splits)

@@ -129,7 +129,7 @@ def _random_cases(rng, n):
         slots = rng.choice([132, 132, 114, 78, 264])
         table_pages = rng.choice([8, 64, 512, 2048, 2560])
         programs = batch * row_blocks
-        max_splits = (splits.max_splits_for(programs, slots, table_pages) if rng.random() < 0.7
+        max_splits = (splits.max_splits_for(batch, programs, slots, table_pages) if rng.random() < 0.7
                       else rng.randint(1, 300))
         top = table_pages * 64
         kind = rng.random()

@@ -257,7 +257,13 @@ def test_split_ranges_cover_each_request_once():
         assert splits.split_range(seq_len, table_pages, 0, 8, 0) == (0, 0, 1)
         assert not splits.valid_length(seq_len, table_pages)
     assert splits.valid_length(4 * 64, 4) and splits.valid_length(0, 4)
-    # The grid: two waves of CTAs at most, never more splits than the table has pages.
-    assert splits.max_splits_for(programs=64, slots=132, table_pages=2560) == 5
-    assert splits.max_splits_for(programs=1, slots=132, table_pages=16) == 16
-    assert splits.max_splits_for(programs=1000, slots=132, table_pages=2560) == 1
+    # The grid: two waves of CTAs at most for several requests, one for a single request, never
+    # more splits than the table has pages.
+    assert splits.max_splits_for(batch=64, programs=64, slots=132, table_pages=2560) == 5
+    assert splits.max_splits_for(batch=2, programs=2, slots=132, table_pages=2560) == 132
+    assert splits.max_splits_for(batch=1, programs=1, slots=132, table_pages=2560) == 132
+    assert splits.max_splits_for(batch=1, programs=2, slots=132, table_pages=2560) == 66
+    assert splits.max_splits_for(batch=1, programs=4, slots=114, table_pages=2560) == 28
+    assert splits.max_splits_for(batch=1, programs=1, slots=132, table_pages=16) == 16
+    assert splits.max_splits_for(batch=1, programs=200, slots=132, table_pages=2560) == 1
+    assert splits.max_splits_for(batch=1000, programs=1000, slots=132, table_pages=2560) == 1
