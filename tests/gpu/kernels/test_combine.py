@@ -47,7 +47,7 @@ def _partials(batch, max_splits, s_q, heads, chunk, runs, seed):
     (31, [31, 17, 1, 2], 2, 16),          # one warp per row, up to the threshold
     (32, [32, 5, 1, 31], 1, 16),          # eight warps per row from here on
     (66, [63, 40, 1, 2], 4, 8),
-    (264, [128, 264, 1, 9], 1, 16),       # one request of 128 splits, as for 128k tokens
+    (264, [128, 264, 1, 9], 1, 16),       # more splits than a launch makes: any max_splits merges
     (132, [128, 70, 1], 1, 128),
 ])
 def test_combine_matches_its_cpu_model(max_splits, runs, s_q, heads):

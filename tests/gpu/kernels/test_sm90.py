@@ -240,7 +240,7 @@ def test_planner_matches_its_python_model():
     """The GPU planner's pages_per_split equals ``splits.pages_per_split_for``."""
     from vllm_snapmla.kernels import splits
     gen = torch.Generator().manual_seed(3)
-    for batch, programs, slots, max_splits in [(1, 1, 132, 264), (4, 8, 132, 33), (64, 64, 132, 5),
+    for batch, programs, slots, max_splits in [(1, 1, 132, 132), (4, 8, 132, 33), (64, 64, 132, 5),
                                                (300, 300, 132, 1), (33, 66, 132, 4),
                                                (16, 32, 132, 9), (128, 256, 132, 3)]:
         lens = torch.randint(0, 140000, (batch,), generator=gen, dtype=torch.int32)

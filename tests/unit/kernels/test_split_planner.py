@@ -13,7 +13,8 @@ from tests.unit.kernels.host_probe import build_probe
 from vllm_snapmla.kernels import splits
 
 # Reads cases "table_pages batch programs slots max_splits overhead len..." from stdin, one a
-# line, and prints each plan.  A shuffle is two rounds of a 32-thread barrier: every lane posts
+# line, and prints each plan; a line "M batch programs slots table_pages" prints the grid's
+# max_splits_for instead.  A shuffle is two rounds of a 32-thread barrier: every lane posts
 # its value, then reads its partner's.
 _PROBE = r"""
 #include <condition_variable>
@@ -77,6 +78,14 @@ int main() {
   std::string line;
   while (std::getline(std::cin, line)) {
     std::istringstream in(line);
+    if (!line.empty() && line[0] == 'M') {   // "M batch programs slots table_pages": the grid
+      char tag;
+      long long batch, programs, table_pages;
+      int slots;
+      in >> tag >> batch >> programs >> slots >> table_pages;
+      std::printf("%d\n", snapmla::max_splits_for(batch, programs, slots, table_pages));
+      continue;
+    }
     snapmla::SplitPlanParams p{};
     std::vector<int32_t> lens;
     in >> p.table_pages >> p.batch >> p.programs >> p.slots >> p.max_splits >> p.overhead_pages;
@@ -115,6 +124,15 @@ def planner(tmp_path_factory):
                              timeout=600)
         assert out.returncode == 0, out.stdout[-500:] + out.stderr[-500:]
         return [int(v) for v in out.stdout.split()]
+
+    def grids(cases):
+        text = "".join(f"M {batch} {programs} {slots} {table_pages}\n"
+                       for batch, programs, slots, table_pages in cases)
+        out = subprocess.run([str(probe)], input=text, capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, out.stdout[-500:] + out.stderr[-500:]
+        return [int(v) for v in out.stdout.split()]
+    run.grids = grids
     return run
 
 
@@ -148,7 +166,7 @@ def _random_cases(rng, n):
 def test_the_cpp_planner_matches_its_python_model(planner):
     rng = random.Random(7)
     cases = _random_cases(rng, 400)
-    cases += [(2048, [0] * 5, 5, 132, 8), (64, [64 * 64], 1, 132, 64), (2560, [1], 1, 132, 264),
+    cases += [(2048, [0] * 5, 5, 132, 8), (64, [64 * 64], 1, 132, 64), (2560, [1], 1, 132, 132),
               (2560, [131072] * 4, 8, 132, 33), (512, [32768] + [4096] * 15, 32, 132, 9)]
     got = planner(cases)
     want = [splits.pages_per_split_for(lens, programs, slots, max_splits, tp)
@@ -161,3 +179,19 @@ def test_the_cpp_planner_matches_its_python_model(planner):
                     f"max_splits={max_splits}, lengths={lens[:8]}{'...' if len(lens) > 8 else ''}")
     assert len(set(want)) > 20   # the cases reach many different plans
 
+
+
+def test_the_cpp_grid_matches_its_python_model(planner):
+    """``max_splits_for``: two waves for several requests, one for a single request, capped by
+    the table's pages and 65535, at least 1; C++ and Python alike."""
+    cases = [(batch, programs, slots, table_pages)
+             for batch in (0, 1, 2, 3, 64, 1000, 70000)
+             for programs in (batch, 2 * batch, 4 * batch, 1, 0, -1)
+             for slots in (1, 78, 114, 132, 264)
+             for table_pages in (1, 16, 2560, 200000)]
+    got = planner.grids(cases)
+    want = [splits.max_splits_for(*case) for case in cases]
+    assert got == want
+    assert splits.max_splits_for(1, 1, 132, 2560) == 132      # one request: one wave
+    assert splits.max_splits_for(2, 2, 132, 2560) == 132      # two: two waves
+    assert splits.max_splits_for(1, 2, 132, 2560) == 66       # one request, two row blocks

@@ -209,9 +209,9 @@ def test_split_planner_model():
     assert splits.pages_per_split_for([128 * 64] * 66, programs=66, slots=132, max_splits=4,
                                       table_pages=128) == 64
     # One long request on an empty GPU: spread over many splits, never more than max_splits.
-    per_split = splits.pages_per_split_for([131072], programs=1, slots=132, max_splits=264,
+    per_split = splits.pages_per_split_for([131072], programs=1, slots=132, max_splits=132,
                                            table_pages=2048)
-    assert 2048 / 264 <= per_split <= 64
+    assert 2048 / 132 <= per_split <= 64
     # Every request's runs count, not the longest one's times the batch: at 128 heads (two row
     # blocks) 16 requests of 32k tokens fill the 132 SMs with runs of 128 pages, but one 32k
     # request among 4k ones takes shorter runs, and they still fit in one wave.
