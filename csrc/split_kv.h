@@ -117,9 +117,8 @@ cudaError_t launch_combine(const CombineParams& params, cudaStream_t stream,
 // The launch's splits per (request, row block).  Several requests: enough for the GPU to run
 // two waves of CTAs even when every request is as long as the table allows, so that a long
 // request among short ones can still be cut finely.  One request: one wave (at least one split),
-// since more runs than fit at once never pay for their overhead, and every split the plan leaves
-// empty is a CTA that still has to be placed, after the working ones, before the combine starts.
-// Never more than the table's pages.
+// since more runs than fit at once never pay for their overhead, and the planner then scores
+// half the candidates (docs/decode-kernels.md, "Splits").  Never more than the table's pages.
 inline int max_splits_for(int64_t batch, int64_t programs, int slots, int64_t table_pages) {
   if (programs < 1) programs = 1;
   int64_t splits = batch == 1 ? slots / programs : (2 * int64_t(slots) + programs - 1) / programs;

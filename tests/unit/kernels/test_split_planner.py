@@ -116,22 +116,20 @@ def planner(tmp_path_factory):
     """Runs the C++ planner on a list of cases, returning its plans."""
     probe = build_probe(tmp_path_factory, "split_planner", _PROBE, "csrc/split_kv.h")
 
-    def run(cases):
-        text = "".join(" ".join(map(str, [tp, len(lens), programs, slots, max_splits,
-                                          splits.SPLIT_OVERHEAD_PAGES, *lens])) + "\n"
-                       for tp, lens, programs, slots, max_splits in cases)
-        out = subprocess.run([str(probe)], input=text, capture_output=True, text=True,
-                             timeout=600)
+    def answers(lines, timeout):
+        out = subprocess.run([str(probe)], input="".join(lines), capture_output=True, text=True,
+                             timeout=timeout)
         assert out.returncode == 0, out.stdout[-500:] + out.stderr[-500:]
         return [int(v) for v in out.stdout.split()]
 
+    def run(cases):
+        return answers([" ".join(map(str, [tp, len(lens), programs, slots, max_splits,
+                                           splits.SPLIT_OVERHEAD_PAGES, *lens])) + "\n"
+                        for tp, lens, programs, slots, max_splits in cases], timeout=600)
+
     def grids(cases):
-        text = "".join(f"M {batch} {programs} {slots} {table_pages}\n"
-                       for batch, programs, slots, table_pages in cases)
-        out = subprocess.run([str(probe)], input=text, capture_output=True, text=True,
-                             timeout=60)
-        assert out.returncode == 0, out.stdout[-500:] + out.stderr[-500:]
-        return [int(v) for v in out.stdout.split()]
+        return answers([f"M {batch} {programs} {slots} {table_pages}\n"
+                        for batch, programs, slots, table_pages in cases], timeout=60)
     run.grids = grids
     return run
 
@@ -147,8 +145,8 @@ def _random_cases(rng, n):
         slots = rng.choice([132, 132, 114, 78, 264])
         table_pages = rng.choice([8, 64, 512, 2048, 2560])
         programs = batch * row_blocks
-        max_splits = (splits.max_splits_for(batch, programs, slots, table_pages) if rng.random() < 0.7
-                      else rng.randint(1, 300))
+        max_splits = (splits.max_splits_for(batch, programs, slots, table_pages)
+                      if rng.random() < 0.7 else rng.randint(1, 300))
         top = table_pages * 64
         kind = rng.random()
         if kind < 0.3:
@@ -178,7 +176,6 @@ def test_the_cpp_planner_matches_its_python_model(planner):
                     f"for table_pages={table_pages}, programs={programs}, slots={slots}, "
                     f"max_splits={max_splits}, lengths={lens[:8]}{'...' if len(lens) > 8 else ''}")
     assert len(set(want)) > 20   # the cases reach many different plans
-
 
 
 def test_the_cpp_grid_matches_its_python_model(planner):
