@@ -15,16 +15,13 @@ __global__ void __launch_bounds__(32) split_plan_kernel(const SplitPlanParams p)
 }
 
 constexpr int kColsPerLane = kKvLoraRank / 32;   // 16: four float4 per lane
-constexpr int kCombineUnroll = 4;                 // splits whose loads a warp has in flight
-
-// Where a launch may cut requests into many splits (one long request, a few), a row's splits are
-// shared by kCombineWideWarps warps: one warp reading 100+ splits one after another would wait
-// on memory for each (60 us for one 128k-token request on an H100, longer than its decode).
-// With few splits the wide block's shared-memory sum costs more than it saves (8 requests x 128
-// heads x 8 splits: 9.2 against 6.6 us at max_splits 17), hence the threshold.
-constexpr int kCombineWideWarps = 8;
-constexpr int kCombineWideFrom = 32;   // max_splits from which a row gets the wide block
-constexpr int kCombineRowsPerBlock = 4;   // otherwise: one warp per row, four rows a block
+// kCombineUnroll, kCombineWideWarps, kCombineWideFrom: split_kv.h.  Where a launch may cut
+// requests into many splits, a row's splits are shared by several warps: one warp reading 100+
+// splits one after another would wait on memory for each (60 us for one 128k-token request on
+// an H100, longer than its decode).  With few splits the wide block's shared-memory sum costs
+// more than it saves (8 requests x 128 heads x 8 splits: 9.2 against 6.6 us at max_splits 17),
+// hence the threshold.
+constexpr int kCombineRowsPerBlock = 4;   // below kCombineWideFrom: a warp per row, four a block
 
 // One warp's share of a row's merge in the wide kernel: the splits warp_in_row, + warps, ... of
 // the request's `runs`, weighted exp(lse_s - m_ref).  A split of weight 0 (it saw nothing and
@@ -193,7 +190,7 @@ cudaError_t launch_split_plan(const SplitPlanParams& params, cudaStream_t stream
 cudaError_t launch_combine(const CombineParams& params, cudaStream_t stream,
                            bool after_own_decode) {
   if (params.batch == 0 || params.num_rows == 0) return cudaSuccess;
-  if (params.max_splits >= kCombineWideFrom) {
+  if (combine_is_wide(params.max_splits)) {
     return launch_kernel(combine_wide_kernel, dim3(params.num_rows, params.batch),
                          dim3(32 * kCombineWideWarps), 0, stream, after_own_decode, params);
   }

@@ -65,14 +65,52 @@ __host__ __device__ __forceinline__ SplitRange split_range(int seq_len, int tabl
           valid_length(seq_len, table_pages)};
 }
 
+// The combine's shape (csrc/split_kv.cu), which the planner's cost model reads too.  Where a
+// launch allows kCombineWideFrom splits or more (one long request, a few), kCombineWideWarps
+// warps share a query row's splits, each with the loads of kCombineUnroll splits in flight: a
+// row's merge takes one memory round trip per kCombineWideWarps x kCombineUnroll splits.  Below
+// that, one warp merges a row split after split, one round trip each.
+constexpr int kCombineUnroll = 4;
+constexpr int kCombineWideWarps = 8;
+constexpr int kCombineWideFrom = 32;
+
+__host__ __device__ __forceinline__ bool combine_is_wide(int max_splits) {
+  return max_splits >= kCombineWideFrom;
+}
+
+// The combine's cost for the longest request's `runs`, in the planner's units (the time a CTA
+// takes to stream one page: about 1.1 µs at 16 heads on an H100, from one 8,192- and one
+// 131,072-token request decoded in one run, 153 µs for 128 pages and 2.2 ms for 2,048).
+// Measured on an H100, 2,560-column table:
+// - wide: one 8,192-token request at 16 heads takes 22.7, 23.7 and 29.4 µs cut into 32, 64 and
+//   128 runs (graph replay, the cut forced), though the shorter runs save 2 and 3 pages: a round
+//   trip of 32 splits costs about 3 pages;
+// - one warp a row: 16 splits took 10.2 µs at 8 x 16 x 4,096 (eager, the combine's GPU time),
+//   about half a page a split.
+// A fixed part counts what merging costs at all (the partials written and read back).
+constexpr int kCombineFixedPages = 2;
+constexpr int kCombineWideRoundPages = 3;
+constexpr int kCombineNarrowSplitsPerPage = 2;
+
+__host__ __device__ __forceinline__ long long combine_cost_pages(int runs, int max_splits) {
+  if (runs <= 1) return 0;
+  const long long variable =
+      combine_is_wide(max_splits)
+          ? (runs + kCombineUnroll * kCombineWideWarps - 1) / (kCombineUnroll * kCombineWideWarps) *
+                static_cast<long long>(kCombineWideRoundPages)
+          : (runs + kCombineNarrowSplitsPerPage - 1) / kCombineNarrowSplitsPerPage;
+  return kCombineFixedPages + variable;
+}
+
 // The planner's inputs.  Cost model (the same for every kernel): the candidates are the run
 // lengths L = ceil(longest request's pages / s) for s <= max_splits.  At run length L every
 // request is cut into ceil(its pages / L) runs, each one CTA per row block and costing its pages
-// plus a split's fixed cost (query load, partial write, combine) of `overhead_pages` pages; the
+// plus a split's fixed cost (query load, partial write) of `overhead_pages` pages; the
 // launch takes ceil(total cost / (slots x (L + overhead_pages))) waves of L + overhead_pages
 // (exact when every run is L pages long; with ragged lengths the short runs fill the waves of
-// the long ones).  The planner takes the cheapest L (the longest on ties).  Counting every
-// request's runs, not the longest one's times the batch, lets a ragged batch take shorter runs.
+// the long ones), plus the combine's cost for the longest request's runs (combine_cost_pages).
+// The planner takes the cheapest L (the longest on ties).  Counting every request's runs, not
+// the longest one's times the batch, lets a ragged batch take shorter runs.
 struct SplitPlanParams {
   const int32_t* seq_lens;     // [batch]
   int table_pages;             // the block table's columns (longer lengths are invalid)
@@ -173,7 +211,8 @@ SNAPMLA_UNROLL
     // Total cost over all CTAs, in pages: row blocks (programs / batch) x (pages + runs x fixed).
     const long long work = p.programs * (total_pages + runs * p.overhead_pages);
     const long long wave = static_cast<long long>(p.batch) * p.slots * (run + p.overhead_pages);
-    const long long cost = (work + wave - 1) / wave * (run + p.overhead_pages);
+    const long long cost = (work + wave - 1) / wave * (run + p.overhead_pages) +
+                           combine_cost_pages((max_pages + run - 1) / run, p.max_splits);
     if (best_cost < 0 || cost < best_cost) {   // a lane's candidates rise: ties keep the first
       best_cost = cost;
       best = s;

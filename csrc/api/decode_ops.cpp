@@ -29,7 +29,7 @@
 namespace snapmla::api {
 namespace {
 
-// A split's fixed cost in pages of streaming (query load, partial write, combine), for the
+// A split's fixed cost in pages of streaming (query load, partial write), for the
 // planner's cost model; the value the split heuristic was tuned with on the H200.
 constexpr int kSplitOverheadPages = 2;
 

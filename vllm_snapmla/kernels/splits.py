@@ -46,9 +46,29 @@ def split_range(seq_len: int, table_pages: int, pages_per_split: int, max_splits
     return first, max(min(first + run, pages) - first, 0), num_splits
 
 
-# A split's fixed cost (query load, partial write, combine) in pages of streaming, for the
-# planner's cost model (csrc/api/decode_ops.cpp kSplitOverheadPages).
+# A split's fixed cost (query load, partial write) in pages of streaming, for the planner's cost
+# model (csrc/api/decode_ops.cpp kSplitOverheadPages).
 SPLIT_OVERHEAD_PAGES = 2
+# The combine's cost for the longest request's runs, in the same units (split_kv.h
+# combine_cost_pages, which says where the values come from): a fixed part, and 3 pages per 32
+# splits of a row (one memory round trip of the wide combine: 8 warps, 4 splits in flight each)
+# from COMBINE_WIDE_FROM splits on, else a page per 2 splits (one warp, split after split).
+COMBINE_FIXED_PAGES = 2
+COMBINE_WIDE_ROUND_PAGES = 3
+COMBINE_WIDE_ROUND_SPLITS = 32
+COMBINE_NARROW_SPLITS_PER_PAGE = 2
+COMBINE_WIDE_FROM = 32
+
+
+def combine_cost_pages(runs: int, max_splits: int) -> int:
+    """The combine's share of the planner's cost (``split_kv.h combine_cost_pages``)."""
+    if runs <= 1:
+        return 0
+    if max_splits >= COMBINE_WIDE_FROM:
+        variable = -(-runs // COMBINE_WIDE_ROUND_SPLITS) * COMBINE_WIDE_ROUND_PAGES
+    else:
+        variable = -(-runs // COMBINE_NARROW_SPLITS_PER_PAGE)
+    return COMBINE_FIXED_PAGES + variable
 
 
 def pages_per_split_for(seq_lens: list[int], programs: int, slots: int, max_splits: int,
@@ -57,7 +77,8 @@ def pages_per_split_for(seq_lens: list[int], programs: int, slots: int, max_spli
     the run lengths L = ceil(longest valid request's pages / s), s <= max_splits, the cheapest
     ceil(work / (slots x (L + SPLIT_OVERHEAD_PAGES))) waves x (L + SPLIT_OVERHEAD_PAGES), where
     work = row blocks (programs / batch) x (all requests' pages + their ceil(pages / L) runs x
-    SPLIT_OVERHEAD_PAGES); fewer splits on ties.  Invalid lengths count for nothing."""
+    SPLIT_OVERHEAD_PAGES), plus ``combine_cost_pages`` of the longest request's runs; fewer
+    splits on ties.  Invalid lengths count for nothing."""
     pages = [request_pages(n, table_pages) for n in seq_lens]
     max_pages, total_pages = max(pages, default=0), sum(pages)
     best, best_cost = 1, None
@@ -66,7 +87,8 @@ def pages_per_split_for(seq_lens: list[int], programs: int, slots: int, max_spli
         runs = sum(-(-p // run) for p in pages)
         work = programs * (total_pages + runs * SPLIT_OVERHEAD_PAGES)
         wave = len(pages) * slots * (run + SPLIT_OVERHEAD_PAGES)
-        cost = -(-work // wave) * (run + SPLIT_OVERHEAD_PAGES)
+        cost = (-(-work // wave) * (run + SPLIT_OVERHEAD_PAGES)
+                + combine_cost_pages(-(-max_pages // run), max_splits))
         if best_cost is None or cost < best_cost:
             best, best_cost = s, cost
     return -(-max_pages // best) if max_pages > 0 else 1

@@ -192,3 +192,27 @@ def test_the_cpp_grid_matches_its_python_model(planner):
     assert splits.max_splits_for(1, 1, 132, 2560) == 132      # one request: one wave
     assert splits.max_splits_for(2, 2, 132, 2560) == 132      # two: two waves
     assert splits.max_splits_for(1, 2, 132, 2560) == 66       # one request, two row blocks
+
+
+def test_the_planner_charges_the_combine(planner, monkeypatch):
+    """One long request is cut into as many runs as the wide combine merges in one round trip
+    (32), not into one run per SM; with the one-warp combine (a launch of fewer than 32 splits)
+    a run of one page is not worth its split; long requests keep their cut (the pages
+    dominate)."""
+    def case(batch, heads, tokens):
+        programs = batch * (1 if heads <= 32 else -(-heads // 64))
+        return (2560, [tokens] * batch, programs, 132,
+                splits.max_splits_for(batch, programs, 132, 2560))
+
+    cases = [case(1, 16, 8192), case(1, 128, 8192), case(1, 16, 4096), case(16, 16, 512),
+             case(1, 16, 131072), case(1, 128, 131072), case(8, 128, 2048)]
+
+    def model():
+        return [splits.pages_per_split_for(lens, programs, slots, max_splits, tp)
+                for tp, lens, programs, slots, max_splits in cases]
+
+    assert model() == [4, 4, 2, 2, 16, 32, 4]
+    assert planner(cases) == model()
+    # Without the combine's cost the first four took one- and two-page runs.
+    monkeypatch.setattr(splits, "combine_cost_pages", lambda runs, max_splits: 0)
+    assert model() == [1, 2, 1, 1, 16, 32, 4]
