@@ -204,15 +204,24 @@ def test_the_planner_charges_the_combine(planner, monkeypatch):
         return (2560, [tokens] * batch, programs, 132,
                 splits.max_splits_for(batch, programs, 132, 2560))
 
+    # The term itself: nothing for one run; 2 pages, plus 3 per 32 splits (wide, from 32 splits
+    # a launch) or 1 per 2 splits (one warp a row).
+    assert [splits.combine_cost_pages(runs, 132) for runs in (1, 2, 32, 33, 64, 128)] == \
+        [0, 5, 5, 8, 8, 14]
+    assert [splits.combine_cost_pages(runs, 31) for runs in (1, 2, 3, 16, 31)] == \
+        [0, 3, 4, 10, 18]
+    assert splits.combine_cost_pages(32, 32) == 5 and splits.combine_cost_pages(31, 31) == 18
+
     cases = [case(1, 16, 8192), case(1, 128, 8192), case(1, 16, 4096), case(16, 16, 512),
-             case(1, 16, 131072), case(1, 128, 131072), case(8, 128, 2048)]
+             case(1, 16, 32768), case(16, 16, 1024), case(1, 16, 131072), case(1, 128, 131072),
+             case(8, 128, 2048)]
 
     def model():
         return [splits.pages_per_split_for(lens, programs, slots, max_splits, tp)
                 for tp, lens, programs, slots, max_splits in cases]
 
-    assert model() == [4, 4, 2, 2, 16, 32, 4]
+    assert model() == [4, 4, 2, 2, 8, 4, 16, 32, 4]
     assert planner(cases) == model()
-    # Without the combine's cost the first four took one- and two-page runs.
+    # Without the combine's cost the first six took shorter runs.
     monkeypatch.setattr(splits, "combine_cost_pages", lambda runs, max_splits: 0)
-    assert model() == [1, 2, 1, 1, 16, 32, 4]
+    assert model() == [1, 2, 1, 1, 4, 2, 16, 32, 4]
