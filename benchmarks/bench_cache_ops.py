@@ -69,7 +69,8 @@ def quantize_kv_case(T: int, dtype: torch.dtype):
 def append_kv_case(T: int, dtype: torch.dtype):
     kv_c, k_pe = kv_inputs(T, dtype)
     blocks = -(-T // fmt.PAGE_SIZE)
-    cache = torch.empty(blocks, fmt.PAGE_SIZE, fmt.BYTES_PER_TOKEN, dtype=torch.uint8, device="cuda")
+    cache = torch.empty(blocks, fmt.PAGE_SIZE, fmt.BYTES_PER_TOKEN, dtype=torch.uint8,
+                        device="cuda")
     # Tokens fill pages in order; the pages themselves are scattered, as vLLM allocates them.
     page = torch.randperm(blocks, device="cuda")
     pos = torch.arange(T, device="cuda")

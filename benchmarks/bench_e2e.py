@@ -280,8 +280,8 @@ def run_engine(spec: dict):
                                     output_kind=RequestOutputKind.DELTA)
             gained: list[int] = []
             seconds, lock_step, prefill_steps, timer = timed_decode_windows(
-                llm.llm_engine, random_prompts(gen_ids, batch, context, vocab), params, gen, windows,
-                id_prefix=f"bench-e2e-{context}", window_tokens=gained)
+                llm.llm_engine, random_prompts(gen_ids, batch, context, vocab), params, gen,
+                windows, id_prefix=f"bench-e2e-{context}", window_tokens=gained)
             summary = summarize_windows(batch, seconds)
             # Tokens per request and step (1 without speculative decoding; decode_tok_s counts
             # one per request and step).

@@ -1,1 +1,2 @@
-"""Contributor tools for the Hopper kernels (profiling helpers), run with ``python -m tools.<name>``."""
+"""Contributor tools for the Hopper kernels (profiling helpers), run with
+``python -m tools.<name>``."""

@@ -8,7 +8,8 @@ in blocks of --block instructions: each block's share of the kernel's samples, h
 instructions ran (the most of any of them), its three main stall reasons, and its landmark
 instructions (WGMMAs, barriers, TMA and mbarrier waits, MUFU, shared-memory and local-memory
 accesses).  In a warp-specialized kernel the execution counts and landmarks tell the
-warpgroups' phases apart (run it on the source page that `ncu --page source --csv --print-source sass` writes).
+warpgroups' phases apart (run it on the source page that
+`ncu --page source --csv --print-source sass` writes).
 """
 from __future__ import annotations
 

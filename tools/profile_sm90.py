@@ -1,6 +1,7 @@
 """One sm90 decode launch per schedule on random data, for Nsight Compute.
 
-    ncu --clock-control none --kernel-name regex:'decode(_narrow)?_kernel' python3 -m tools.profile_sm90
+    ncu --clock-control none --kernel-name regex:'decode(_narrow)?_kernel' \
+        python3 -m tools.profile_sm90
     python3 -m tools.profile_sm90 --time [--distinct-blocks 64]
 
 --time prints each schedule's median time (CUDA events around 50 CUDA-graph replays) instead.

@@ -276,4 +276,5 @@ def gather_indices(block_table: torch.Tensor, cu_seq_lens: torch.Tensor,
         t = _first(~src.block_ok)
         b, page = int(src.seq[t]), int(src.pos[t]) // fmt.PAGE_SIZE
         raise ValueError(f"token {t} reads block_table[{b}, {page}] = "
-                         f"{int(block_table[b, page])}, not a block of the cache ([0, {num_blocks}))")
+                         f"{int(block_table[b, page])}, not a block of the cache "
+                         f"([0, {num_blocks}))")

@@ -24,11 +24,11 @@ For ordinary rows (``amax(|k_pe|) < 2**24 / 448 * amax(|c_KV|)``) the result is 
 
 Decode quantizes the fused probabilities ``P' = exp(logit - m) * s`` of each 64-token block with a
 dynamic scale ``sigma_P = amax(P') / 448`` (paper §3.2).  We floor ``amax(P')`` at
-``P_SCALE_RANGE`` times the largest ``P'`` seen so far (rescaled to the current running max).  Without
-that floor, a block whose probabilities underflow next to an earlier peak (logit gaps of ~80 nats,
-e.g. behind an attention sink) shrinks ``sigma_P`` so far that the rescaled accumulator overflows
-FP32.  Tokens below 2**-32 of the peak are under FP32 resolution of the result anyway, so the floor
-changes nothing measurable in ordinary attention.
+``P_SCALE_RANGE`` times the largest ``P'`` seen so far (rescaled to the current running max).
+Without that floor, a block whose probabilities underflow next to an earlier peak (logit gaps of
+~80 nats, e.g. behind an attention sink) shrinks ``sigma_P`` so far that the rescaled accumulator
+overflows FP32.  Tokens below 2**-32 of the peak are under FP32 resolution of the result anyway,
+so the floor changes nothing measurable in ordinary attention.
 """
 
 PAGE_SIZE = 64            # tokens per KV block; the decode kernels quantize P per 64-token block

@@ -168,7 +168,8 @@ def gather_kv(kv_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tens
 
 
 def quantize_q(q_nope: torch.Tensor, q_pe: torch.Tensor):
-    """Per (token, head) query quantization: ``(q8 e4m3[...,512], q_scale f32[...], q_pe/q_scale bf16[...,64])``.
+    """Per (token, head) query quantization: ``(q8 e4m3[...,512], q_scale f32[...],
+    q_pe/q_scale bf16[...,64])``.
 
     ``q_nope [..., 512]`` and ``q_pe [..., 64]``: float, same leading shape (no broadcasting),
     same device.  NaN or Inf in a row gives a row that decode turns into NaN output.

@@ -51,7 +51,8 @@ def split_rows(rows: torch.Tensor):
 
 
 def dequantize_kv(rows: torch.Tensor, dtype: torch.dtype = torch.float32):
-    """``uint8[...,656] -> (kv_c = e4m3 * s, k_pe = bf16 * s)``, products in FP32, cast to ``dtype``."""
+    """``uint8[...,656] -> (kv_c = e4m3 * s, k_pe = bf16 * s)``, products in FP32, cast to
+    ``dtype``."""
     c8, s, r16 = split_rows(rows)
     s = s[..., None]
     return (c8.float() * s).to(dtype), (r16.float() * s).to(dtype)

@@ -301,7 +301,8 @@ def compare_greedy(base: list[list[dict]], test: list[list[dict]], what: str = "
     computed from the same context) so are the two chosen tokens' where both top-k hold them,
     and ``test``'s token must be in ``base``'s top-k and at most ``near_tie_nats`` below
     ``base``'s choice, otherwise it is a problem.  Pairs whose ``prompt`` differs (an echo of
-    outputs that parted earlier) are skipped.  Returns ``match`` (the fraction of generated tokens equal position by position),
+    outputs that parted earlier) are skipped.  Returns ``match`` (the fraction of generated
+    tokens equal position by position),
     ``compared`` (steps compared, the divergence included), ``shared steps`` (those before it),
     the mean and max ``|d logprob|`` over every value collected, ``skipped`` and ``problems``
     (strings naming round, prompt and step).

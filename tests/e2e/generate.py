@@ -71,7 +71,8 @@ def _outputs(prompts, outputs) -> list[dict]:
 
 
 def generate(spec: dict, env: dict | None = None, timeout: float = 600) -> dict:
-    """``_run(spec)`` in a fresh process; adds ``log`` and ``batches`` (mode, tokens, reqs, uniform)."""
+    """``_run(spec)`` in a fresh process; adds ``log`` and ``batches`` (mode, tokens, reqs,
+    uniform)."""
     result, log = run_json_child(["-m", "tests.e2e.generate"], spec, env, timeout)
     result["log"] = log
     result["batches"] = [(mode, int(n), None if reqs == "None" else int(reqs), uniform == "True")

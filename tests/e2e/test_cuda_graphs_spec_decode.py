@@ -133,9 +133,9 @@ def test_ngram_speculation_matches_plain_decoding(compiled, ngram):
     accepted = m.get("vllm:spec_decode_num_accepted_tokens") or 0
     full = _full_batches(ngram)
     multi = [(n, reqs) for n, reqs in full if n == (1 + num_spec) * reqs]
-    print(f"{NGRAM['method']}: {m.get('vllm:spec_decode_num_drafts')} drafts, {drafts} draft tokens, "
-          f"{accepted} accepted; FULL decode graphs with s_q = {1 + num_spec}: "
-          f"{len(multi)} batches {sorted(set(multi))}")
+    print(f"{NGRAM['method']}: {m.get('vllm:spec_decode_num_drafts')} drafts, "
+          f"{drafts} draft tokens, {accepted} accepted; FULL decode graphs with "
+          f"s_q = {1 + num_spec}: {len(multi)} batches {sorted(set(multi))}")
     assert ngram["cudagraph_mode"] == "FULL_AND_PIECEWISE"
     assert drafts > 0, "the n-gram proposer drafted nothing: no multi-token decode ran"
     # Uniform verification batches (every request with num_spec drafts) ran as s_q = 1 + num_spec

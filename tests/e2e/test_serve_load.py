@@ -1,4 +1,5 @@
-"""``vllm serve --kv-cache-dtype fp8_snapmla`` under concurrent streaming load, driven by ``openai``.
+"""``vllm serve --kv-cache-dtype fp8_snapmla`` under concurrent streaming load, driven by
+``openai``.
 
 One server (tiny DeepSeek-V3 with random weights of trained-model scale, token-id prompts,
 prefix caching on, default compilation settings) answers the same 16 greedy requests twice:

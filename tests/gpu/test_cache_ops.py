@@ -36,7 +36,8 @@ def token_inputs(T, dtype, seed, width_content=fmt.KV_LORA_RANK, width_rope=fmt.
     big, tiny = _largest(dtype), _tiny(dtype)
     edge = [
         (torch.zeros(width_content), torch.zeros(width_rope)),                  # all zeros
-        (torch.randn(width_content, generator=g) * tiny, torch.randn(width_rope, generator=g) * tiny),
+        (torch.randn(width_content, generator=g) * tiny,
+         torch.randn(width_rope, generator=g) * tiny),
         (torch.randn(width_content, generator=g).clamp(-3, 3) * big / 4,        # huge
          torch.randn(width_rope, generator=g).clamp(-3, 3) * big / 4),
         (torch.randn(width_content, generator=g) * 1e-3,                        # rope >> content:
@@ -157,7 +158,8 @@ def test_append_kv_all_slots_skipped():
     poison = poisoned_cache(3, seed=7)
     cache = poison.to(CUDA)
     ops.append_kv(kv_c.to(CUDA), k_pe.to(CUDA), cache, torch.full((64,), -1, device=CUDA))
-    ops.append_kv(kv_c.to(CUDA), k_pe.to(CUDA), cache, torch.empty(0, dtype=torch.long, device=CUDA))
+    ops.append_kv(kv_c.to(CUDA), k_pe.to(CUDA), cache,
+                  torch.empty(0, dtype=torch.long, device=CUDA))
     assert torch.equal(cache.cpu(), poison)
 
 
@@ -398,7 +400,8 @@ def test_errors_gather_and_quantize_q():
     with pytest.raises(ValueError, match=r"dst must be \[tokens, 576\]"):
         C.gather_kv(cache, dst[:, :512], bt, cu, t2s, 8, None)
     misaligned = torch.empty(8, fmt.HEAD_SIZE + 1, dtype=torch.bfloat16, device=CUDA)[:, 1:]
-    with pytest.raises(ValueError, match="dst rows must have unit stride and start 16-byte aligned"):
+    with pytest.raises(ValueError,
+                       match="dst rows must have unit stride and start 16-byte aligned"):
         C.gather_kv(cache, misaligned, bt, cu, t2s, 8, None)
     with pytest.raises(ValueError, match="num_tokens=9 must be within dst"):
         C.gather_kv(cache, dst, bt, cu, t2s, 9, None)

@@ -215,7 +215,8 @@ def test_quantize_and_append_contract():
         ops.append_kv(kv_c, k_pe, torch.zeros(2, 16, 656, dtype=torch.uint8), torch.tensor([0]))
     with pytest.raises(TypeError, match="slot_mapping must be int32 or int64, got torch.float32"):
         ops.append_kv(kv_c, k_pe, cache, torch.tensor([0.0, 1.0]))
-    with pytest.raises(ValueError, match=r"slot_mapping\[1\] = 128 is outside the cache's 128 slots"):
+    with pytest.raises(ValueError,
+                       match=r"slot_mapping\[1\] = 128 is outside the cache's 128 slots"):
         ops.append_kv(kv_c, k_pe, cache, torch.tensor([0, 128]))
     with pytest.raises(ValueError, match="4 are needed"):
         ops.append_kv(kv_c[:1], k_pe[:1], cache, torch.tensor([0, 1, 2, 3]))

@@ -61,7 +61,8 @@ def test_query_quantization_matches_key_rule():
     q = torch.randn(3, 2, 16, fmt.KV_LORA_RANK).bfloat16()
     qp = (torch.randn(3, 2, 16, fmt.ROPE_DIM) * 5).bfloat16()
     q8, qs, qpe = ops.quantize_q(q, qp)
-    assert q8.dtype == torch.float8_e4m3fn and qs.shape == (3, 2, 16) and qpe.dtype == torch.bfloat16
+    assert q8.dtype == torch.float8_e4m3fn and qs.shape == (3, 2, 16)
+    assert qpe.dtype == torch.bfloat16
     rows = ops.quantize_kv(q.reshape(-1, fmt.KV_LORA_RANK), qp.reshape(-1, fmt.ROPE_DIM))
     c8, s, r16 = ref.split_rows(rows)
     assert torch.equal(q8.reshape(-1, fmt.KV_LORA_RANK).view(torch.uint8), c8.view(torch.uint8))

@@ -45,7 +45,8 @@ def test_reparametrization_keeps_logits_and_moves_rope_keys(smoke_checkpoint, tm
         # Powers of two: within a factor of 2^0.5 of the target, up to the pair-norm bound.
         assert target / 2 <= max(after["group_absmax"]) <= target * 1.5
         assert all(a >= 1 and math_is_power_of_two(a) for a in layer["alphas"])
-    old, new = load_file(smoke_checkpoint / "model.safetensors"), load_file(out / "model.safetensors")
+    old = load_file(smoke_checkpoint / "model.safetensors")
+    new = load_file(out / "model.safetensors")
     assert old.keys() == new.keys()
     changed = {k for k in old if not torch.equal(old[k], new[k])}
     assert changed and all("kv_a_proj_with_mqa" in k or "q_b_proj" in k for k in changed)

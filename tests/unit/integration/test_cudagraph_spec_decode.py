@@ -165,8 +165,8 @@ def _vllm_decode_batch(seq_lens, s_q, gen):
     ql_nope = torch.randn(H, T, fmt.KV_LORA_RANK, generator=gen).bfloat16().transpose(0, 1)
     q_pe = torch.randn(T, H, fmt.ROPE_DIM, generator=gen).bfloat16()
     # forward_impl views the fp8_snapmla cache as the platform's FP8 dtype
-    return cache.view(torch.float8_e4m3fn), block_table, torch.tensor(seq_lens, dtype=torch.int32), \
-        ql_nope, q_pe
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    return cache.view(torch.float8_e4m3fn), block_table, lens, ql_nope, q_pe
 
 
 @pytest.mark.parametrize("s_q", [1, 2, 3, 4])

@@ -137,7 +137,8 @@ def test_setmaxnreg_budgets_fit_the_register_pool(decode_kernels, launch_registe
     # the consumers' .inc waits until the producer's .dec has freed enough, so a budget over the
     # pool hangs every launch (as 32 + 2 x 240 > 3 x 168 did in a version of one kernel).
     for name, body in decode_kernels.items():
-        dealloc = [int(v, 16) for v in re.findall(r"USETMAXREG\.DEALLOC\.CTAPOOL (0x[0-9a-f]+)", body)]
+        dealloc = [int(v, 16) for v in
+                   re.findall(r"USETMAXREG\.DEALLOC\.CTAPOOL (0x[0-9a-f]+)", body)]
         alloc = [int(v, 16) for v in
                  re.findall(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL \w+, (0x[0-9a-f]+)", body)]
         assert len(dealloc) == 1 and len(alloc) == 1, (name, dealloc, alloc)

@@ -103,8 +103,10 @@ def _select_snapmla(platform_cls, selected_backend, attn_selector_config) -> str
 
     from vllm_snapmla.integration.backend import SnapMLABackend
 
-    if selected_backend is not None and not startup_checks.is_snapmla_backend_choice(selected_backend):
-        raise ValueError(startup_checks.wrong_backend_message(selected_backend.name, "--attention-backend"))
+    if (selected_backend is not None
+            and not startup_checks.is_snapmla_backend_choice(selected_backend)):
+        raise ValueError(startup_checks.wrong_backend_message(selected_backend.name,
+                                                              "--attention-backend"))
     capability = platform_cls.get_device_capability()
     reasons = SnapMLABackend.validate_configuration(device_capability=capability,
                                                     **attn_selector_config._asdict())
