@@ -302,10 +302,9 @@ def compare_greedy(base: list[list[dict]], test: list[list[dict]], what: str = "
     and ``test``'s token must be in ``base``'s top-k and at most ``near_tie_nats`` below
     ``base``'s choice, otherwise it is a problem.  Pairs whose ``prompt`` differs (an echo of
     outputs that parted earlier) are skipped.  Returns ``match`` (the fraction of generated
-    tokens equal position by position),
-    ``compared`` (steps compared, the divergence included), ``shared steps`` (those before it),
-    the mean and max ``|d logprob|`` over every value collected, ``skipped`` and ``problems``
-    (strings naming round, prompt and step).
+    tokens equal position by position), ``compared`` (steps compared, the divergence included),
+    ``shared steps`` (those before it), the mean and max ``|d logprob|`` over every value
+    collected, ``skipped`` and ``problems`` (strings naming round, prompt and step).
     """
     equal = total = compared = skipped = shared_steps = 0
     shared_diffs, problems = [], []
