@@ -21,7 +21,9 @@ H200/H800 decode figures are published for; ``--shapes BxHxN[xS_Q]`` instead):
 * ``flashmla-fp8``: FlashMLA's dense FP8 path (``--kv-cache-dtype fp8``): q and the 576-wide row
   in e4m3 with per-tensor scale 1.0; its q cast is not timed;
 * ``snapmla``: ``vllm_snapmla.ops.decode`` from the BF16 query, exactly what vLLM's backend calls
-  per layer (query quantization, kernel choice, splits and combine included);
+  per layer (query quantization, kernel choice, splits and combine included), with the step's
+  split plan (``ops.plan_decode``, which vLLM's metadata builder makes once per step for all
+  layers) made before;
 * every other entry of ``SNAPMLA_KERNELS``: one kernel from the quantized query over the
   ``fp8_snapmla`` cache; the timed call includes the query quantization (``ops.quantize_q``) and
   the split combine.
@@ -42,12 +44,13 @@ Times per backend and shape, in µs:
 * ``eager_us``: CUDA events around many back-to-back eager calls, divided by their number: the
   per-layer time of eager decode, the larger of the launch-bound host time and the GPU time (no
   buffer is rewritten between calls, so small caches stay in L2);
-* for FlashMLA and FlashAttention, ``metadata_host_us``, ``metadata_eager_us`` and
+* for ``snapmla``, FlashMLA and FlashAttention, ``metadata_host_us``, ``metadata_eager_us`` and
   ``metadata_us``: the same three for the scheduling metadata, which vLLM computes once per step
-  for all layers (BF16: ``get_mla_metadata``, whose schedule the first ``flash_mla_with_kvcache``
-  call computes; FP8: ``get_mla_metadata_dense_fp8``; FlashAttention: ``get_scheduler_metadata``),
-  each the time of (fresh metadata + call) minus that of the call with metadata computed before,
-  which ``us``, ``host_us`` and ``eager_us`` time.
+  for all layers (ours: ``ops.plan_decode``; BF16 FlashMLA: ``get_mla_metadata``, whose schedule
+  the first ``flash_mla_with_kvcache`` call computes; FP8: ``get_mla_metadata_dense_fp8``;
+  FlashAttention: ``get_scheduler_metadata``), each the time of (fresh metadata + call) minus
+  that of the call with metadata computed before, which ``us``, ``host_us`` and ``eager_us``
+  time.
 
 TFLOP/s counts ``2*H*s_q*(sum of lengths)*(576+512)``; GB/s counts each backend's own cache bytes
 per token (1152 bf16, 576 fp8, 656 fp8_snapmla), both on ``us``.  Writes ``decode.csv`` and
@@ -55,8 +58,8 @@ per token (1152 bf16, 576 fp8, 656 fp8_snapmla), both on ``us``.  Writes ``decod
 
 ``--kernels`` also profiles ``KERNEL_CALLS`` back-to-back eager calls of every backend with
 torch's profiler and writes the GPU time of each kernel per call to ``kernels.csv`` (ours: the
-query quantization with the split planner, the decode kernel and the combine; FlashMLA's
-metadata is computed before, as for ``us``): where one call's time goes, shape by shape.
+query quantization, the decode kernel and the combine; our plan and FlashMLA's metadata are
+computed before, as for ``us``): where one call's time goes, shape by shape.
 """
 
 from __future__ import annotations
@@ -278,8 +281,13 @@ def decode_calls(inp, fm, fa3, scale, quantize, wanted, eager=False):
         with_metadata["flashmla-fp8"] = lambda: fp8(
             lambda: fm.get_mla_metadata_dense_fp8(sl, s_q * H, 1))
     if OPS_DECODE in wanted:
-        runners[OPS_DECODE] = lambda: ops.decode(inp["q_nope"], inp["q_pe"], inp["snap"], bt, sl,
-                                                 scale)
+        plan = ops.plan_decode(sl, bt, H, s_q)   # the step's plan, as vLLM's builder makes it
+
+        def snap(plan_of=lambda: plan):
+            return ops.decode(inp["q_nope"], inp["q_pe"], inp["snap"], bt, sl, scale,
+                              plan=plan_of())
+        runners[OPS_DECODE] = snap
+        with_metadata[OPS_DECODE] = lambda: snap(lambda: ops.plan_decode(sl, bt, H, s_q))
     for name, load in SNAPMLA_KERNELS.items():
         if name not in wanted:
             continue

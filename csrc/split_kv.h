@@ -57,9 +57,11 @@ __host__ __device__ __forceinline__ SplitRange split_range(int seq_len, int tabl
                                                            int split) {
   const int pages = request_pages(seq_len, table_pages);
   int run = (pages + max_splits - 1) / max_splits;
-  if (pages_per_split > run) run = pages_per_split;
+  // A plan may hold any value (a caller's, or one made for other lengths): runs longer than the
+  // request are one run of its pages, which also keeps pages + run and split x run in int.
+  if (pages_per_split > run) run = pages_per_split < pages ? pages_per_split : pages;
   const int num_splits = run > 0 ? (pages + run - 1) / run : 1;
-  const int first = split * run;
+  const int first = split < num_splits ? split * run : pages;
   const int last = first + run < pages ? first + run : pages;
   return {first, last > first ? last - first : 0, num_splits > 0 ? num_splits : 1,
           valid_length(seq_len, table_pages)};

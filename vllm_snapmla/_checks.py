@@ -115,6 +115,15 @@ def gather_table(table: torch.Tensor) -> None:
                          f"int32 on CUDA), got {_shape(table)}")
 
 
+def split_plan(name: str, t) -> torch.Tensor:
+    """A decode split plan (``ops.plan_decode``): int32 ``[1]``."""
+    tensor(name, t)
+    if t.dtype != torch.int32 or tuple(t.shape) != (1,):
+        raise TypeError(f"{name} must be an int32 [1] tensor (ops.plan_decode's), got "
+                        f"{t.dtype} {_shape(t)}")
+    return t
+
+
 def unit_column_stride(name: str, table: torch.Tensor) -> None:
     """The kernels read a table row's ids as consecutive elements."""
     if table.shape[1] > 1 and table.stride(1) != 1:

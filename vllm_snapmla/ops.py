@@ -222,8 +222,10 @@ def decode_kernel(device: torch.device | str | int) -> str:
 
 
 def _check_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale,
-                  validate: bool | None) -> float:
+                  validate: bool | None, plan=None) -> float:
     """The whole contract of ``decode``; returns the scale as a float."""
+    if plan is not None:
+        _checks.split_plan("plan", plan)
     _checks.float_rows("q_nope", q_nope, fmt.KV_LORA_RANK, dims=4)
     _checks.float_rows("q_pe", q_pe, fmt.ROPE_DIM, dims=4)
     _checks.same_leading("q_nope", q_nope, "q_pe", q_pe)
@@ -233,7 +235,7 @@ def _check_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale,
     _checks.unit_column_stride("block_table", block_table)
     _checks.index_tensor("seq_lens", seq_lens, dims=1)
     _checks.same_device(q_nope.device, q_pe=q_pe, kv_cache=kv_cache, block_table=block_table,
-                        seq_lens=seq_lens)
+                        seq_lens=seq_lens, plan=plan)
     B = q_nope.shape[0]
     if block_table.shape[0] < B or block_table.shape[1] < 1 or seq_lens.numel() < B:
         raise ValueError(f"block_table [{', '.join(map(str, block_table.shape))}] and seq_lens "
@@ -248,9 +250,44 @@ def _check_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale,
     return scale
 
 
+def plan_decode(seq_lens: torch.Tensor, block_table: torch.Tensor, num_heads: int, s_q: int = 1,
+                *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The split plan of a ``decode`` of ``B = seq_lens.shape[0]`` requests of ``s_q`` query
+    tokens x ``num_heads`` heads over ``block_table[>=B, max_blocks]``, for the layers of one
+    step to share (``decode(..., plan=)``): each call then skips its own planner.  vLLM's
+    metadata builder makes one per step.
+
+    Returns ``out`` (int32 ``[1]``; a new one, zeroed, on ``seq_lens``' device when None).  With
+    the Hopper kernels the plan is written on the GPU from the lengths, without a host sync, so a
+    CUDA graph may read ``out`` as a persistent buffer that each step rewrites.  Elsewhere (CPU,
+    the Triton kernel), and where the launch has a single split, nothing is written: those
+    decodes read no plan.  Any plan gives exact results; one made for other lengths or shapes
+    only costs speed.
+    """
+    _checks.index_tensor("seq_lens", seq_lens, dims=1)
+    _checks.index_tensor("block_table", block_table, dims=2)
+    _checks.unit_column_stride("block_table", block_table)
+    heads = _checks.count("num_heads", num_heads)
+    s_q = _checks.count("s_q", s_q)
+    if heads < 1 or s_q < 1:
+        raise ValueError(f"num_heads and s_q must be at least 1, got {heads} and {s_q}")
+    B = seq_lens.shape[0]
+    if block_table.shape[0] < B or block_table.shape[1] < 1:
+        raise ValueError(f"block_table [{', '.join(map(str, block_table.shape))}] must have at "
+                         f"least batch = {B} rows and one column")
+    if out is None:
+        out = torch.zeros(1, dtype=torch.int32, device=seq_lens.device)
+    _checks.split_plan("out", out)
+    _checks.same_device(seq_lens.device, block_table=block_table, out=out)
+    if seq_lens.is_cuda and _use_sm90(seq_lens.device):
+        sm90.plan_decode_sm90(seq_lens, block_table, B, s_q, heads, out)
+    return out
+
+
 def decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
            block_table: torch.Tensor, seq_lens: torch.Tensor, softmax_scale: float,
-           causal: bool = True, *, validate: bool | None = None):
+           causal: bool = True, *, plan: torch.Tensor | None = None,
+           validate: bool | None = None):
     """SnapMLA decode attention over the paged ``fp8_snapmla`` cache.
 
     ``q_nope[B,s_q,H,512]``, ``q_pe[B,s_q,H,64]`` (float, the same ``[B,s_q,H]``);
@@ -274,7 +311,9 @@ def decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
 
     On CUDA the launch shape depends only on the shapes (never on the lengths' values), so a
     call can be captured in a CUDA graph and replayed for other lengths; the split count is
-    chosen on the GPU from the real lengths (``vllm_snapmla.kernels.splits``).
+    chosen on the GPU from the real lengths (``vllm_snapmla.kernels.splits``), by the call
+    itself or, given ``plan`` (``plan_decode``'s, int32 ``[1]`` on the same device), once for
+    all the calls that share it.
     """
     if (isinstance(q_nope, torch.Tensor) and q_nope.is_cuda and not validate
             and _use_sm90(q_nope.device) and not _checks.data_checks_on(validate, q_nope)):
@@ -284,14 +323,17 @@ def decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
         scale = _checks.softmax_scale(softmax_scale)
         try:
             return sm90.decode_sm90(q_nope, q_pe, kv_cache, block_table, seq_lens, scale,
-                                    causal)
+                                    causal, plan=plan)
         except (RuntimeError, TypeError, ValueError):
-            _check_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, False)
+            _check_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, False,
+                          plan)
             raise
-    scale = _check_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, validate)
+    scale = _check_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, validate,
+                          plan)
     if q_nope.is_cuda:
         if _use_sm90(q_nope.device):
-            return sm90.decode_sm90(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, causal)
+            return sm90.decode_sm90(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, causal,
+                                    plan=plan)
         # Triton launches on the current device; the native ops guard their own.
         with torch.cuda.device(q_nope.device):
             q8, q_scale, qpe = quantize_q(q_nope, q_pe)

@@ -109,6 +109,32 @@ void check_sm90_device(const char* op, const at::Device& device) {
               "; vllm_snapmla.kernels.triton_decode serves other GPUs");
 }
 
+// The table and lengths as the kernels and the planner read them: the first `batch` rows, int32.
+std::tuple<at::Tensor, at::Tensor> table_and_lens(const char* op, const at::Device& device,
+                                                  int64_t batch, const at::Tensor& block_table,
+                                                  const at::Tensor& seq_lens) {
+  check_cuda(op, "block_table", block_table, device);
+  TORCH_CHECK_TYPE(block_table.scalar_type() == at::kInt || block_table.scalar_type() == at::kLong,
+                   op, ": block_table must be int32 (or int64, copied to int32), got ",
+                   block_table.scalar_type());
+  // vLLM's persistent buffers may hold more rows than the batch: the first `batch` are read.
+  TORCH_CHECK_VALUE(block_table.dim() == 2 && block_table.size(0) >= batch &&
+                        block_table.size(1) >= 1 &&
+                        (block_table.size(1) == 1 || block_table.stride(1) == 1),
+                    op, ": block_table must be [>= ", batch,
+                    ", max_blocks >= 1] with unit column stride, got ", shape_of(block_table),
+                    " strides ", block_table.strides());
+  check_cuda(op, "seq_lens", seq_lens, device);
+  TORCH_CHECK_TYPE(seq_lens.scalar_type() == at::kInt || seq_lens.scalar_type() == at::kLong, op,
+                   ": seq_lens must be int32 (or int64, copied to int32), got ",
+                   seq_lens.scalar_type());
+  TORCH_CHECK_VALUE(seq_lens.dim() == 1 && seq_lens.size(0) >= batch, op,
+                    ": seq_lens must be [>= ", batch, "], got ", shape_of(seq_lens));
+  // Past int32: a block id past the cache, a length past the table.
+  return {narrowed_int32(block_table.narrow(0, 0, batch), kInt32Max),
+          narrowed_int32(seq_lens.narrow(0, 0, batch), kInt32Max).contiguous()};
+}
+
 // The checks both decode entries share: cache, table, lengths, scale; returns the table and the
 // lengths as the kernels read them (the first `batch` rows, int32).
 std::tuple<at::Tensor, at::Tensor> check_decode_inputs(const char* op, const at::Device& device,
@@ -129,29 +155,10 @@ std::tuple<at::Tensor, at::Tensor> check_decode_inputs(const char* op, const at:
   TORCH_CHECK_VALUE(kv_cache.stride(0) > 0 && kv_cache.size(0) > 0 &&
                         kv_cache.size(0) <= 2147483647,
                     op, ": kv_cache must have positive block stride and 1 to 2^31 - 1 blocks");
-  check_cuda(op, "block_table", block_table, device);
-  TORCH_CHECK_TYPE(block_table.scalar_type() == at::kInt || block_table.scalar_type() == at::kLong,
-                   op, ": block_table must be int32 (or int64, copied to int32), got ",
-                   block_table.scalar_type());
-  // vLLM's persistent buffers may hold more rows than the batch: the first `batch` are read.
-  TORCH_CHECK_VALUE(block_table.dim() == 2 && block_table.size(0) >= batch &&
-                        block_table.size(1) >= 1 &&
-                        (block_table.size(1) == 1 || block_table.stride(1) == 1),
-                    op, ": block_table must be [>= ", batch,
-                    ", max_blocks >= 1] with unit column stride, got ", shape_of(block_table),
-                    " strides ", block_table.strides());
-  check_cuda(op, "seq_lens", seq_lens, device);
-  TORCH_CHECK_TYPE(seq_lens.scalar_type() == at::kInt || seq_lens.scalar_type() == at::kLong, op,
-                   ": seq_lens must be int32 (or int64, copied to int32), got ",
-                   seq_lens.scalar_type());
-  TORCH_CHECK_VALUE(seq_lens.dim() == 1 && seq_lens.size(0) >= batch, op,
-                    ": seq_lens must be [>= ", batch, "], got ", shape_of(seq_lens));
   TORCH_CHECK_VALUE(num_splits >= 0 && num_splits <= 65535, op,
                     ": num_splits must be 0 (planned on the GPU) or in [1, 65535], got ",
                     num_splits);
-  // Past int32: a block id past the cache, a length past the table.
-  return {narrowed_int32(block_table.narrow(0, 0, batch), kInt32Max),
-          narrowed_int32(seq_lens.narrow(0, 0, batch), kInt32Max).contiguous()};
+  return table_and_lens(op, device, batch, block_table, seq_lens);
 }
 
 // A call's scratch memory (quantized query, split plan, partial results) in one allocation: vLLM
@@ -334,13 +341,26 @@ DecodeSetup setup_decode(const char* op, const at::Device& device, int64_t batch
   return {table, lens, schedule, shape};
 }
 
+// A plan given to a decode call (plan_decode_sm90's): int32[1] on the call's GPU, read by the
+// decode and combine kernels in place of the call's own planner.  Null where none is given.
+const int32_t* given_plan(const char* op, const std::optional<at::Tensor>& plan,
+                          const at::Device& device, int64_t num_splits) {
+  if (!plan.has_value()) return nullptr;
+  check_cuda(op, "plan", *plan, device);
+  check_shape(op, "plan", *plan, at::kInt, {1});
+  TORCH_CHECK_VALUE(num_splits == 0, op, ": a plan goes with num_splits 0 (planned), got ",
+                    num_splits);
+  return plan->data_ptr<int32_t>();
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> decode_sm90(const at::Tensor& q_nope, const at::Tensor& q_pe,
                                                const at::Tensor& kv_cache,
                                                const at::Tensor& block_table,
                                                const at::Tensor& seq_lens, double softmax_scale,
-                                               bool causal, int64_t num_splits, int64_t schedule) {
+                                               bool causal, int64_t num_splits, int64_t schedule,
+                                               const std::optional<at::Tensor>& plan) {
   constexpr const char* op = "decode_sm90";
   const at::Device device = q_nope.device();
   const FloatType dtype = query_pair_type(op, q_nope, q_pe, device);
@@ -354,14 +374,16 @@ std::tuple<at::Tensor, at::Tensor> decode_sm90(const at::Tensor& q_nope, const a
   const c10::cuda::CUDAGuard guard(device);
   const DecodeSetup d = setup_decode(op, device, batch, rows, kv_cache, block_table, seq_lens,
                                      softmax_scale, num_splits, schedule);
+  const int32_t* plan_given = given_plan(op, plan, device, num_splits);
 
   const int64_t tokens = batch * s_q;
   const bool planned = num_splits == 0 && d.shape.max_splits > 1;
+  const bool plan_here = planned && plan_given == nullptr;
   Scratch scratch;
   const int64_t q8_at = scratch.reserve({tokens, heads, kKvLoraRank});
   const int64_t q_scale_at = scratch.reserve({tokens, heads, sizeof(float)});
   const int64_t q_pe_at = scratch.reserve({tokens, heads, kRopeDim, 2});
-  const SplitSpace space = reserve_splits(scratch, batch, rows, d.shape, planned);
+  const SplitSpace space = reserve_splits(scratch, batch, rows, d.shape, plan_here);
   scratch.allocate(q_nope.options());
   if (tokens == 0 || heads == 0) {
     return run_decode(op, {}, batch, s_q, heads, q_nope.options(), kv_cache, d.table, d.lens,
@@ -371,9 +393,9 @@ std::tuple<at::Tensor, at::Tensor> decode_sm90(const at::Tensor& q_nope, const a
   uint8_t* q8 = scratch.at<uint8_t>(q8_at);
   float* q_scale = scratch.at<float>(q_scale_at);
   uint8_t* q_pe_scaled = scratch.at<uint8_t>(q_pe_at);
-  int32_t* plan = scratch.at<int32_t>(space.plan);
+  int32_t* own_plan = scratch.at<int32_t>(space.plan);
   SplitPlanParams plan_of_batch{};
-  if (planned) plan_of_batch = plan_params(d.lens, d.table.size(1), batch, plan, d.shape);
+  if (plan_here) plan_of_batch = plan_params(d.lens, d.table.size(1), batch, own_plan, d.shape);
   // Rows are (b * s_q + i, head): vLLM's [T, H, 512] bmm output viewed as [B, s_q, H, 512]
   // folds into [B * s_q, H] rows without a copy.
   const at::Tensor nope = vector_ready(q_nope.reshape({tokens, heads, kKvLoraRank}));
@@ -381,12 +403,12 @@ std::tuple<at::Tensor, at::Tensor> decode_sm90(const at::Tensor& q_nope, const a
   check_launch(op, launch_quantize_q(dtype, {nope.data_ptr(), nope.stride(0), nope.stride(1)},
                                      {pe.data_ptr(), pe.stride(0), pe.stride(1)}, tokens, heads,
                                      q8, q_scale, q_pe_scaled,
-                                     planned ? &plan_of_batch : nullptr,
+                                     plan_here ? &plan_of_batch : nullptr,
                                      c10::cuda::getCurrentCUDAStream()));
-  // The quantization (with the planner) is the last kernel in the stream.
+  // The quantization (with the planner, unless a plan was given) is the last kernel in the stream.
   return run_decode(op, contiguous_rows(q8, q_scale, q_pe_scaled, s_q, heads), batch, s_q, heads,
                     q_nope.options(), kv_cache, d.table, d.lens, softmax_scale, causal, d.shape,
-                    d.schedule, plan,
+                    d.schedule, plan_here ? own_plan : (planned ? plan_given : nullptr),
                     scratch.at<float>(space.part_out), scratch.at<float>(space.part_lse),
                     /*after_own_launch=*/true);
 }
@@ -394,7 +416,8 @@ std::tuple<at::Tensor, at::Tensor> decode_sm90(const at::Tensor& q_nope, const a
 std::tuple<at::Tensor, at::Tensor> decode_sm90_quantized(
     const at::Tensor& q8, const at::Tensor& q_scale, const at::Tensor& q_pe_scaled,
     const at::Tensor& kv_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
-    double softmax_scale, bool causal, int64_t num_splits, int64_t schedule) {
+    double softmax_scale, bool causal, int64_t num_splits, int64_t schedule,
+    const std::optional<at::Tensor>& plan) {
   constexpr const char* op = "decode_sm90_quantized";
   const at::Device device = q8.device();
   check_cuda(op, "q8", q8, device);
@@ -411,13 +434,16 @@ std::tuple<at::Tensor, at::Tensor> decode_sm90_quantized(
   const c10::cuda::CUDAGuard guard(device);
   const DecodeSetup d = setup_decode(op, device, batch, rows, kv_cache, block_table, seq_lens,
                                      softmax_scale, num_splits, schedule);
+  const int32_t* plan_given = given_plan(op, plan, device, num_splits);
   const bool planned = num_splits == 0 && d.shape.max_splits > 1 && batch > 0 && rows > 0;
+  const bool plan_here = planned && plan_given == nullptr;
   Scratch scratch;
-  const SplitSpace space = reserve_splits(scratch, batch, rows, d.shape, planned);
+  const SplitSpace space = reserve_splits(scratch, batch, rows, d.shape, plan_here);
   scratch.allocate(q8.options());
-  int32_t* plan = scratch.at<int32_t>(space.plan);
-  if (planned) {
-    check_launch(op, launch_split_plan(plan_params(d.lens, d.table.size(1), batch, plan, d.shape),
+  int32_t* own_plan = scratch.at<int32_t>(space.plan);
+  if (plan_here) {
+    check_launch(op, launch_split_plan(plan_params(d.lens, d.table.size(1), batch, own_plan,
+                                                   d.shape),
                                        c10::cuda::getCurrentCUDAStream()));
   }
   QueryRows query{static_cast<const uint8_t*>(q8.data_ptr()), q_scale.data_ptr<float>(),
@@ -428,9 +454,33 @@ std::tuple<at::Tensor, at::Tensor> decode_sm90_quantized(
     query.q_pe_stride[d3] = q_pe_scaled.stride(d3) * 2;
   }
   return run_decode(op, query, batch, s_q, heads, q8.options(), kv_cache, d.table, d.lens,
-                    softmax_scale, causal, d.shape, d.schedule, plan,
+                    softmax_scale, causal, d.shape, d.schedule,
+                    plan_here ? own_plan : (planned ? plan_given : nullptr),
                     scratch.at<float>(space.part_out), scratch.at<float>(space.part_lse),
-                    /*after_own_launch=*/planned);
+                    /*after_own_launch=*/plan_here);
+}
+
+void plan_decode_sm90(const at::Tensor& seq_lens, const at::Tensor& block_table, int64_t batch,
+                      int64_t s_q, int64_t heads, at::Tensor& plan) {
+  constexpr const char* op = "plan_decode_sm90";
+  const at::Device device = seq_lens.device();
+  TORCH_CHECK_VALUE(batch >= 0 && s_q >= 1 && heads >= 1 && s_q * heads <= 65535 * 64 &&
+                        batch <= 2147483647,
+                    op, ": batch, s_q or heads out of range (batch ", batch, ", s_q ", s_q,
+                    ", heads ", heads, ")");
+  check_cuda(op, "plan", plan, device);
+  check_shape(op, "plan", plan, at::kInt, {1});
+  const c10::cuda::CUDAGuard guard(device);
+  check_sm90_device(op, device);
+  auto [table, lens] = table_and_lens(op, device, batch, block_table, seq_lens);
+  const int64_t rows = s_q * heads;
+  // The launch shape decode_sm90 takes for these shapes (its kernel chosen by row count).
+  const LaunchShape shape = launch_shape(op, device, batch, rows, resolve_schedule(op, -1, rows),
+                                         table.size(1), 0);
+  if (shape.max_splits == 1 || batch == 0) return;   // one split: the plan is not read
+  check_launch(op, launch_split_plan(plan_params(lens, table.size(1), batch,
+                                                 plan.data_ptr<int32_t>(), shape),
+                                     c10::cuda::getCurrentCUDAStream()));
 }
 
 bool has_sm90a_code() { return sm90::has_sm90a_code(); }

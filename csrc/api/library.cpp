@@ -38,15 +38,18 @@ std::tuple<at::Tensor, at::Tensor> decode_outputs_meta(const at::Tensor& q) {
 std::tuple<at::Tensor, at::Tensor> decode_sm90_meta(const at::Tensor& q_nope, const at::Tensor&,
                                                     const at::Tensor&, const at::Tensor&,
                                                     const at::Tensor&, double, bool, int64_t,
-                                                    int64_t) {
+                                                    int64_t, const std::optional<at::Tensor>&) {
   return decode_outputs_meta(q_nope);
 }
 
 std::tuple<at::Tensor, at::Tensor> decode_sm90_quantized_meta(
     const at::Tensor& q8, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const at::Tensor&, double, bool, int64_t, int64_t) {
+    const at::Tensor&, const at::Tensor&, double, bool, int64_t, int64_t,
+    const std::optional<at::Tensor>&) {
   return decode_outputs_meta(q8);
 }
+void plan_decode_sm90_meta(const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t,
+                           at::Tensor&) {}
 
 }  // namespace
 }  // namespace snapmla::api
@@ -64,12 +67,15 @@ TORCH_LIBRARY(_snapmla_C, m) {
       "Tensor(a!) q_pe_scaled) -> ()");
   m.def(
       "decode_sm90(Tensor q_nope, Tensor q_pe, Tensor kv_cache, Tensor block_table, "
-      "Tensor seq_lens, float softmax_scale, bool causal, int num_splits=0, int schedule=-1) "
-      "-> (Tensor, Tensor)");
+      "Tensor seq_lens, float softmax_scale, bool causal, int num_splits=0, int schedule=-1, "
+      "Tensor? plan=None) -> (Tensor, Tensor)");
   m.def(
       "decode_sm90_quantized(Tensor q8, Tensor q_scale, Tensor q_pe_scaled, Tensor kv_cache, "
       "Tensor block_table, Tensor seq_lens, float softmax_scale, bool causal, int num_splits=0, "
-      "int schedule=-1) -> (Tensor, Tensor)");
+      "int schedule=-1, Tensor? plan=None) -> (Tensor, Tensor)");
+  m.def(
+      "plan_decode_sm90(Tensor seq_lens, Tensor block_table, int batch, int s_q, int heads, "
+      "Tensor(a!) plan) -> ()");
   m.def(
       "split_plan(Tensor seq_lens, Tensor(a!) pages_per_split, int table_pages, int batch, "
       "int programs, int slots, int max_splits) -> ()");
@@ -85,6 +91,7 @@ TORCH_LIBRARY_IMPL(_snapmla_C, CUDA, m) {
   m.impl("quantize_q", &snapmla::api::quantize_q);
   m.impl("decode_sm90", &snapmla::api::decode_sm90);
   m.impl("decode_sm90_quantized", &snapmla::api::decode_sm90_quantized);
+  m.impl("plan_decode_sm90", &snapmla::api::plan_decode_sm90);
   m.impl("split_plan", &snapmla::api::split_plan);
   m.impl("combine_splits", &snapmla::api::combine_splits);
 }
@@ -96,6 +103,7 @@ TORCH_LIBRARY_IMPL(_snapmla_C, Meta, m) {
   m.impl("quantize_q", &snapmla::api::quantize_q_meta);
   m.impl("decode_sm90", &snapmla::api::decode_sm90_meta);
   m.impl("decode_sm90_quantized", &snapmla::api::decode_sm90_quantized_meta);
+  m.impl("plan_decode_sm90", &snapmla::api::plan_decode_sm90_meta);
   m.impl("split_plan", &snapmla::api::split_plan_meta);
   m.impl("combine_splits", &snapmla::api::combine_splits_meta);
 }

@@ -24,15 +24,25 @@ void quantize_q(const at::Tensor& q_nope, const at::Tensor& q_pe, at::Tensor& q8
 // Split-KV decode (decode_ops.cpp).  `num_splits` 0 lets the planner choose on the GPU from the
 // real lengths; a positive value cuts every request into that many equal runs.  `schedule` -1
 // picks the kernel by row count (the narrow kernel up to 32 query rows, split-roles above).
+// `plan` (int32[1], with num_splits 0): a plan_decode_sm90 result to use instead of planning in
+// the call, so that the layers of one step plan once.  Any value gives exact results: a plan
+// from other lengths or shapes costs only speed.
 std::tuple<at::Tensor, at::Tensor> decode_sm90(const at::Tensor& q_nope, const at::Tensor& q_pe,
                                                const at::Tensor& kv_cache,
                                                const at::Tensor& block_table,
                                                const at::Tensor& seq_lens, double softmax_scale,
-                                               bool causal, int64_t num_splits, int64_t schedule);
+                                               bool causal, int64_t num_splits, int64_t schedule,
+                                               const std::optional<at::Tensor>& plan);
 std::tuple<at::Tensor, at::Tensor> decode_sm90_quantized(
     const at::Tensor& q8, const at::Tensor& q_scale, const at::Tensor& q_pe_scaled,
     const at::Tensor& kv_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
-    double softmax_scale, bool causal, int64_t num_splits, int64_t schedule);
+    double softmax_scale, bool causal, int64_t num_splits, int64_t schedule,
+    const std::optional<at::Tensor>& plan);
+// The split plan decode_sm90 would make for `batch` requests of `s_q` x `heads` query rows with
+// this table and these lengths, written into `plan` (int32[1]) on the stream; nothing is written
+// where that launch has one split.
+void plan_decode_sm90(const at::Tensor& seq_lens, const at::Tensor& block_table, int64_t batch,
+                      int64_t s_q, int64_t heads, at::Tensor& plan);
 // Whether decode_sm90 can run on the current CUDA device (an sm_90 GPU and sm_90a code in this
 // build); false without a GPU.
 bool has_sm90a_code();

@@ -38,6 +38,7 @@ import pytest
 import torch
 
 from vllm_snapmla import format as fmt
+from vllm_snapmla import ops
 from vllm_snapmla import reference as ref
 
 pytestmark = [pytest.mark.gpu,
@@ -152,10 +153,12 @@ def test_dummy_batch_matches_the_reference(kernel, layout, H, s_q):
     assert (null_reads > 0) == (layout != "v1-stale"), (null_reads, layout)
 
 
+@pytest.mark.parametrize("step_plan", [False, True], ids=["own-plan", "step-plan"])
 @pytest.mark.parametrize("s_q", [1, 2])
-def test_full_graph_replays_a_dummy_between_real_batches(kernel, s_q):
+def test_full_graph_replays_a_dummy_between_real_batches(kernel, s_q, step_plan):
     """One captured decode (8 rows, 16 heads): a real batch, an idle rank's dummy, the real batch
-    again."""
+    again; with ``step_plan`` the decode reads a plan buffer rewritten before each replay, as the
+    metadata builder rewrites it each step."""
     H, B = 16, 8
     gen = torch.Generator().manual_seed(20 + s_q)
     cache, earlier_rows = _vllm_cache(gen)
@@ -176,22 +179,25 @@ def test_full_graph_replays_a_dummy_between_real_batches(kernel, s_q):
     q_pe_buf = torch.empty(B * s_q, H, fmt.ROPE_DIM, dtype=torch.bfloat16, device="cuda")
     table = torch.empty(B, WIDTH, dtype=torch.int32, device="cuda")
     lens = torch.empty(B, dtype=torch.int32, device="cuda")
+    plan = torch.zeros(1, dtype=torch.int32, device="cuda") if step_plan else None
 
     def load(q, t, n):
         q_nope_buf.copy_(q[0])
         q_pe_buf.copy_(q[1])
         table.copy_(t)
         lens.copy_(n)
+        if plan is not None:
+            ops.plan_decode(lens, table, H, s_q, out=plan)
 
     decode_uniform = _decode_uniform()
     load(real_q, real_table, real_lens)
     eager_out, eager_lse = decode_uniform(q_nope_buf, q_pe_buf, cache, table, lens, B, SCALE,
-                                          return_lse=True)
+                                          return_lse=True, plan=plan)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out, lse = decode_uniform(q_nope_buf, q_pe_buf, cache, table, lens, B, SCALE,
-                                  return_lse=True)
+                                  return_lse=True, plan=plan)
     results = []
     for q, t, n in [(real_q, real_table, real_lens), (dummy_q, dummy_table, dummy_lens),
                     (real_q, real_table, real_lens)]:

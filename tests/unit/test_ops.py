@@ -182,6 +182,47 @@ def test_decode_contract_cases_from_the_report():
         ops.decode(q, qp, cache, bt, torch.tensor([100, -1]), 0.1)
 
 
+def test_plan_decode_on_the_cpu_writes_nothing_and_decode_ignores_any_plan():
+    """The CPU reference and the Triton kernel read no plan: ``plan_decode`` returns ``out``
+    unwritten, and a decode given any plan returns what it returns without one."""
+    cache, bt, _ = build_cache([150, 100])
+    sl = torch.tensor([150, 100])
+    q = torch.randn(2, 1, 16, 512).bfloat16()
+    qp = torch.randn(2, 1, 16, 64).bfloat16()
+    plan = ops.plan_decode(sl, bt, 16)
+    assert plan.dtype == torch.int32 and plan.shape == (1,) and int(plan) == 0
+    out = torch.full((1,), 7, dtype=torch.int32)
+    assert ops.plan_decode(sl, bt, 16, 2, out=out) is out and int(out) == 7
+    plain = ops.decode(q, qp, cache, bt, sl, 0.1)
+    for value in (-3, 0, 1, 1 << 30):
+        planned = ops.decode(q, qp, cache, bt, sl, 0.1, plan=torch.tensor([value],
+                                                                          dtype=torch.int32))
+        assert torch.equal(planned[0], plain[0]) and torch.equal(planned[1], plain[1])
+
+
+def test_plan_contract():
+    cache, bt, _ = build_cache([150, 100])
+    sl = torch.tensor([150, 100])
+    q = torch.randn(2, 1, 16, 512).bfloat16()
+    qp = torch.randn(2, 1, 16, 64).bfloat16()
+    with pytest.raises(TypeError, match=r"plan must be an int32 \[1\] tensor"):
+        ops.decode(q, qp, cache, bt, sl, 0.1, plan=torch.zeros(1, dtype=torch.int64))
+    with pytest.raises(TypeError, match=r"plan must be an int32 \[1\] tensor"):
+        ops.decode(q, qp, cache, bt, sl, 0.1, plan=torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(TypeError, match="plan must be a torch.Tensor"):
+        ops.decode(q, qp, cache, bt, sl, 0.1, plan=3)
+    with pytest.raises(TypeError, match=r"out must be an int32 \[1\] tensor"):
+        ops.plan_decode(sl, bt, 16, out=torch.zeros(1))
+    with pytest.raises(ValueError, match="num_heads and s_q must be at least 1"):
+        ops.plan_decode(sl, bt, 0)
+    with pytest.raises(TypeError, match="s_q must be an int"):
+        ops.plan_decode(sl, bt, 16, 1.5)
+    with pytest.raises(ValueError, match="at least batch = 2 rows"):
+        ops.plan_decode(sl, bt[:1], 16)
+    with pytest.raises(TypeError, match="seq_lens must be int32 or int64"):
+        ops.plan_decode(sl.float(), bt, 16)
+
+
 def test_quantize_and_append_contract():
     kv_c, k_pe = torch.randn(4, 512), torch.randn(4, 64)
     with pytest.raises(ValueError, match=r"kv_c must be \[\.\.\., 512\], got float32\[4, 500\]"):

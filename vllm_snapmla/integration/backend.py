@@ -9,6 +9,7 @@ touches the cache bytes).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -16,6 +17,7 @@ from vllm.config import VllmConfig, get_current_vllm_config, get_current_vllm_co
 from vllm.config.cache import CacheDType
 from vllm.model_executor.layers.attention.mla_attention import (
     MLACommonBackend,
+    MLACommonDecodeMetadata,
     MLACommonImpl,
     MLACommonMetadata,
     MLACommonMetadataBuilder,
@@ -102,6 +104,13 @@ class SnapMLABackend(MLACommonBackend):
         return None
 
 
+@dataclass
+class SnapMLADecodeMetadata(MLACommonDecodeMetadata):
+    # The step's split plan (ops.plan_decode), shared by every layer's decode: one planner
+    # launch a step instead of one a layer.  None: each decode plans for itself.
+    split_plan: torch.Tensor | None = None
+
+
 class SnapMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
     # Decode runs inside FULL CUDA graphs for uniform batches (every request with the same
     # query length, 1 + num_speculative_tokens), like FlashMLA's builder: the launch depends
@@ -117,6 +126,27 @@ class SnapMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
     # to their exact BF16 latents instead of the FP8 cache.
     query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.UNIFORM
     reorder_batch_threshold: int = 1
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # One buffer for the builder's life: a FULL CUDA graph reads the plan at this address,
+        # and each step's build rewrites it (on the stream, before the step's kernels).
+        self.split_plan = torch.zeros(1, dtype=torch.int32, device=self.device)
+
+    def _build_decode(self, block_table_tensor: torch.Tensor, seq_lens_device: torch.Tensor,
+                      max_seq_len: int, query_start_loc_cpu: torch.Tensor,
+                      query_start_loc_device: torch.Tensor, num_decode_tokens: int,
+                      dcp_tot_seq_lens_device: torch.Tensor | None) -> SnapMLADecodeMetadata:
+        # H16: the step's split plan, made once here for every layer's decode.
+        num_decodes = seq_lens_device.shape[0]
+        plan = None
+        if num_decodes > 0 and num_decode_tokens % num_decodes == 0:
+            # Uniform query lengths (QueryLenSupport.UNIFORM); decode_uniform refuses others.
+            plan = snapmla_ops.plan_decode(seq_lens_device, block_table_tensor, self.num_heads,
+                                           num_decode_tokens // num_decodes,
+                                           out=self.split_plan)
+        return SnapMLADecodeMetadata(block_table=block_table_tensor, seq_lens=seq_lens_device,
+                                     dcp_tot_seq_lens=dcp_tot_seq_lens_device, split_plan=plan)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> MLACommonMetadata:
@@ -187,7 +217,8 @@ class SnapMLAImpl(MLACommonImpl[MLACommonMetadata]):
             q_nope, q_pe = q.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         out, lse = decode_uniform(q_nope, q_pe, kv_c_and_k_pe_cache, decode.block_table,
                                   decode.seq_lens, attn_metadata.num_decodes, self.scale,
-                                  return_lse=self.need_to_return_lse_for_decode)
+                                  return_lse=self.need_to_return_lse_for_decode,
+                                  plan=decode.split_plan)
         return out.to(q_nope.dtype), lse
 
 
@@ -217,7 +248,8 @@ def log_decode_kernel(device: int) -> None:
 
 def decode_uniform(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                    block_table: torch.Tensor, seq_lens: torch.Tensor, num_decodes: int,
-                   softmax_scale: float, return_lse: bool = False
+                   softmax_scale: float, return_lse: bool = False,
+                   plan: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Decode attention for vLLM's token-major decode batch (``forward_mqa``'s contract).
 
@@ -225,6 +257,7 @@ def decode_uniform(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Ten
     num_decodes`` consecutive query tokens each (QueryLenSupport.UNIFORM; under a FULL CUDA
     graph ``num_decodes`` is the padded batch).  Returns ``out [T,H,512]`` (bfloat16) and,
     with ``return_lse``, ``lse [T,H]`` (float32, natural log), token-major like ``out``.
+    ``plan``: the step's split plan (``ops.plan_decode``), or None to plan in the call.
 
     Shapes only, no host sync and no data-dependent branch: safe under CUDA-graph capture.
     """
@@ -238,7 +271,7 @@ def decode_uniform(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Ten
     q_nope = q_nope.unflatten(0, (num_decodes, s_q))
     q_pe = q_pe.unflatten(0, (num_decodes, s_q))
     out, lse = snapmla_ops.decode(q_nope, q_pe, kv_cache.view(torch.uint8), block_table,
-                                  seq_lens, softmax_scale)
+                                  seq_lens, softmax_scale, plan=plan)
     out = out.flatten(0, 1)                                   # [T, H, 512]
     if not return_lse:
         return out, None

@@ -50,7 +50,8 @@ def _schedule_id(schedule: str | None) -> int:
 
 def decode_sm90(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                 block_table: torch.Tensor, seq_lens: torch.Tensor, softmax_scale: float,
-                causal: bool = True, num_splits: int | None = None, schedule: str | None = None):
+                causal: bool = True, num_splits: int | None = None, schedule: str | None = None,
+                plan: torch.Tensor | None = None):
     """SnapMLA decode from the model's query on an sm_90 GPU.
 
     ``q_nope [B,s_q,H,512]``, ``q_pe [B,s_q,H,64]`` (bf16, fp16 or fp32; row-strided views are
@@ -58,25 +59,37 @@ def decode_sm90(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
     ``[>=B, max_blocks]``; ``seq_lens`` int32 ``[>=B]``.  Returns ``out`` bf16 ``[B,s_q,H,512]``
     and ``lse`` fp32 ``[B,H,s_q]`` (natural log; -inf and zero output for rows that see no
     token).  ``num_splits`` None lets the planner choose on the GPU from the real lengths; an
-    int cuts every request into that many equal runs.
+    int cuts every request into that many equal runs.  ``plan`` (int32 ``[1]``, from
+    ``plan_decode_sm90``; with ``num_splits`` None) replaces the call's own planner.
     """
     # softmax_scale goes to the op as given: its schema takes a float and refuses anything else.
     schedule_id = _schedule_id(schedule)
     return require_native("decode_sm90").decode_sm90(
         q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, bool(causal),
-        num_splits or 0, schedule_id)
+        num_splits or 0, schedule_id, plan)
+
+
+def plan_decode_sm90(seq_lens: torch.Tensor, block_table: torch.Tensor, batch: int, s_q: int,
+                     heads: int, plan: torch.Tensor) -> torch.Tensor:
+    """Write into ``plan`` (int32 ``[1]``) the split plan ``decode_sm90`` makes for ``batch``
+    requests of ``s_q`` x ``heads`` query rows with this table and these lengths, on the GPU
+    without a host sync; nothing is written where that launch has a single split (the plan is
+    not read there).  Returns ``plan``."""
+    require_native("plan_decode_sm90").plan_decode_sm90(seq_lens, block_table, batch, s_q,
+                                                        heads, plan)
+    return plan
 
 
 def snapmla_decode_sm90(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: torch.Tensor,
                         kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                         softmax_scale: float, causal: bool = True, num_splits: int | None = None,
-                        schedule: str | None = None):
+                        schedule: str | None = None, plan: torch.Tensor | None = None):
     """``decode_sm90`` from a quantized query (``ops.quantize_q``): ``q8`` e4m3 ``[B,s_q,H,512]``,
     ``q_scale`` fp32 ``[B,s_q,H]``, ``q_pe_scaled`` bf16 ``[B,s_q,H,64]``; the rest as there."""
     schedule_id = _schedule_id(schedule)
     return require_native("snapmla_decode_sm90").decode_sm90_quantized(
         q8, q_scale, q_pe_scaled, kv_cache, block_table, seq_lens, float(softmax_scale),
-        bool(causal), num_splits or 0, schedule_id)
+        bool(causal), num_splits or 0, schedule_id, plan)
 
 
 def schedule_variant(schedule: str):

@@ -40,9 +40,11 @@ def split_range(seq_len: int, table_pages: int, pages_per_split: int, max_splits
                 split: int):
     """``(first_page, num_pages, num_splits)`` of one split (``split_kv.h split_range``)."""
     pages = request_pages(seq_len, table_pages)
-    run = max(-(-pages // max_splits), pages_per_split)
+    run = -(-pages // max_splits)
+    if pages_per_split > run:
+        run = min(pages_per_split, pages)   # any plan value: at most one run of the request
     num_splits = max(-(-pages // run), 1) if run > 0 else 1
-    first = split * run
+    first = split * run if split < num_splits else pages
     return first, max(min(first + run, pages) - first, 0), num_splits
 
 

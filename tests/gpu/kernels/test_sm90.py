@@ -364,3 +364,92 @@ def test_queued_chain_equals_calls_one_at_a_time(H, s_q):
     # Last, so that a tolerance miss cannot hide the result of the exactness checks above.
     for (out, lse), q_k, sl_k in zip(expected, queries, lengths):
         _check(out, lse, q_k, qp, cache, bt, sl_k, check_exact=False)
+
+
+# --- a plan made once and read by several calls (ops.plan_decode, vLLM's metadata builder) ----
+
+def _model_plan(lens, table_pages, batch, rows):
+    """The planner's pages_per_split for ``decode_sm90``'s launch shape, from the Python model,
+    and the launch's max_splits."""
+    from vllm_snapmla.kernels import splits
+    slots = torch.cuda.get_device_properties(0).multi_processor_count
+    row_blocks = 1 if rows <= sm90.NARROW_MAX_ROWS else -(-rows // 64)
+    programs = batch * row_blocks
+    max_splits = splits.max_splits_for(batch, programs, slots, table_pages)
+    return splits.pages_per_split_for(lens, programs, slots, max_splits, table_pages), max_splits
+
+
+@pytest.mark.parametrize("lens, H, s_q", [([8192], 16, 1), ([131072], 128, 1),
+                                          (RAGGED + [4000], 16, 2), ([2048] * 8, 128, 1),
+                                          ([512] * 64, 16, 1)])
+def test_a_shared_plan_is_the_calls_own(lens, H, s_q):
+    """``plan_decode_sm90`` writes the plan the call would make itself (the Python model's), and a
+    call given it returns bit for bit what the call planning alone returns."""
+    q, qp, cache, bt, sl = _case(lens, H, s_q, seed=100 + H + len(lens))
+    wide = _widen(bt, 2560)
+    B = len(lens)
+    plan = torch.full((1,), -99, dtype=torch.int32, device="cuda")
+    sm90.plan_decode_sm90(sl, wide, B, s_q, H, plan)
+    expected, max_splits = _model_plan(lens, 2560, B, s_q * H)
+    assert max_splits > 1
+    assert int(plan) == expected
+    out, lse = sm90.decode_sm90(q, qp, cache, wide, sl, SCALE, plan=plan)
+    own_out, own_lse = sm90.decode_sm90(q, qp, cache, wide, sl, SCALE)
+    assert torch.equal(out, own_out) and torch.equal(lse, own_lse)
+    q8, qs, qpe = ref.quantize_q(q, qp)
+    x_out, x_lse = decode(q8, qs, qpe, cache, wide, sl, SCALE, plan=plan)
+    assert torch.equal(x_out, own_out) and torch.equal(x_lse, own_lse)
+
+
+@pytest.mark.parametrize("value", [-(2**31), -5, 0, 1, 3, 40, 1 << 30, 2**31 - 1])
+def test_any_plan_gives_exact_results(value):
+    """A plan made for other lengths (here: any int32) changes the cut, never the result."""
+    q, qp, cache, bt, sl = _case(RAGGED + [9000], 16, 1, seed=110)
+    wide = _widen(bt, 2560)
+    plan = torch.tensor([value], dtype=torch.int32, device="cuda")
+    out, lse = sm90.decode_sm90(q, qp, cache, wide, sl, SCALE, plan=plan)
+    _check(out, lse, q, qp, cache, bt, sl)
+
+
+def test_a_graph_reads_the_plan_each_replay():
+    """Captured with a plan buffer, the graph replays with the plan written before each replay
+    (as vLLM's builder rewrites it each step) and gives the eager call's result."""
+    lengths_a, lengths_b = [300, 64, 1, 200], [20000, 1, 6400, 65]
+    q, qp, cache, bt, sl = _case([20000] * 4, 16, 1, seed=111)
+    wide = _widen(bt, 2560)
+    plan = torch.zeros(1, dtype=torch.int32, device="cuda")
+    sl.copy_(torch.tensor(lengths_a, dtype=torch.int32))
+    sm90.plan_decode_sm90(sl, wide, 4, 1, 16, plan)
+    sm90.decode_sm90(q, qp, cache, wide, sl, SCALE, plan=plan)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = sm90.decode_sm90(q, qp, cache, wide, sl, SCALE, plan=plan)
+    seen = set()
+    for lengths in (lengths_b, lengths_a):
+        sl.copy_(torch.tensor(lengths, dtype=torch.int32))
+        sm90.plan_decode_sm90(sl, wide, 4, 1, 16, plan)
+        seen.add(int(plan))
+        graph.replay()
+        e_out, e_lse = sm90.decode_sm90(q, qp, cache, wide, sl, SCALE)
+        torch.cuda.synchronize()
+        assert torch.equal(out, e_out) and torch.equal(lse, e_lse), lengths
+        _check(out, lse, q, qp, cache, bt, sl, check_exact=False)
+    assert len(seen) == 2   # the two batches have different plans
+
+
+def test_rejects_bad_plans():
+    q, qp, cache, bt, sl = _case([100, 5000], 16, 1, seed=112)
+    for bad in (torch.zeros(1, dtype=torch.int64, device="cuda"),
+                torch.zeros(2, dtype=torch.int32, device="cuda"),
+                torch.zeros(1, dtype=torch.int32)):
+        with pytest.raises((ValueError, TypeError, RuntimeError), match=": plan "):
+            sm90.decode_sm90(q, qp, cache, bt, sl, SCALE, plan=bad)
+        with pytest.raises((ValueError, TypeError, RuntimeError), match=": plan "):
+            sm90.plan_decode_sm90(sl, bt, 2, 1, 16, bad)
+    plan = torch.zeros(1, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="num_splits 0"):
+        sm90.decode_sm90(q, qp, cache, bt, sl, SCALE, num_splits=2, plan=plan)
+    with pytest.raises(ValueError, match="block_table"):
+        sm90.plan_decode_sm90(sl, bt, 3, 1, 16, plan)      # more requests than table rows
+    with pytest.raises(ValueError, match="s_q"):
+        sm90.plan_decode_sm90(sl, bt, 2, 0, 16, plan)

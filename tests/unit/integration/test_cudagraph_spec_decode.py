@@ -176,7 +176,7 @@ def test_forward_mqa_uniform_queries_match_ops_decode(s_q, as_tuple):
     seq_lens = [70, 129, 5 + s_q, 0]
     cache, bt, sl, ql_nope, q_pe = _vllm_decode_batch(seq_lens, s_q, gen)
     B, T = len(seq_lens), len(seq_lens) * s_q
-    metadata = SimpleNamespace(decode=SimpleNamespace(block_table=bt, seq_lens=sl), num_decodes=B)
+    metadata = SimpleNamespace(decode=SimpleNamespace(split_plan=None, block_table=bt, seq_lens=sl), num_decodes=B)
     q = (ql_nope, q_pe) if as_tuple else torch.cat([ql_nope, q_pe], dim=-1)
     out, lse = _impl(return_lse=True).forward_mqa(q, cache, metadata, layer=None)
 
@@ -206,20 +206,73 @@ def test_forward_mqa_causal_within_the_new_tokens():
     cache, bt, sl, ql_nope, q_pe = _vllm_decode_batch(seq_lens + [0], 2, gen)
     B = 3
     out, _ = _impl(False).forward_mqa((ql_nope, q_pe), cache, SimpleNamespace(
-        decode=SimpleNamespace(block_table=bt, seq_lens=sl), num_decodes=B), None)
+        decode=SimpleNamespace(split_plan=None, block_table=bt, seq_lens=sl), num_decodes=B), None)
     for i in range(2):
         rows = torch.arange(B) * 2 + i
         single, _ = _impl(False).forward_mqa(
             (ql_nope[rows], q_pe[rows]), cache, SimpleNamespace(
-                decode=SimpleNamespace(block_table=bt, seq_lens=(sl - 1 + i).clamp_min(0)),
+                decode=SimpleNamespace(split_plan=None, block_table=bt, seq_lens=(sl - 1 + i).clamp_min(0)),
                 num_decodes=B), None)
         torch.testing.assert_close(out[rows], single, rtol=0, atol=0)
+
+
+def test_forward_mqa_passes_the_steps_plan_to_decode(monkeypatch):
+    """Every layer's decode reads the plan the builder made for the step (metadata.decode)."""
+    from vllm_snapmla.integration import backend
+
+    gen = torch.Generator().manual_seed(2)
+    cache, bt, sl, ql_nope, q_pe = _vllm_decode_batch([70, 129, 0], 1, gen)
+    plan = torch.tensor([5], dtype=torch.int32)
+    seen, real_decode = [], ops.decode
+
+    def decode(*args, **kwargs):
+        seen.append(kwargs.get("plan"))
+        return real_decode(*args, **kwargs)
+
+    monkeypatch.setattr(backend.snapmla_ops, "decode", decode)
+    metadata = SimpleNamespace(decode=SimpleNamespace(split_plan=plan, block_table=bt,
+                                                      seq_lens=sl), num_decodes=3)
+    out, _ = _impl(False).forward_mqa((ql_nope, q_pe), cache, metadata, None)
+    assert seen == [plan]
+    metadata.decode.split_plan = None
+    plain, _ = _impl(False).forward_mqa((ql_nope, q_pe), cache, metadata, None)
+    assert seen[-1] is None and torch.equal(out, plain)
+
+
+@pytest.mark.parametrize("num_decodes, tokens, s_q", [(3, 3, 1), (2, 6, 3), (3, 4, None)])
+def test_the_builder_plans_once_per_step_into_its_buffer(num_decodes, tokens, s_q, monkeypatch):
+    """``_build_decode`` makes the step's plan (``ops.plan_decode``, the builder's heads, the
+    query length) in the builder's one buffer, the address a FULL graph reads; a batch of
+    mixed query lengths (refused by the decode) gets no plan."""
+    from vllm_snapmla.integration import backend
+
+    calls = []
+
+    def plan_decode(seq_lens, block_table, num_heads, s_q=1, *, out=None):
+        calls.append((seq_lens, block_table, num_heads, s_q))
+        return out
+
+    monkeypatch.setattr(backend.snapmla_ops, "plan_decode", plan_decode)
+    builder = SimpleNamespace(num_heads=16, split_plan=torch.zeros(1, dtype=torch.int32))
+    sl = torch.tensor([100] * num_decodes, dtype=torch.int32)
+    bt = torch.zeros(num_decodes, 8, dtype=torch.int32)
+    decode = backend.SnapMLAMetadataBuilder._build_decode(
+        builder, block_table_tensor=bt, seq_lens_device=sl, max_seq_len=100,
+        query_start_loc_cpu=None, query_start_loc_device=None, num_decode_tokens=tokens,
+        dcp_tot_seq_lens_device=None)
+    assert isinstance(decode, backend.SnapMLADecodeMetadata)
+    assert decode.block_table is bt and decode.seq_lens is sl
+    if s_q is None:
+        assert decode.split_plan is None and calls == []
+    else:
+        assert decode.split_plan is builder.split_plan
+        assert calls == [(sl, bt, 16, s_q)]
 
 
 def test_forward_mqa_refuses_non_uniform_token_counts():
     gen = torch.Generator().manual_seed(1)
     cache, bt, sl, ql_nope, q_pe = _vllm_decode_batch([70, 10], 2, gen)
-    metadata = SimpleNamespace(decode=SimpleNamespace(block_table=bt, seq_lens=sl), num_decodes=3)
+    metadata = SimpleNamespace(decode=SimpleNamespace(split_plan=None, block_table=bt, seq_lens=sl), num_decodes=3)
     with pytest.raises(ValueError, match="uniform query lengths"):
         _impl(False).forward_mqa((ql_nope, q_pe), cache, metadata, None)
 

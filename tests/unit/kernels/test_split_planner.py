@@ -14,7 +14,8 @@ from vllm_snapmla.kernels import splits
 
 # Reads cases "table_pages batch programs slots max_splits overhead len..." from stdin, one a
 # line, and prints each plan; a line "M batch programs slots table_pages" prints the grid's
-# max_splits_for instead.  A shuffle is two rounds of a 32-thread barrier: every lane posts
+# max_splits_for instead, a line "R seq_len table_pages plan max_splits split" one split's
+# split_range.  A shuffle is two rounds of a 32-thread barrier: every lane posts
 # its value, then reads its partner's.
 _PROBE = r"""
 #include <condition_variable>
@@ -78,6 +79,15 @@ int main() {
   std::string line;
   while (std::getline(std::cin, line)) {
     std::istringstream in(line);
+    if (!line.empty() && line[0] == 'R') {   // "R seq_len table_pages plan max_splits split"
+      char tag;
+      int seq_len, table_pages, plan, max_splits, split;
+      in >> tag >> seq_len >> table_pages >> plan >> max_splits >> split;
+      const snapmla::SplitRange r =
+          snapmla::split_range(seq_len, table_pages, plan, max_splits, split);
+      std::printf("%d %d %d\n", r.first_page, r.num_pages, r.num_splits);
+      continue;
+    }
     if (!line.empty() && line[0] == 'M') {   // "M batch programs slots table_pages": the grid
       char tag;
       long long batch, programs, table_pages;
@@ -130,7 +140,11 @@ def planner(tmp_path_factory):
     def grids(cases):
         return answers([f"M {batch} {programs} {slots} {table_pages}\n"
                         for batch, programs, slots, table_pages in cases], timeout=60)
+    def ranges(cases):
+        values = answers([f"R {' '.join(map(str, case))}\n" for case in cases], timeout=60)
+        return [tuple(values[i:i + 3]) for i in range(0, len(values), 3)]
     run.grids = grids
+    run.ranges = ranges
     return run
 
 
@@ -225,3 +239,29 @@ def test_the_planner_charges_the_combine(planner, monkeypatch):
     # Without the combine's cost the first six took shorter runs.
     monkeypatch.setattr(splits, "combine_cost_pages", lambda runs, max_splits: 0)
     assert model() == [1, 2, 1, 1, 4, 2, 16, 32, 4]
+
+
+def test_any_plan_cuts_a_request_into_its_pages_exactly(planner):
+    """Whatever ``pages_per_split`` a decode is given (``ops.plan_decode`` for other lengths, any
+    int32), the splits of its grid cover each of a request's pages once, in at most max_splits
+    runs, without int overflow: C++ and Python alike."""
+    int_max = 2**31 - 1
+    cases, expected = [], []
+    for seq_len, table_pages in ((0, 8), (1, 8), (64 * 7 + 5, 8), (131072, 2560),
+                                 (int_max // 64 * 64, int_max // 64)):
+        pages = splits.request_pages(seq_len, table_pages)
+        for plan in (-(2**31), -5, 0, 1, 3, 64, pages - 1, pages, pages + 1, 1 << 30, int_max):
+            for max_splits in (1, 7, 132, 65535):
+                end = 0   # the splits' pages in order: each starts where the last ended
+                for split in range(min(max_splits, 140)):
+                    first, n, runs = splits.split_range(seq_len, table_pages, plan, max_splits,
+                                                        split)
+                    assert 1 <= runs <= max_splits and 0 <= n and (n == 0 or split < runs)
+                    if n:
+                        assert first == end, (seq_len, plan, max_splits, split)
+                        end = first + n
+                    cases.append((seq_len, table_pages, plan, max_splits, split))
+                    expected.append((first, n, runs))
+                if max_splits <= 140:
+                    assert end == pages, (seq_len, plan, max_splits)
+    assert planner.ranges(cases) == expected

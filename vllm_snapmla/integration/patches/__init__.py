@@ -3,7 +3,7 @@
 vLLM 0.26.0 has no registry for new KV-cache dtypes (the dtype set is a closed ``Literal``
 matched on strings in several modules), so we patch the few private names involved.  Each module
 starts with its record: what it changes, why, how it is checked, and when it can go.  The hook
-numbers (H1..H15) name the places in vLLM 0.26.0 that the plugin touches; H6-H8, H10 and H11
+numbers (H1..H16) name the places in vLLM 0.26.0 that the plugin touches; H6-H8, H10, H11 and H16
 need no patch (``integration/backend.py`` overrides), and H15
 (``context_merge_bound``) corrects the metadata the backend's builder returns rather than
 patching vLLM, though it reads vLLM's private prefill metadata.
