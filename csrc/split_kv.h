@@ -57,11 +57,11 @@ __host__ __device__ __forceinline__ SplitRange split_range(int seq_len, int tabl
                                                            int split) {
   const int pages = request_pages(seq_len, table_pages);
   int run = (pages + max_splits - 1) / max_splits;
-  // A plan may hold any value (a caller's, or one made for other lengths): runs longer than the
-  // request are one run of its pages, which also keeps pages + run and split x run in int.
+  // A plan may hold any value (a caller's, or one made for other lengths): a run longer than the
+  // request is one run of its pages, which also keeps pages + run and split x run in int.
   if (pages_per_split > run) run = pages_per_split < pages ? pages_per_split : pages;
   const int num_splits = run > 0 ? (pages + run - 1) / run : 1;
-  const int first = split < num_splits ? split * run : pages;
+  const int first = split * run;   // < max_splits x table_pages, an int (max_splits_for)
   const int last = first + run < pages ? first + run : pages;
   return {first, last > first ? last - first : 0, num_splits > 0 ? num_splits : 1,
           valid_length(seq_len, table_pages)};
@@ -166,6 +166,8 @@ inline int max_splits_for(int64_t batch, int64_t programs, int slots, int64_t ta
   int64_t splits = batch == 1 ? slots / programs : (2 * int64_t(slots) + programs - 1) / programs;
   if (splits > table_pages) splits = table_pages;
   if (splits > 65535) splits = 65535;
+  // split x run stays an int in split_range: a run is at most the table's pages.
+  if (table_pages > 0 && splits > 2147483647 / table_pages) splits = 2147483647 / table_pages;
   return splits > 1 ? static_cast<int>(splits) : 1;
 }
 

@@ -218,7 +218,8 @@ class SnapMLAImpl(MLACommonImpl[MLACommonMetadata]):
         out, lse = decode_uniform(q_nope, q_pe, kv_c_and_k_pe_cache, decode.block_table,
                                   decode.seq_lens, attn_metadata.num_decodes, self.scale,
                                   return_lse=self.need_to_return_lse_for_decode,
-                                  plan=decode.split_plan)
+                                  # vLLM's own MLACommonDecodeMetadata has no plan: plan here.
+                                  plan=getattr(decode, "split_plan", None))
         return out.to(q_nope.dtype), lse
 
 

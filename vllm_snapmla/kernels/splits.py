@@ -22,7 +22,10 @@ def max_splits_for(batch: int, programs: int, slots: int, table_pages: int) -> i
     never more than the table's pages (``split_kv.h max_splits_for``)."""
     programs = max(programs, 1)
     splits = slots // programs if batch == 1 else -(-2 * slots // programs)
-    return max(1, min(splits, table_pages, 65535))
+    splits = min(splits, table_pages, 65535)
+    if table_pages > 0:
+        splits = min(splits, (2**31 - 1) // table_pages)   # split x run stays an int32
+    return max(1, splits)
 
 
 def valid_length(seq_len: int, table_pages: int) -> bool:
@@ -44,7 +47,7 @@ def split_range(seq_len: int, table_pages: int, pages_per_split: int, max_splits
     if pages_per_split > run:
         run = min(pages_per_split, pages)   # any plan value: at most one run of the request
     num_splits = max(-(-pages // run), 1) if run > 0 else 1
-    first = split * run if split < num_splits else pages
+    first = split * run
     return first, max(min(first + run, pages) - first, 0), num_splits
 
 

@@ -176,7 +176,7 @@ def test_forward_mqa_uniform_queries_match_ops_decode(s_q, as_tuple):
     seq_lens = [70, 129, 5 + s_q, 0]
     cache, bt, sl, ql_nope, q_pe = _vllm_decode_batch(seq_lens, s_q, gen)
     B, T = len(seq_lens), len(seq_lens) * s_q
-    metadata = SimpleNamespace(decode=SimpleNamespace(split_plan=None, block_table=bt, seq_lens=sl), num_decodes=B)
+    metadata = SimpleNamespace(decode=SimpleNamespace(block_table=bt, seq_lens=sl), num_decodes=B)
     q = (ql_nope, q_pe) if as_tuple else torch.cat([ql_nope, q_pe], dim=-1)
     out, lse = _impl(return_lse=True).forward_mqa(q, cache, metadata, layer=None)
 
@@ -206,12 +206,12 @@ def test_forward_mqa_causal_within_the_new_tokens():
     cache, bt, sl, ql_nope, q_pe = _vllm_decode_batch(seq_lens + [0], 2, gen)
     B = 3
     out, _ = _impl(False).forward_mqa((ql_nope, q_pe), cache, SimpleNamespace(
-        decode=SimpleNamespace(split_plan=None, block_table=bt, seq_lens=sl), num_decodes=B), None)
+        decode=SimpleNamespace(block_table=bt, seq_lens=sl), num_decodes=B), None)
     for i in range(2):
         rows = torch.arange(B) * 2 + i
         single, _ = _impl(False).forward_mqa(
             (ql_nope[rows], q_pe[rows]), cache, SimpleNamespace(
-                decode=SimpleNamespace(split_plan=None, block_table=bt, seq_lens=(sl - 1 + i).clamp_min(0)),
+                decode=SimpleNamespace(block_table=bt, seq_lens=(sl - 1 + i).clamp_min(0)),
                 num_decodes=B), None)
         torch.testing.assert_close(out[rows], single, rtol=0, atol=0)
 
@@ -272,7 +272,7 @@ def test_the_builder_plans_once_per_step_into_its_buffer(num_decodes, tokens, s_
 def test_forward_mqa_refuses_non_uniform_token_counts():
     gen = torch.Generator().manual_seed(1)
     cache, bt, sl, ql_nope, q_pe = _vllm_decode_batch([70, 10], 2, gen)
-    metadata = SimpleNamespace(decode=SimpleNamespace(split_plan=None, block_table=bt, seq_lens=sl), num_decodes=3)
+    metadata = SimpleNamespace(decode=SimpleNamespace(block_table=bt, seq_lens=sl), num_decodes=3)
     with pytest.raises(ValueError, match="uniform query lengths"):
         _impl(False).forward_mqa((ql_nope, q_pe), cache, metadata, None)
 

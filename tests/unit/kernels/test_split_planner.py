@@ -244,7 +244,8 @@ def test_the_planner_charges_the_combine(planner, monkeypatch):
 def test_any_plan_cuts_a_request_into_its_pages_exactly(planner):
     """Whatever ``pages_per_split`` a decode is given (``ops.plan_decode`` for other lengths, any
     int32), the splits of its grid cover each of a request's pages once, in at most max_splits
-    runs, without int overflow: C++ and Python alike."""
+    runs, without int overflow (the grid keeps max_splits x table pages an int): C++ and Python
+    alike."""
     int_max = 2**31 - 1
     cases, expected = [], []
     for seq_len, table_pages in ((0, 8), (1, 8), (64 * 7 + 5, 8), (131072, 2560),
@@ -252,6 +253,8 @@ def test_any_plan_cuts_a_request_into_its_pages_exactly(planner):
         pages = splits.request_pages(seq_len, table_pages)
         for plan in (-(2**31), -5, 0, 1, 3, 64, pages - 1, pages, pages + 1, 1 << 30, int_max):
             for max_splits in (1, 7, 132, 65535):
+                if max_splits * table_pages > 2**31 - 1:
+                    continue   # no grid has this many splits (max_splits_for)
                 end = 0   # the splits' pages in order: each starts where the last ended
                 for split in range(min(max_splits, 140)):
                     first, n, runs = splits.split_range(seq_len, table_pages, plan, max_splits,
