@@ -287,7 +287,9 @@ def decode_calls(inp, fm, fa3, scale, quantize, wanted, eager=False):
             return ops.decode(inp["q_nope"], inp["q_pe"], inp["snap"], bt, sl, scale,
                               plan=plan_of())
         runners[OPS_DECODE] = snap
-        with_metadata[OPS_DECODE] = lambda: snap(lambda: ops.plan_decode(sl, bt, H, s_q))
+        # Into the same buffer, as the builder rewrites its own each step.
+        with_metadata[OPS_DECODE] = lambda: snap(lambda: ops.plan_decode(sl, bt, H, s_q,
+                                                                         out=plan))
     for name, load in SNAPMLA_KERNELS.items():
         if name not in wanted:
             continue

@@ -1,6 +1,7 @@
 // Programmatic dependent launch (PDL, sm_90 and later) of the Hopper decode kernel right after our
-// own query quantization (with the split planner) or the planner alone.  After any other kernel
-// (a pre-quantized query with a fixed split count) it is an ordinary launch: that kernel's
+// own query quantization (with or without the split planner) or the planner alone.  After any
+// other kernel (a pre-quantized query with a fixed split count or a given plan) it is an
+// ordinary launch: that kernel's
 // author made no promise about the kernels before it.  The combine is a programmatic dependent
 // of our decode kernel, which never triggers its dependents early: the combine's CTAs are
 // placed only once every decode CTA has exited, so they take no SM the decode still needs (an

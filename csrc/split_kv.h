@@ -5,7 +5,8 @@
 //
 // A decode launch has a fixed grid of `max_splits` splits per (request, row block): fixed, so
 // that a CUDA graph captured once replays for any lengths.  Which of them work is decided on the
-// GPU per call: the planner (one warp, fused into the query quantization's launch) writes
+// GPU from the lengths: the planner (one warp: its own launch once per step for vLLM,
+// plan_decode_sm90, or one more block of a decode call's query quantization) writes
 // `pages_per_split` from the batch's lengths (a cost model that counts every request's runs,
 // below), and each request's pages are cut into runs of that many pages (more only where
 // `max_splits` runs would not cover it).  Splits past a
@@ -61,7 +62,9 @@ __host__ __device__ __forceinline__ SplitRange split_range(int seq_len, int tabl
   // request is one run of its pages, which also keeps pages + run and split x run in int.
   if (pages_per_split > run) run = pages_per_split < pages ? pages_per_split : pages;
   const int num_splits = run > 0 ? (pages + run - 1) / run : 1;
-  const int first = split * run;   // < max_splits x table_pages, an int (max_splits_for)
+  // An int: with a plan, split x run < max_splits x table_pages (capped by max_splits_for); with
+  // a forced split count, run = ceil(pages / max_splits).
+  const int first = split * run;
   const int last = first + run < pages ? first + run : pages;
   return {first, last > first ? last - first : 0, num_splits > 0 ? num_splits : 1,
           valid_length(seq_len, table_pages)};

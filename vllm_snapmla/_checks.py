@@ -118,9 +118,10 @@ def gather_table(table: torch.Tensor) -> None:
 def split_plan(name: str, t) -> torch.Tensor:
     """A decode split plan (``ops.plan_decode``): int32 ``[1]``."""
     tensor(name, t)
-    if t.dtype != torch.int32 or tuple(t.shape) != (1,):
-        raise TypeError(f"{name} must be an int32 [1] tensor (ops.plan_decode's), got "
-                        f"{t.dtype} {_shape(t)}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32 (ops.plan_decode's), got {t.dtype}")
+    if tuple(t.shape) != (1,):
+        raise ValueError(f"{name} must have shape [1] (ops.plan_decode's), got {_shape(t)}")
     return t
 
 

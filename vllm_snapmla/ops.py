@@ -257,12 +257,15 @@ def plan_decode(seq_lens: torch.Tensor, block_table: torch.Tensor, num_heads: in
     step to share (``decode(..., plan=)``): each call then skips its own planner.  vLLM's
     metadata builder makes one per step.
 
-    Returns ``out`` (int32 ``[1]``; a new one, zeroed, on ``seq_lens``' device when None).  With
-    the Hopper kernels the plan is written on the GPU from the lengths, without a host sync, so a
-    CUDA graph may read ``out`` as a persistent buffer that each step rewrites.  Elsewhere (CPU,
-    the Triton kernel), and where the launch has a single split, nothing is written: those
-    decodes read no plan.  Any plan gives exact results; one made for other lengths or shapes
-    only costs speed.
+    ``seq_lens`` holds exactly the batch's requests (a persistent buffer of more rows would plan
+    for more requests: correct, but the cut of another launch).  Returns ``out`` (int32 ``[1]``;
+    a new one, zeroed, on ``seq_lens``' device when None).  With the Hopper kernels the plan is
+    written on the GPU from the lengths, on the current stream, without a host sync, so a CUDA
+    graph may read ``out`` as a persistent buffer that each step rewrites.  Elsewhere (CPU, the
+    Triton kernel), and where the launch has a single split, nothing is written: those decodes
+    read no plan.  Any plan gives exact results (one made for other lengths or shapes only
+    costs speed) as long as it is not rewritten while a decode that reads it runs: write it on
+    the decodes' stream.
     """
     _checks.index_tensor("seq_lens", seq_lens, dims=1)
     _checks.index_tensor("block_table", block_table, dims=2)

@@ -3,9 +3,10 @@
 //
 // decode_sm90 is what vLLM calls once per layer and step, so its host cost matters as much as
 // the kernels' (eager mode runs it for every mixed prefill+decode batch): one op call from
-// Python, two or three launches (query quantization with the split planner in one more block;
-// the decode; the combine only when some request can be cut into several runs), no host sync,
-// nothing computed per call that depends only on the device.
+// Python, two or three launches (query quantization, with the split planner in one more block
+// unless the step's plan from plan_decode_sm90 is given; the decode; the combine only when some
+// request can be cut into several runs), no host sync, nothing computed per call that depends
+// only on the device.
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -234,7 +235,8 @@ QueryRows contiguous_rows(const uint8_t* q8, const float* q_scale, const uint8_t
 }
 
 // The decode and, where some request may take several runs, the combine, for `batch` requests of
-// `s_q` x `heads` query rows.  `plan` is the planner's output (null: equal cut); `part_out` and
+// `s_q` x `heads` query rows.  `plan` is the split plan, the call's own or a given one (null:
+// equal cut); `part_out` and
 // `part_lse` are set exactly when shape.max_splits > 1 (reserve_splits); `after_own_launch`: the
 // last kernel in the stream is our quantization or planner.
 std::tuple<at::Tensor, at::Tensor> run_decode(const char* op, const QueryRows& query,
@@ -464,8 +466,8 @@ void plan_decode_sm90(const at::Tensor& seq_lens, const at::Tensor& block_table,
                       int64_t s_q, int64_t heads, at::Tensor& plan) {
   constexpr const char* op = "plan_decode_sm90";
   const at::Device device = seq_lens.device();
-  TORCH_CHECK_VALUE(batch >= 0 && s_q >= 1 && heads >= 1 && s_q * heads <= 65535 * 64 &&
-                        batch <= 2147483647,
+  TORCH_CHECK_VALUE(batch >= 0 && batch <= 2147483647 && s_q >= 1 && heads >= 1 &&
+                        s_q <= 65535 * 64 && heads <= 65535 * 64 && s_q * heads <= 65535 * 64,
                     op, ": batch, s_q or heads out of range (batch ", batch, ", s_q ", s_q,
                     ", heads ", heads, ")");
   check_cuda(op, "plan", plan, device);

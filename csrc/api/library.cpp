@@ -48,6 +48,7 @@ std::tuple<at::Tensor, at::Tensor> decode_sm90_quantized_meta(
     const std::optional<at::Tensor>&) {
   return decode_outputs_meta(q8);
 }
+
 void plan_decode_sm90_meta(const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t,
                            at::Tensor&) {}
 

@@ -25,8 +25,9 @@ void quantize_q(const at::Tensor& q_nope, const at::Tensor& q_pe, at::Tensor& q8
 // real lengths; a positive value cuts every request into that many equal runs.  `schedule` -1
 // picks the kernel by row count (the narrow kernel up to 32 query rows, split-roles above).
 // `plan` (int32[1], with num_splits 0): a plan_decode_sm90 result to use instead of planning in
-// the call, so that the layers of one step plan once.  Any value gives exact results: a plan
-// from other lengths or shapes costs only speed.
+// the call, so that the layers of one step plan once.  Any value gives exact results (a plan
+// from other lengths or shapes costs only speed) if it is not rewritten while the call runs:
+// write it on the decode's stream.
 std::tuple<at::Tensor, at::Tensor> decode_sm90(const at::Tensor& q_nope, const at::Tensor& q_pe,
                                                const at::Tensor& kv_cache,
                                                const at::Tensor& block_table,

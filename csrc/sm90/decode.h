@@ -27,7 +27,7 @@ struct DecodeParams {
   float* lse;
   float* part_out;
   float* part_lse;
-  const int32_t* pages_per_split; // the split planner's output (null: equal cut into max_splits)
+  const int32_t* pages_per_split; // the split plan (null: equal cut into max_splits)
   int num_heads;
   int s_q;
   int num_rows;                   // s_q * num_heads

@@ -141,7 +141,8 @@ class SnapMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
         num_decodes = seq_lens_device.shape[0]
         plan = None
         if num_decodes > 0 and num_decode_tokens % num_decodes == 0:
-            # Uniform query lengths (QueryLenSupport.UNIFORM); decode_uniform refuses others.
+            # Always so in vLLM 0.26 (decodes only, uniform query lengths); decode_uniform
+            # refuses other batches with a clear error, which planning here must not preempt.
             plan = snapmla_ops.plan_decode(seq_lens_device, block_table_tensor, self.num_heads,
                                            num_decode_tokens // num_decodes,
                                            out=self.split_plan)
@@ -218,7 +219,8 @@ class SnapMLAImpl(MLACommonImpl[MLACommonMetadata]):
         out, lse = decode_uniform(q_nope, q_pe, kv_c_and_k_pe_cache, decode.block_table,
                                   decode.seq_lens, attn_metadata.num_decodes, self.scale,
                                   return_lse=self.need_to_return_lse_for_decode,
-                                  # vLLM's own MLACommonDecodeMetadata has no plan: plan here.
+                                  # Metadata not from this builder (vLLM's own class) has
+                                  # no plan: the call plans.
                                   plan=getattr(decode, "split_plan", None))
         return out.to(q_nope.dtype), lse
 

@@ -1,7 +1,8 @@
 """SnapMLA split-KV decode on Hopper: the sm_90a kernels of ``csrc/sm90/``.
 
 ``decode_sm90`` is the path ``vllm_snapmla.ops.decode`` takes on sm_90 GPUs, and so vLLM's: one
-op call per decode that quantizes the query (with the split planner in the same launch), runs
+op call per decode that quantizes the query (with the split planner in the same launch, unless
+the step's plan from ``plan_decode_sm90`` is given), runs
 the decode kernel and, where a request is cut into several runs, the combine
 (``kernels/splits.py``).  ``snapmla_decode_sm90`` takes an already quantized query
 (``ops.quantize_q``), for tests and benchmarks of the kernels alone.

@@ -225,7 +225,8 @@ def test_wide_table_equals_tight_table(H, s_q):
 
 @pytest.mark.parametrize("H, s_q", [(16, 1), (32, 1), (128, 1), (128, 2)])
 def test_fused_decode_equals_quantized_path(H, s_q):
-    """``decode_sm90`` (query quantization and split planner fused in one launch, the vLLM path)
+    """``decode_sm90`` (query quantization and split planner fused in one launch, a call without
+    the step's plan)
     equals quantizing first and then decoding, bit for bit, with a wide table."""
     q, qp, cache, bt, sl = _case(RAGGED + [4000], H, s_q, seed=80 + H)
     wide = _widen(bt, 2560)
@@ -401,14 +402,56 @@ def test_a_shared_plan_is_the_calls_own(lens, H, s_q):
     assert torch.equal(x_out, own_out) and torch.equal(x_lse, own_lse)
 
 
+@pytest.mark.parametrize("H, s_q", [(16, 1), (128, 1), (64, 2)])
+def test_a_given_plan_decides_the_cut(H, s_q):
+    """Both entries read the plan they are given: the largest int32 leaves every request one run
+    (what ``num_splits=1`` gives), 0 or a negative value the equal cut into max_splits runs
+    (what ``num_splits=max_splits`` gives), bit for bit."""
+    lens = RAGGED + [9000]
+    q, qp, cache, bt, sl = _case(lens, H, s_q, seed=113 + H)
+    wide = _widen(bt, 2560)
+    _, max_splits = _model_plan(lens, 2560, len(lens), s_q * H)
+    q8, qs, qpe = ref.quantize_q(q, qp)
+    for value, forced in ((2**31 - 1, 1), (0, max_splits), (-5, max_splits)):
+        plan = torch.tensor([value], dtype=torch.int32, device="cuda")
+        want_out, want_lse = sm90.decode_sm90(q, qp, cache, wide, sl, SCALE, num_splits=forced)
+        out, lse = sm90.decode_sm90(q, qp, cache, wide, sl, SCALE, plan=plan)
+        assert torch.equal(out, want_out) and torch.equal(lse, want_lse), value
+        out, lse = decode(q8, qs, qpe, cache, wide, sl, SCALE, plan=plan)
+        assert torch.equal(out, want_out) and torch.equal(lse, want_lse), value
+
+
+@pytest.mark.parametrize("H, s_q", [(16, 1), (128, 1), (64, 2)])
 @pytest.mark.parametrize("value", [-(2**31), -5, 0, 1, 3, 40, 1 << 30, 2**31 - 1])
-def test_any_plan_gives_exact_results(value):
-    """A plan made for other lengths (here: any int32) changes the cut, never the result."""
-    q, qp, cache, bt, sl = _case(RAGGED + [9000], 16, 1, seed=110)
+def test_any_plan_gives_exact_results(value, H, s_q):
+    """A plan made for other lengths (here: any int32) changes the cut, never the result, from
+    the model's query and from a quantized one (the 64-row kernel and both combines included)."""
+    q, qp, cache, bt, sl = _case(RAGGED + [9000], H, s_q, seed=110 + H)
     wide = _widen(bt, 2560)
     plan = torch.tensor([value], dtype=torch.int32, device="cuda")
     out, lse = sm90.decode_sm90(q, qp, cache, wide, sl, SCALE, plan=plan)
     _check(out, lse, q, qp, cache, bt, sl)
+    q8, qs, qpe = ref.quantize_q(q, qp)
+    x_out, x_lse = decode(q8, qs, qpe, cache, wide, sl, SCALE, plan=plan)
+    assert torch.equal(x_out, out) and torch.equal(x_lse, lse)
+
+
+def test_a_launch_of_one_split_reads_and_writes_no_plan():
+    """300 requests at 128 heads fill the GPU with one split each: ``plan_decode_sm90`` leaves
+    the buffer as it was and a decode given it returns what it returns alone; an empty batch
+    with a plan returns empty outputs."""
+    lens = [64 * (1 + i % 7) for i in range(300)]
+    q, qp, cache, bt, sl = _case(lens, 128, 1, seed=114)
+    plan = torch.tensor([12345], dtype=torch.int32, device="cuda")
+    sm90.plan_decode_sm90(sl, bt, 300, 1, 128, plan)
+    assert int(plan) == 12345
+    out, lse = sm90.decode_sm90(q, qp, cache, bt, sl, SCALE, plan=plan)
+    own_out, own_lse = sm90.decode_sm90(q, qp, cache, bt, sl, SCALE)
+    assert torch.equal(out, own_out) and torch.equal(lse, own_lse)
+    sm90.plan_decode_sm90(sl[:0], bt[:0], 0, 1, 128, plan)
+    assert int(plan) == 12345
+    out, lse = sm90.decode_sm90(q[:0], qp[:0], cache, bt, sl, SCALE, plan=plan)
+    assert out.shape == (0, 1, 128, 512) and lse.shape == (0, 128, 1)
 
 
 def test_a_graph_reads_the_plan_each_replay():

@@ -232,11 +232,33 @@ def test_forward_mqa_passes_the_steps_plan_to_decode(monkeypatch):
     monkeypatch.setattr(backend.snapmla_ops, "decode", decode)
     metadata = SimpleNamespace(decode=SimpleNamespace(split_plan=plan, block_table=bt,
                                                       seq_lens=sl), num_decodes=3)
-    out, _ = _impl(False).forward_mqa((ql_nope, q_pe), cache, metadata, None)
+    _impl(False).forward_mqa((ql_nope, q_pe), cache, metadata, None)
     assert seen == [plan]
-    metadata.decode.split_plan = None
-    plain, _ = _impl(False).forward_mqa((ql_nope, q_pe), cache, metadata, None)
-    assert seen[-1] is None and torch.equal(out, plain)
+    del metadata.decode.split_plan   # vLLM's own decode metadata: the call plans
+    _impl(False).forward_mqa((ql_nope, q_pe), cache, metadata, None)
+    assert seen == [plan, None]
+
+
+def test_the_builder_overrides_vllms_decode_hook(monkeypatch):
+    """H16 is an override: had vLLM renamed or reshaped ``_build_decode``, ours would never run
+    and every layer would plan again, slower and silently.  And the builder keeps one plan
+    buffer for its life, on its device."""
+    import inspect
+
+    from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadataBuilder
+
+    from vllm_snapmla.integration.backend import SnapMLAMetadataBuilder
+
+    ours = inspect.signature(SnapMLAMetadataBuilder._build_decode).parameters
+    theirs = inspect.signature(MLACommonMetadataBuilder._build_decode).parameters
+    assert list(ours) == list(theirs)
+
+    def base_init(self, *args, **kwargs):
+        self.device = torch.device("cpu")
+
+    monkeypatch.setattr(MLACommonMetadataBuilder, "__init__", base_init)
+    builder = SnapMLAMetadataBuilder(None, [], None, torch.device("cpu"))
+    assert builder.split_plan.dtype == torch.int32 and builder.split_plan.shape == (1,)
 
 
 @pytest.mark.parametrize("num_decodes, tokens, s_q", [(3, 3, 1), (2, 6, 3), (3, 4, None)])

@@ -199,7 +199,7 @@ def test_the_cpp_grid_matches_its_python_model(planner):
              for batch in (0, 1, 2, 3, 64, 1000, 70000)
              for programs in (batch, 2 * batch, 4 * batch, 1, 0, -1)
              for slots in (1, 78, 114, 132, 264)
-             for table_pages in (1, 16, 2560, 200000)]
+             for table_pages in (1, 16, 2560, 200000, 2**31 // 64 - 1)]
     got = planner.grids(cases)
     want = [splits.max_splits_for(*case) for case in cases]
     assert got == want
@@ -267,4 +267,20 @@ def test_any_plan_cuts_a_request_into_its_pages_exactly(planner):
                     expected.append((first, n, runs))
                 if max_splits <= 140:
                     assert end == pages, (seq_len, plan, max_splits)
+    # The int32 edge: the last split of the widest grids (a table of 32768 pages and 65535
+    # splits; the widest table, whose grid max_splits_for caps at 64 splits) under plans at and
+    # past the request's pages.
+    for seq_len, table_pages, max_splits in ((2**21, 2**15, 65535),
+                                             (int_max // 64 * 64, int_max // 64, 64)):
+        assert max_splits * table_pages <= int_max
+        pages = splits.request_pages(seq_len, table_pages)
+        for plan in (0, 1, pages // max_splits + 1, pages, int_max):
+            for split in (0, 1, max_splits - 2, max_splits - 1):
+                first, n, runs = splits.split_range(seq_len, table_pages, plan, max_splits,
+                                                    split)
+                assert (n == 0 or first + n <= pages) and first <= int_max
+                assert 1 <= runs <= max_splits
+                cases.append((seq_len, table_pages, plan, max_splits, split))
+                expected.append((first, n, runs))
+    assert splits.max_splits_for(1, 1, 132, int_max // 64) == 64
     assert planner.ranges(cases) == expected
