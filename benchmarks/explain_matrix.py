@@ -16,14 +16,15 @@ attention of both sides alone, with ``bench_decode``'s calls, at the cell's shap
   that), zero past each request's pages, as vLLM pads it;
 - the backend the engine ran (its ``backend`` column): FLASH_ATTN_MLA -> ``fa3-mla-bf16``,
   FLASHMLA -> ``flashmla-bf16`` (``flashmla-fp8`` for the ``fp8`` cache), SNAPMLA ->
-  ``snapmla`` (``vllm_snapmla.ops.decode``: query quantization, planner, kernel, combine);
+  ``snapmla`` (``vllm_snapmla.ops.decode``: query quantization, kernel, combine; its split
+  plan, ``ops.plan_decode``, is made once per step);
 - a graph cell: one call replayed from a CUDA graph, timed by ``triton.testing.do_bench``,
   which flushes the L2 before each call as the layers between two attention calls do in vLLM;
   an eager cell: one eager Python call (FlashAttention then with its own split count, as
   vLLM's eager steps run it), the larger of its GPU time (``do_bench`` as above) and its host
   time (``host_us``: an eager step's GPU waits for the host where the host is slower);
 - per step: the model's layers x that time, plus the scheduling metadata that vLLM computes
-  once per step for all layers (FlashMLA's and FlashAttention's; ours is inside each call).
+  once per step for all layers (FlashMLA's and FlashAttention's, and our split plan).
 
 Each side's time per output token then splits into attention and the rest (projections, MLP,
 sampling, and the engine's CPU time where the GPU waits for it): rest = TPOT - attention.  The
@@ -60,9 +61,9 @@ _VLLM_BACKEND = {name: backend for (kv, backend), name in DECODE_BACKEND.items()
 FIELDS = ["heads", "max_model_len", "mode", "context", "batch", "batch_size_bf16",
           "batch_size", "vs_bf16", "N_bf16", "N", "table_width", "layers", "bf16_backend",
           "tpot_bf16_ms", "tpot_ours_ms", "layer_bf16_us", "layer_ours_us", "metadata_bf16_us",
-          "attention_bf16_ms", "attention_ours_ms", "rest_bf16_ms", "rest_ours_ms", "gap_ms",
-          "gap_attention_ms", "gap_rest_ms", "mostly", "date", "commit", "matrix_date",
-          "matrix_commit"]
+          "metadata_ours_us", "attention_bf16_ms", "attention_ours_ms", "rest_bf16_ms",
+          "rest_ours_ms", "gap_ms", "gap_attention_ms", "gap_rest_ms", "mostly", "date",
+          "commit", "matrix_date", "matrix_commit"]
 
 
 # --- planning and arithmetic (pure; unit-tested on CPU) ---------------------------------------
@@ -135,6 +136,7 @@ def explain(bf16: dict, ours: dict, times: dict, layers: int = NUM_LAYERS) -> di
             "tpot_ours_ms": tpot["ours"], "layer_bf16_us": per_layer["bf16"],
             "layer_ours_us": per_layer["ours"],
             "metadata_bf16_us": times["bf16"].get("metadata_us") or 0.0,
+            "metadata_ours_us": times["ours"].get("metadata_us") or 0.0,
             "attention_bf16_ms": attention["bf16"], "attention_ours_ms": attention["ours"],
             "rest_bf16_ms": rest["bf16"], "rest_ours_ms": rest["ours"], "gap_ms": gap,
             "gap_attention_ms": gap_attention, "gap_rest_ms": gap_rest, "mostly": mostly,
@@ -186,7 +188,9 @@ def follow_matrix(rows: list[dict], matrix: list[dict]) -> list[dict]:
         # layer_*_us already hold the mode's choice of GPU and host time.
         times = {"bf16": {"us": number(latest["layer_bf16_us"]),
                           "metadata_us": number(latest["metadata_bf16_us"])},
-                 "ours": {"us": number(latest["layer_ours_us"])}}
+                 # rows from before the step's plan have none: the planner was in each call
+                 "ours": {"us": number(latest["layer_ours_us"]),
+                          "metadata_us": number(latest.get("metadata_ours_us")) or 0.0}}
         again = explain(bf16, ours, times, layers_of(ours))
         followed.append({**again, "date": latest.get("date", ""),
                          "commit": latest.get("commit", "")})
@@ -284,8 +288,8 @@ def write_outputs(out: Path, info: dict | None, new_rows=()) -> list[dict]:
 def time_attention(shape: tuple[int, int, int, int], backend: str, mode: str, seed: int = 0
                    ) -> dict:
     """One layer's decode attention of ``backend`` at ``shape`` (see the module docstring):
-    ``bench_decode.measure_call``'s times (``us``, ``host_us``, ``eager_us`` and, for FlashMLA
-    and FlashAttention, the ``metadata_*`` ones)."""
+    ``bench_decode.measure_call``'s times (``us``, ``host_us``, ``eager_us`` and the
+    ``metadata_*`` ones of the per-step metadata)."""
     import torch
 
     from benchmarks import bench_decode

@@ -212,3 +212,35 @@ def test_rows_of_a_deeper_model_follow_its_matrix_with_its_layers(tmp_path):
     assert again["matrix_commit"] == "def5678"
     assert float(again["attention_ours_ms"]) == pytest.approx(1.6)    # 16 x 100 us
     assert float(again["attention_bf16_ms"]) == pytest.approx(2.408)  # 16 x 150 + 8 us
+
+
+def test_our_split_plan_counts_once_per_step_and_follows_the_matrix(tmp_path):
+    """Our split plan is made once per step (``ops.plan_decode``), like BF16's metadata: it
+    counts once in the step's attention, and stays when the row follows a later matrix run;
+    rows written before it existed read as none."""
+    fields = bm.run_fields_of("", 16)
+    bm.write_outputs(tmp_path, INFO, [_cell("auto", 20000.0), _cell("fp8_snapmla", 16000.0)],
+                     plot=False, run_fields=fields)
+    matrix = vllm_engine.read_csv(tmp_path / "matrix.csv")[1]
+    times = {"bf16": {"us": 150.0, "metadata_us": 8.0}, "ours": {"us": 100.0, "metadata_us": 5.0}}
+    (bf16, ours), = ex.cells_to_explain(matrix, 1.0)
+    row = ex.explain(bf16, ours, times, 16)
+    assert row["attention_ours_ms"] == pytest.approx(1.605) and row["metadata_ours_us"] == 5.0
+    kernels = {**INFO, "commit": "k111111", "command": "python -m benchmarks.explain_matrix"}
+    ex.write_outputs(tmp_path, kernels, [row])
+    later = {**INFO, "date": "2026-12-06 10:00 UTC", "commit": "def5678"}
+    bm.write_outputs(tmp_path, later, [_cell("auto", 20000.0), _cell("fp8_snapmla", 19000.0)],
+                     plot=False, run_fields=fields)
+    again, = ex.write_outputs(tmp_path, None)
+    assert float(again["attention_ours_ms"]) == pytest.approx(1.605)
+    # An explain.csv from before the column: the planner was inside each call.
+    runs, rows = vllm_engine.read_csv(tmp_path / "explain.csv")
+    vllm_engine.write_csv([{k: v for k, v in r.items() if k != "metadata_ours_us"} for r in rows],
+                          tmp_path / "explain.csv",
+                          [f for f in ex.FIELDS if f != "metadata_ours_us"], runs)
+    latest = {**INFO, "date": "2026-12-06 11:00 UTC", "commit": "fed9876"}
+    bm.write_outputs(tmp_path, latest, [_cell("auto", 20000.0), _cell("fp8_snapmla", 18000.0)],
+                     plot=False, run_fields=fields)
+    again, = ex.write_outputs(tmp_path, None)
+    assert again["matrix_commit"] == "fed9876"
+    assert float(again["attention_ours_ms"]) == pytest.approx(1.6)
