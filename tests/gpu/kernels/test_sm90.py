@@ -456,8 +456,10 @@ def test_a_launch_of_one_split_reads_and_writes_no_plan():
 
 def test_a_graph_reads_the_plan_each_replay():
     """Captured with a plan buffer, the graph replays with the plan written before each replay
-    (as vLLM's builder rewrites it each step) and gives the eager call's result."""
-    lengths_a, lengths_b = [300, 64, 1, 200], [20000, 1, 6400, 65]
+    (as vLLM's builder rewrites it each step) and gives the eager call's result.  Batch a's
+    requests are one page at most (plan 1); batch b's 313-page request needs more than one page
+    per split on any GPU below 626 CTA slots, so the two plans differ."""
+    lengths_a, lengths_b = [64, 1, 30, 64], [20000, 1, 6400, 65]
     q, qp, cache, bt, sl = _case([20000] * 4, 16, 1, seed=111)
     wide = _widen(bt, 2560)
     plan = torch.zeros(1, dtype=torch.int32, device="cuda")
