@@ -282,14 +282,12 @@ def decode_calls(inp, fm, fa3, scale, quantize, wanted, eager=False):
             lambda: fm.get_mla_metadata_dense_fp8(sl, s_q * H, 1))
     if OPS_DECODE in wanted:
         plan = ops.plan_decode(sl, bt, H, s_q)   # the step's plan, as vLLM's builder makes it
-
-        def snap(plan_of=lambda: plan):
-            return ops.decode(inp["q_nope"], inp["q_pe"], inp["snap"], bt, sl, scale,
-                              plan=plan_of())
-        runners[OPS_DECODE] = snap
-        # Into the same buffer, as the builder rewrites its own each step.
-        with_metadata[OPS_DECODE] = lambda: snap(lambda: ops.plan_decode(sl, bt, H, s_q,
-                                                                         out=plan))
+        runners[OPS_DECODE] = lambda: ops.decode(inp["q_nope"], inp["q_pe"], inp["snap"], bt, sl,
+                                                 scale, plan=plan)
+        # Planned again into the same buffer, as the builder rewrites its own each step.
+        with_metadata[OPS_DECODE] = lambda: ops.decode(
+            inp["q_nope"], inp["q_pe"], inp["snap"], bt, sl, scale,
+            plan=ops.plan_decode(sl, bt, H, s_q, out=plan))
     for name, load in SNAPMLA_KERNELS.items():
         if name not in wanted:
             continue

@@ -343,13 +343,19 @@ DecodeSetup setup_decode(const char* op, const at::Device& device, int64_t batch
   return {table, lens, schedule, shape};
 }
 
-// A plan given to a decode call (plan_decode_sm90's): int32[1] on the call's GPU, read by the
-// decode and combine kernels in place of the call's own planner.  Null where none is given.
+// A split plan buffer, as plan_decode_sm90 writes it and the decode reads it: int32[1] on the
+// op's GPU.
+void check_plan(const char* op, const at::Tensor& plan, const at::Device& device) {
+  check_cuda(op, "plan", plan, device);
+  check_shape(op, "plan", plan, at::kInt, {1});
+}
+
+// A plan given to a decode call (plan_decode_sm90's), read by the decode and combine kernels in
+// place of the call's own planner.  Null where none is given.
 const int32_t* given_plan(const char* op, const std::optional<at::Tensor>& plan,
                           const at::Device& device, int64_t num_splits) {
   if (!plan.has_value()) return nullptr;
-  check_cuda(op, "plan", *plan, device);
-  check_shape(op, "plan", *plan, at::kInt, {1});
+  check_plan(op, *plan, device);
   TORCH_CHECK_VALUE(num_splits == 0, op, ": a plan goes with num_splits 0 (planned), got ",
                     num_splits);
   return plan->data_ptr<int32_t>();
@@ -470,8 +476,7 @@ void plan_decode_sm90(const at::Tensor& seq_lens, const at::Tensor& block_table,
                         s_q <= 65535 * 64 && heads <= 65535 * 64 && s_q * heads <= 65535 * 64,
                     op, ": batch, s_q or heads out of range (batch ", batch, ", s_q ", s_q,
                     ", heads ", heads, ")");
-  check_cuda(op, "plan", plan, device);
-  check_shape(op, "plan", plan, at::kInt, {1});
+  check_plan(op, plan, device);
   const c10::cuda::CUDAGuard guard(device);
   check_sm90_device(op, device);
   auto [table, lens] = table_and_lens(op, device, batch, block_table, seq_lens);
