@@ -34,7 +34,8 @@ def data_checks_on(validate: bool | None, *tensors: torch.Tensor) -> bool:
     ``SNAPMLA_VALIDATE=1``.  They read the data on the host, which a CUDA graph being captured
     cannot do: ``SNAPMLA_VALIDATE=1`` skips them during capture (graph replays are not checked;
     ``enforce_eager`` checks every step), ``validate=True`` refuses."""
-    on_gpu = any(t.is_cuda for t in tensors)
+    optional_flag("validate", validate)
+    on_gpu = any(t.device.type != "cpu" for t in tensors)
     if validate is None:
         flag = os.environ.get("SNAPMLA_VALIDATE", "0")
         if flag in ("", "0"):
@@ -125,6 +126,15 @@ def split_plan(name: str, t) -> torch.Tensor:
     return t
 
 
+def not_aliased(name: str, out: torch.Tensor, **inputs: torch.Tensor) -> None:
+    """An output that shares no storage with an input (a plan written into ``seq_lens`` would
+    change the lengths that later calls read)."""
+    ptr = out.untyped_storage().data_ptr()
+    for other, t in inputs.items():
+        if t.untyped_storage().data_ptr() == ptr:
+            raise ValueError(f"{name} shares its memory with {other}; pass a tensor of its own")
+
+
 def unit_column_stride(name: str, table: torch.Tensor) -> None:
     """The kernels read a table row's ids as consecutive elements."""
     if table.shape[1] > 1 and table.stride(1) != 1:
@@ -138,6 +148,12 @@ def cache(kv_cache) -> torch.Tensor:
             fmt.PAGE_SIZE, fmt.BYTES_PER_TOKEN):
         raise ValueError(f"kv_cache must be uint8[num_blocks, {fmt.PAGE_SIZE}, "
                          f"{fmt.BYTES_PER_TOKEN}], got {_shape(kv_cache)}")
+    # Rows packed in a block, as the kernels address them (csrc/api/checks.h check_cache): an
+    # expanded or strided view would make tokens share bytes.
+    if kv_cache.stride(2) != 1 or kv_cache.stride(1) != fmt.BYTES_PER_TOKEN:
+        raise ValueError(f"kv_cache must have its {fmt.PAGE_SIZE} rows of "
+                         f"{fmt.BYTES_PER_TOKEN} bytes packed in each block (strides "
+                         f"(*, {fmt.BYTES_PER_TOKEN}, 1)), got strides {tuple(kv_cache.stride())}")
     block_bytes = fmt.PAGE_SIZE * fmt.BYTES_PER_TOKEN
     if kv_cache.shape[0] > 1 and kv_cache.stride(0) < block_bytes:
         raise ValueError(f"kv_cache blocks overlap: block stride {kv_cache.stride(0)} bytes, "
@@ -146,8 +162,12 @@ def cache(kv_cache) -> torch.Tensor:
 
 
 def separate_rows(name: str, t: torch.Tensor) -> None:
-    """Rows that do not overlap (an expanded tensor would have every token write one row)."""
-    if t.shape[0] > 1 and (t.stride(1) == 0 or abs(t.stride(0)) < t.shape[1] * abs(t.stride(1))):
+    """Rows of unit column stride that do not overlap (an expanded tensor would have every
+    token write one row), as the CUDA kernels write them."""
+    if t.shape[1] > 1 and t.stride(1) != 1:
+        raise ValueError(f"{name} must have unit column stride (each row's elements "
+                         f"consecutive), got strides {tuple(t.stride())}")
+    if t.shape[0] > 1 and abs(t.stride(0)) < t.shape[1]:
         raise ValueError(f"{name} rows overlap (strides {tuple(t.stride())}); pass a tensor "
                          "whose rows are separate")
 
@@ -155,7 +175,11 @@ def separate_rows(name: str, t: torch.Tensor) -> None:
 def softmax_scale(value) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"softmax_scale must be a real number, got {type(value).__name__}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:   # an int past float's range
+        raise ValueError("softmax_scale must be positive and finite, got an int past float's "
+                         "range") from None
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"softmax_scale must be positive and finite, got {value}")
     # The kernels scale logits by softmax_scale * log2(e) in float32: it must not overflow to
@@ -165,6 +189,18 @@ def softmax_scale(value) -> float:
         raise ValueError(f"softmax_scale = {value}: softmax_scale * log2(e) must be a normal "
                          f"float32 ([{f32.tiny:.3g}, {f32.max:.3g}]), the kernels' logit scale")
     return value
+
+
+def flag(name: str, value) -> bool:
+    """A bool: a string such as "False" would be truthy."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def optional_flag(name: str, value) -> bool | None:
+    """``validate``: a bool, or None for the default."""
+    return None if value is None else flag(name, value)
 
 
 def float_dtype(name: str, dtype) -> torch.dtype:

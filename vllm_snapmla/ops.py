@@ -217,8 +217,13 @@ def _use_sm90(device: torch.device) -> bool:
 def decode_kernel(device: torch.device | str | int) -> str:
     """Which kernel ``decode`` runs for CUDA tensors on ``device``: ``"sm90"`` (the Hopper
     kernels) or ``"triton"`` (the portable kernel), as ``SNAPMLA_DECODE_KERNEL`` and the build
-    decide (module docstring)."""
-    return "sm90" if _use_sm90(torch.device(device)) else "triton"
+    decide (module docstring).  Tensors on the CPU run the reference (``vllm_snapmla.reference``)
+    and have no kernel: a CPU device is refused."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"decode_kernel names the kernel of a CUDA device, got {device} (decode "
+                         "runs the PyTorch reference there)")
+    return "sm90" if _use_sm90(device) else "triton"
 
 
 def _check_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale,
@@ -282,6 +287,7 @@ def plan_decode(seq_lens: torch.Tensor, block_table: torch.Tensor, num_heads: in
         out = torch.zeros(1, dtype=torch.int32, device=seq_lens.device)
     _checks.split_plan("out", out)
     _checks.same_device(seq_lens.device, block_table=block_table, out=out)
+    _checks.not_aliased("out", out, seq_lens=seq_lens, block_table=block_table)
     if seq_lens.is_cuda and _use_sm90(seq_lens.device):
         sm90.plan_decode_sm90(seq_lens, block_table, B, s_q, heads, out)
     return out
@@ -318,6 +324,7 @@ def decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
     itself or, given ``plan`` (``plan_decode``'s, int32 ``[1]`` on the same device), once for
     all the calls that share it.
     """
+    _checks.flag("causal", causal)
     if (isinstance(q_nope, torch.Tensor) and q_nope.is_cuda and not validate
             and _use_sm90(q_nope.device) and not _checks.data_checks_on(validate, q_nope)):
         # vLLM's path: one op call, whose C++ layer checks shapes, dtypes and devices.  On an

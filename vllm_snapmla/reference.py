@@ -105,7 +105,7 @@ def gather_sources(block_table: torch.Tensor, cu_seq_lens: torch.Tensor,
     n = int(num_tokens)
     table = block_table.to(device).long()
     cu = cu_seq_lens.to(device).long()
-    num_seqs = min(table.shape[0], cu.numel() - 1)
+    num_seqs = max(min(table.shape[0], cu.numel() - 1), 0)
     if seq_starts is not None:
         num_seqs = min(num_seqs, seq_starts.numel())
     seq = token_to_seq[:n].to(device).long()
@@ -135,6 +135,9 @@ def gather_kv(kv_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tens
     n = int(num_tokens)
     src = gather_sources(block_table, cu_seq_lens, token_to_seq, n, seq_starts,
                          kv_cache.shape[0], kv_cache.device)
+    if kv_cache.shape[0] == 0:   # no block to read: every token is outside the cache
+        dst[:n] = float("nan")
+        return dst
     slot = torch.where(src.block_ok, src.pos, 0) % fmt.PAGE_SIZE
     c, r = dequantize_kv(kv_cache[src.block, slot])
     row = torch.cat([c, r], -1)

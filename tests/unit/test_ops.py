@@ -182,6 +182,63 @@ def test_decode_contract_cases_from_the_report():
         ops.decode(q, qp, cache, bt, torch.tensor([100, -1]), 0.1)
 
 
+def test_contract_cases_from_the_second_review():
+    """Inputs a review found accepted with a wrong result or refused with a raw error."""
+    cache, bt, _ = build_cache([150, 100])
+    sl = torch.tensor([150, 100], dtype=torch.int32)
+    q = torch.randn(2, 1, 16, 512).bfloat16()
+    qp = torch.randn(2, 1, 16, 64).bfloat16()
+    kv_c, k_pe = torch.randn(2, 512), torch.randn(2, 64)
+    # Caches whose rows share bytes: all tokens would land in one row, or a later block's slot
+    # would overwrite an earlier block's.
+    shared_rows = torch.zeros(2, 64, 656, dtype=torch.uint8)[:, :1].expand(2, 64, 656)
+    spread = torch.zeros(3 * 64 * 656 * 2, dtype=torch.uint8).as_strided(
+        (2, 64, 656), (64 * 656, 2 * 656, 2))
+    for bad in (shared_rows, spread):
+        with pytest.raises(ValueError, match="kv_cache must have its 64 rows of 656 bytes packed"):
+            ops.append_kv(kv_c, k_pe, bad, torch.tensor([0, 1]))
+    # Flags: a string such as "False" is truthy.
+    with pytest.raises(TypeError, match="causal must be a bool, got str"):
+        ops.decode(q, qp, cache, bt, sl, 0.1, causal="False")
+    with pytest.raises(TypeError, match="validate must be a bool, got str"):
+        ops.decode(q, qp, cache, bt, sl, 0.1, validate="no")
+    with pytest.raises(TypeError, match="validate must be a bool, got int"):
+        ops.quantize_kv(kv_c, k_pe, validate=1)
+    # A plan written into the lengths or the table would corrupt what later calls read.
+    for alias, name in ((sl[:1], "seq_lens"), (bt[0, :1], "block_table")):
+        with pytest.raises(ValueError, match=f"out shares its memory with {name}"):
+            ops.plan_decode(sl, bt, 16, out=alias)
+    with pytest.raises(ValueError, match="softmax_scale must be positive and finite, got an int"):
+        ops.decode(q, qp, cache, bt, sl, 10**400)
+    with pytest.raises(ValueError, match="decode_kernel names the kernel of a CUDA device"):
+        ops.decode_kernel("cpu")
+    # gather_kv: a column-major or expanded dst is refused by what is wrong with it, and a cache
+    # without blocks gives NaN rows, as the contract says, instead of an IndexError.
+    one = torch.zeros(1, dtype=torch.int32)
+    for dst in (torch.empty(576, 80).t(), torch.empty(1, 1).expand(1, 576)):
+        with pytest.raises(ValueError, match="dst must have unit column stride"):
+            ops.gather_kv(cache, dst, bt, torch.tensor([0, 1]), one, 1)
+    dst = torch.zeros(80, 576)
+    ops.gather_kv(cache[:0], dst, bt, torch.tensor([0, 80]), torch.zeros(80, dtype=torch.int32),
+                  80, validate=False)
+    assert dst.isnan().all()
+    with pytest.raises(ValueError, match="seq_starts describe 0$"):
+        ops.gather_kv(cache, dst, bt, torch.zeros(0, dtype=torch.int32),
+                      torch.zeros(80, dtype=torch.int32), 80)
+
+
+def test_float16_outputs_overflow_only_past_their_range():
+    """BF16 rounding of ``k_pe / s`` can carry a value at float16's largest past it: a float16
+    output then holds Inf (docs/format.md), a float32 one the value."""
+    k_pe = torch.randn(2, 64).half()
+    k_pe[0, 0] = 65504
+    rows = ops.quantize_kv(torch.randn(2, 512).half(), k_pe)
+    wide = ops.dequantize_kv(rows, torch.float32)[1][0, 0]
+    narrow = ops.dequantize_kv(rows, torch.float16)[1][0, 0]
+    assert abs(float(wide) - 65504) <= 65504 * 2**-8
+    assert torch.isinf(narrow) == (float(wide) > 65504 + 16)   # fp16 rounds up past 65520
+
+
 def test_plan_decode_on_the_cpu_writes_nothing_and_decode_ignores_any_plan():
     """The CPU reference and the Triton kernel read no plan: ``plan_decode`` returns ``out``
     unwritten, and a decode given any plan returns what it returns without one."""

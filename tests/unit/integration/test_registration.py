@@ -74,6 +74,36 @@ def test_register_is_idempotent(vllm_cpu):
         "torch dtype": "torch.uint8"}
 
 
+def _in_vllm_self_check_without(entry):
+    """Undo one patch's effect, run the start-up self-check, restore it."""
+    import torch
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    from vllm_snapmla.integration import patches
+
+    page_size = MLAAttentionSpec.__dict__["real_page_size_bytes"]
+    try:
+        if entry == "torch dtype":
+            STR_DTYPE_TO_TORCH_DTYPE[KV] = torch.float8_e4m3fn
+        else:
+            MLAAttentionSpec.real_page_size_bytes = property(page_size.fget.__snapmla_wrapped__)
+        patches.self_check()
+    finally:
+        STR_DTYPE_TO_TORCH_DTYPE[KV] = torch.uint8
+        MLAAttentionSpec.real_page_size_bytes = page_size
+    patches.self_check()   # restored: passes
+
+
+@pytest.mark.parametrize("entry", ["torch dtype", "page size"])
+def test_self_check_fails_when_a_patch_did_not_take(vllm_cpu, entry):
+    with pytest.raises(RemoteError) as err:
+        vllm_cpu.call(_in_vllm_self_check_without, entry=entry)
+    assert err.value.exc_type == "RuntimeError"
+    assert "could not patch this vLLM build" in err.value.message
+    assert "vllm==0.26.0" in err.value.message
+
+
 def _in_vllm_register_under_version(version):
     import vllm
 

@@ -66,8 +66,12 @@ def self_check() -> None:
 
         assert KV_CACHE_DTYPE in literal_options(
             SpeculativeConfig.__dataclass_fields__["kv_cache_dtype"].type)
+        from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+
+        storage = STR_DTYPE_TO_TORCH_DTYPE.get(KV_CACHE_DTYPE)
+        assert storage is torch.uint8, f"{KV_CACHE_DTYPE} storage dtype {storage} != uint8"
         spec = MLAAttentionSpec(block_size=fmt.PAGE_SIZE, num_kv_heads=1,
-                                head_size=fmt.HEAD_SIZE, dtype=torch.uint8,
+                                head_size=fmt.HEAD_SIZE, dtype=storage,
                                 cache_dtype_str=KV_CACHE_DTYPE)
         expected = fmt.PAGE_SIZE * fmt.BYTES_PER_TOKEN
         assert spec.page_size_bytes == expected, (
