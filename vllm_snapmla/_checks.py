@@ -35,11 +35,11 @@ def data_checks_on(validate: bool | None, *tensors: torch.Tensor) -> bool:
     cannot do: ``SNAPMLA_VALIDATE=1`` skips them during capture (graph replays are not checked;
     ``enforce_eager`` checks every step), ``validate=True`` refuses."""
     optional_flag("validate", validate)
-    on_gpu = any(t.device.type != "cpu" for t in tensors)
+    on_gpu = any(t.is_cuda for t in tensors)
     if validate is None:
         flag = os.environ.get("SNAPMLA_VALIDATE", "0")
         if flag in ("", "0"):
-            return not on_gpu
+            return all(t.is_cpu for t in tensors)   # the data can be read on the host
         if flag != "1":   # "false" or "off" must not silently turn the checks on
             raise ValueError(f"SNAPMLA_VALIDATE={flag!r}; expected 1 (on) or 0 (off)")
         return not (on_gpu and torch.cuda.is_current_stream_capturing())
@@ -129,10 +129,20 @@ def split_plan(name: str, t) -> torch.Tensor:
 def not_aliased(name: str, out: torch.Tensor, **inputs: torch.Tensor) -> None:
     """An output that shares no storage with an input (a plan written into ``seq_lens`` would
     change the lengths that later calls read)."""
-    ptr = out.untyped_storage().data_ptr()
+    out_bytes = _byte_range(out)
     for other, t in inputs.items():
-        if t.untyped_storage().data_ptr() == ptr:
+        in_bytes = _byte_range(t)
+        if out_bytes and in_bytes and out_bytes[0] < in_bytes[1] and in_bytes[0] < out_bytes[1]:
             raise ValueError(f"{name} shares its memory with {other}; pass a tensor of its own")
+
+
+def _byte_range(t: torch.Tensor) -> tuple[int, int] | None:
+    """``[first, last + 1)`` byte addresses a tensor's elements span; None without memory."""
+    if t.numel() == 0 or t.device.type == "meta":
+        return None
+    start = t.data_ptr()
+    span = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+    return start, start + (span + 1) * t.element_size()
 
 
 def unit_column_stride(name: str, table: torch.Tensor) -> None:
@@ -194,7 +204,9 @@ def softmax_scale(value) -> float:
 def flag(name: str, value) -> bool:
     """A bool: a string such as "False" would be truthy."""
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        kind = type(value)
+        where = "" if kind.__module__ == "builtins" else f"{kind.__module__}."
+        raise TypeError(f"{name} must be a bool, got {where}{kind.__name__}")
     return value
 
 
