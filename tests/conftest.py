@@ -39,14 +39,16 @@ def pytest_collection_modifyitems(config, items):
 def pytest_sessionfinish(session, exitstatus):
     """Under CI (``SNAPMLA_CI=1``, set by .ci/run) a skipped CPU test fails the run: every
     tests/unit test can run there, so a skip means a missing dependency or a broken build (an
-    extension that does not load) that would otherwise pass unnoticed."""
+    extension that does not load) that would otherwise pass unnoticed.  An expected failure
+    (xfail, passing or not) fails it too: a CPU test states what holds."""
     if os.environ.get("SNAPMLA_CI") != "1":
         return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    skipped = [report for report in (reporter.stats.get("skipped", []) if reporter else [])
+    not_run = [(kind, report) for kind in ("skipped", "xfailed", "xpassed")
+               for report in (reporter.stats.get(kind, []) if reporter else [])
                if report.nodeid.startswith("tests/unit")]
-    if skipped:
-        for report in skipped:
+    if not_run:
+        for kind, report in not_run:
             reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr
-            print(f"\nSKIPPED under CI: {report.nodeid}: {reason}")
+            print(f"\n{kind.upper()} under CI: {report.nodeid}: {reason}")
         session.exitstatus = 1

@@ -210,7 +210,9 @@ def test_contract_cases_from_the_second_review():
             ops.plan_decode(sl, bt, 16, out=alias)
     buffer = torch.zeros(4, dtype=torch.int32)   # disjoint parts of one buffer are fine
     buffer[:2] = sl
-    assert ops.plan_decode(buffer[:2], bt, 16, out=buffer[3:]) is not None
+    plan_view = buffer[3:]
+    assert ops.plan_decode(buffer[:2], bt, 16, out=plan_view) is plan_view
+    assert buffer[:2].tolist() == sl.tolist()
     with pytest.raises(ValueError, match="softmax_scale must be positive and finite, got an int"):
         ops.decode(q, qp, cache, bt, sl, 10**400)
     with pytest.raises(ValueError, match="decode_kernel names the kernel of a CUDA device"):

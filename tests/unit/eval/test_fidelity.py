@@ -2,7 +2,6 @@
 
 import csv
 import math
-import random
 from types import SimpleNamespace
 
 import torch
@@ -13,7 +12,7 @@ from eval import fidelity
 
 def test_synthetic_study_orders_configs_as_the_paper_and_writes_files(tmp_path):
     layers = 6
-    seed = random.randrange(1 << 30)
+    seed = 1   # fixed: the bounds below hold over about 200 seeds; a failure replays
     assert fidelity.main(["--synthetic", "--out", str(tmp_path), "--layers", str(layers),
                           "--tokens", "192", "--heads", "4", "--seed", str(seed)]) == 0
     for name in ("fidelity.md", "fidelity.csv", "fidelity.png", "value_range.png",
@@ -51,7 +50,7 @@ def test_synthetic_study_orders_configs_as_the_paper_and_writes_files(tmp_path):
 
 
 def test_quantizers_keep_their_granularity():
-    g = torch.Generator().manual_seed(random.randrange(1 << 30))
+    g = torch.Generator().manual_seed(2)
     kv_c = torch.randn(130, 512, generator=g)
     kv_c[:64, :128] *= 1e5                 # one loud tile
     k_pe = 600.0 * torch.randn(130, 64, generator=g)
@@ -106,7 +105,7 @@ def _fake_impl_calls(recorder, steps, seqs, rng):
 
 
 def test_capture_rebuilds_each_decode_context_by_slot():
-    rng = torch.Generator().manual_seed(random.randrange(1 << 30))
+    rng = torch.Generator().manual_seed(3)
     recorder = capture.Recorder(decode_steps=2)
     seqs = [70, 130]
     truth = _fake_impl_calls(recorder, steps=3, seqs=seqs, rng=rng)
@@ -126,7 +125,7 @@ def test_capture_rebuilds_each_decode_context_by_slot():
 
 
 def test_capture_file_feeds_the_study(tmp_path):
-    rng = torch.Generator().manual_seed(random.randrange(1 << 30))
+    rng = torch.Generator().manual_seed(4)
     recorder = capture.Recorder(decode_steps=1)
     _fake_impl_calls(recorder, steps=1, seqs=[65], rng=rng)
     path = tmp_path / "capture.pt"

@@ -13,7 +13,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
-from eval.reparametrize_rope import GROUPS, group_rows  # noqa: E402
+from eval.reparametrize_rope import (  # noqa: E402
+    GROUPS, calibration_tokens, group_rows, load_model)
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[3]
 
@@ -49,7 +50,17 @@ def test_reparametrization_keeps_logits_and_moves_rope_keys(smoke_checkpoint, tm
     new = load_file(out / "model.safetensors")
     assert old.keys() == new.keys()
     changed = {k for k in old if not torch.equal(old[k], new[k])}
-    assert changed and all("kv_a_proj_with_mqa" in k or "q_b_proj" in k for k in changed)
+    assert all("kv_a_proj_with_mqa" in k or "q_b_proj" in k for k in changed)
+    # Both sides of every layer's rescaling were written (keys up, queries down).
+    for kind in ("kv_a_proj_with_mqa", "q_b_proj"):
+        assert len({k for k in changed if kind in k}) == len(report["layers"]), kind
+    # The written checkpoint, loaded as a user would, gives the source's logits exactly: the
+    # report alone describes the model in memory before it was saved.
+    tokens = calibration_tokens(smoke_checkpoint, 256)
+    with torch.no_grad():
+        source_logits = load_model(smoke_checkpoint)(tokens).logits
+        written_logits = load_model(out)(tokens).logits
+    assert torch.equal(written_logits, source_logits)
     assert (out / "value_range.png").stat().st_size > 0
     assert (out / "tokenizer.json").exists() and (out / "config.json").exists()
 

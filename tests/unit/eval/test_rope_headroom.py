@@ -3,7 +3,6 @@
 format does lose once the content falls below e4m3's normal range."""
 
 import csv
-import random
 import statistics
 
 import torch
@@ -18,7 +17,7 @@ def _layer(seed):
 
 
 def test_scaling_keeps_exact_attention_and_the_snapmla_decode_bit_for_bit():
-    seed = random.randrange(1 << 30)
+    seed = 5   # fixed, so that a failure replays
     cases, scale = _layer(seed)
     case = cases[0]
     exact = fidelity.attention(case["q_nope"], case["q_pe"], case["kv_c"], case["k_pe"], scale)
@@ -46,7 +45,7 @@ def test_formats_lose_where_their_ranges_end():
     RoPE key and the content keeps most of its precision; single layers 0.48-2.4x); snapmla at
     2^32 12-21x, every single layer over 9x (the content below e4m3's normal range).  Each bound
     leaves at least 20% to the extreme seen."""
-    seeds = [random.randrange(1 << 30) for _ in range(8)]
+    seeds = list(range(10, 18))   # fixed, so that a failure replays
     ratios = {"vllm_fp8 2^14": [], "snapmla 2^20": [], "snapmla 2^32": []}
     for seed in seeds:
         cases, scale = _layer(seed)

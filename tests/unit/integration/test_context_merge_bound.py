@@ -74,4 +74,13 @@ def test_batches_without_chunked_context_are_left_alone():
     metadata = types.SimpleNamespace(num_decodes=1,
                                      prefill=types.SimpleNamespace(chunked_context=None))
     context_merge_bound.fix_context_merge_bound(metadata, torch.arange(3, dtype=torch.int32))
-    assert metadata.prefill.chunked_context is None
+
+
+def test_a_context_whose_chunks_hold_no_tokens_keeps_vllms_bound(chunked_context):
+    # vLLM builds no chunked context for a batch without cached tokens; one whose chunk lengths
+    # are all zero must leave the bound as vLLM set it.
+    query_lens = [3, 9, 14]
+    context = chunked_context([0, 64, 0], query_lens)
+    context.seq_lens.zero_()
+    before = context.prefill_tokens_with_context
+    assert _bound(context, 2, query_lens) == before

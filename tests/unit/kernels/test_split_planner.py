@@ -234,11 +234,33 @@ def test_the_planner_charges_the_combine(planner, monkeypatch):
         return [splits.pages_per_split_for(lens, programs, slots, max_splits, tp)
                 for tp, lens, programs, slots, max_splits in cases]
 
+    def brute_force():
+        """The docstring's cost, evaluated for every candidate run length (not only those of
+        the model's loop over split counts): the cheapest run, the longer on ties."""
+        best = []
+        for tp, lens, programs, slots, max_splits in cases:
+            pages = [-(-n // 64) for n in lens]
+            top = max(pages)
+            def cost(run):
+                work = programs * (sum(pages) + sum(-(-p // run) for p in pages) * 2)
+                wave = len(pages) * slots * (run + 2)
+                return (-(-work // wave) * (run + 2)
+                        + splits.combine_cost_pages(-(-top // run), max_splits))
+            runs = [r for r in range(1, top + 1) if -(-top // r) <= max_splits]
+            best.append(min(runs, key=lambda r: (cost(r), -r)))
+        return best
+
+    # The cuts docs/decode-kernels.md states (1 x 16 x 8,192: 32 runs of 4 pages; 16 x 16 x 512:
+    # 4 runs of 2 pages; ...), and the cost formula's own minimum.
     assert model() == [4, 4, 2, 2, 8, 4, 16, 32, 4]
+    assert model() == brute_force()
     assert planner(cases) == model()
-    # Without the combine's cost the first six took shorter runs.
+    with_term = model()
+    # Without the combine's cost the first six took shorter runs, and none a longer one.
     monkeypatch.setattr(splits, "combine_cost_pages", lambda runs, max_splits: 0)
     assert model() == [1, 2, 1, 1, 4, 2, 16, 32, 4]
+    assert model() == brute_force()
+    assert all(a <= b for a, b in zip(model(), with_term))
 
 
 def test_any_plan_cuts_a_request_into_its_pages_exactly(planner):
