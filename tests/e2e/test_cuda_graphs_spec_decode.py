@@ -35,7 +35,7 @@ import pytest
 import torch
 
 from tests.e2e.generate import generate
-from vllm_snapmla.testing import compare_greedy
+from vllm_snapmla.testing import compare_greedy, describe_comparison
 
 pytestmark = pytest.mark.e2e
 
@@ -120,7 +120,7 @@ def test_full_graph_outputs_match_eager(eager, compiled):
     stats = compare_greedy(eager["rounds"], compiled["rounds"], "compiled")
     compared, problems = stats["compared"], stats["problems"]
     _print_outputs(eager, compiled, ("eager", "compiled"))
-    print(f"compared {compared} tokens")
+    print(describe_comparison(stats, "FULL graphs against eager"))
     assert compared >= 5 * MAX_TOKENS   # a sanity floor: most prompts agree for long
     assert stats["skipped"] == 0        # the echo and solo rounds ran the same prompts
     assert not problems, "\n".join(problems)
@@ -144,7 +144,7 @@ def test_ngram_speculation_matches_plain_decoding(compiled, ngram):
     stats = compare_greedy(compiled["rounds"], ngram["rounds"], "ngram")
     compared, problems = stats["compared"], stats["problems"]
     _print_outputs(compiled, ngram, ("plain", "ngram"))
-    print(f"compared {compared} tokens")
+    print(describe_comparison(stats, f"n-gram ({num_spec} drafts) against plain decoding"))
     assert compared >= 5 * MAX_TOKENS   # a sanity floor: most prompts agree for long
     # The solo round (every drafted step an s_q = 1 + drafts decode in a FULL graph) is compared.
     assert stats["skipped"] == 0 and ngram["rounds"][-1][0]["prompt"] == \
