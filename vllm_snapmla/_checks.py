@@ -145,11 +145,11 @@ def _byte_range(t: torch.Tensor) -> tuple[int, int] | None:
     return start, start + (span + 1) * t.element_size()
 
 
-def unit_column_stride(name: str, table: torch.Tensor) -> None:
-    """The kernels read a table row's ids as consecutive elements."""
-    if table.shape[1] > 1 and table.stride(1) != 1:
-        raise ValueError(f"{name} must have unit column stride (a row's ids consecutive), got "
-                         f"strides {tuple(table.stride())}")
+def unit_column_stride(name: str, t: torch.Tensor) -> None:
+    """The kernels read a row's elements (a table row's ids, a dst row) as consecutive."""
+    if t.shape[1] > 1 and t.stride(1) != 1:
+        raise ValueError(f"{name} must have unit column stride (each row's elements "
+                         f"consecutive), got strides {tuple(t.stride())}")
 
 
 def cache(kv_cache) -> torch.Tensor:
@@ -174,9 +174,7 @@ def cache(kv_cache) -> torch.Tensor:
 def separate_rows(name: str, t: torch.Tensor) -> None:
     """Rows of unit column stride that do not overlap (an expanded tensor would have every
     token write one row), as the CUDA kernels write them."""
-    if t.shape[1] > 1 and t.stride(1) != 1:
-        raise ValueError(f"{name} must have unit column stride (each row's elements "
-                         f"consecutive), got strides {tuple(t.stride())}")
+    unit_column_stride(name, t)
     if t.shape[0] > 1 and abs(t.stride(0)) < t.shape[1]:
         raise ValueError(f"{name} rows overlap (strides {tuple(t.stride())}); pass a tensor "
                          "whose rows are separate")

@@ -133,11 +133,11 @@ def gather_kv(kv_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tens
     """Dequantizing gather; semantics of vLLM's ``gather_and_maybe_dequant_cache``.  A token whose
     request, position or block lies outside the inputs gets a NaN row, as on CUDA."""
     n = int(num_tokens)
-    src = gather_sources(block_table, cu_seq_lens, token_to_seq, n, seq_starts,
-                         kv_cache.shape[0], kv_cache.device)
     if kv_cache.shape[0] == 0:   # no block to read: every token is outside the cache
         dst[:n] = float("nan")
         return dst
+    src = gather_sources(block_table, cu_seq_lens, token_to_seq, n, seq_starts,
+                         kv_cache.shape[0], kv_cache.device)
     slot = torch.where(src.block_ok, src.pos, 0) % fmt.PAGE_SIZE
     c, r = dequantize_kv(kv_cache[src.block, slot])
     row = torch.cat([c, r], -1)
