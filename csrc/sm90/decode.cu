@@ -125,7 +125,8 @@ const char* launch_decode_sm90(const DecodeParams& params, const uint8_t* kv_cac
                         NarrowConfig<32>::kSmemAlloc, device, content_map, rope_map, scale_map,
                         params, stream, after_own_launch);
   }
-  const dim3 grid(batch, (params.num_rows + kBlockRows - 1) / kBlockRows, params.max_splits);
+  // Work items (split_kv.h work_item) instead of one CTA per (request, row block, split).
+  const dim3 grid(params.work_columns, (params.num_rows + kBlockRows - 1) / kBlockRows);
   return params.schedule == kScheduleSplitRoles
              ? launch<decode_kernel<kScheduleSplitRoles>>(grid, kThreads, kSmemAlloc, device,
                       content_map, rope_map, scale_map, params, stream, after_own_launch)
