@@ -24,10 +24,8 @@
 // such pragma and would warn.
 #if defined(__CUDACC__)
 #define SNAPMLA_UNROLL _Pragma("unroll")
-#define SNAPMLA_NO_UNROLL _Pragma("unroll 1")
 #else
 #define SNAPMLA_UNROLL
-#define SNAPMLA_NO_UNROLL
 #endif
 
 namespace snapmla {
@@ -243,118 +241,8 @@ SNAPMLA_UNROLL
   return max_pages > 0 ? (max_pages + best - 1) / best : 1;
 }
 
-// The 64-row kernel's work list.  Its CTAs do not stand for one (request, row block, split) cell
-// each: a grid of cells past a request's last run (there for the batch's possible raggedness)
-// cost 2.8 us at 64 x 128 x 512 even though they exit at once, since each still waits for an
-// SM.  Instead a fixed grid of `work_columns_for` columns per row block takes the work items,
-// column c the items c, c + columns, c + 2 x columns, ...  The items are the splits that have
-// pages, and split 0 of every request (it writes an empty or invalid request's result): split 0
-// of requests 0 .. batch - 1, then split 1 of the requests cut into two runs or more, in request
-// order, then split 2, ...  The grid is at least one column per request and about one wave of
-// CTAs, so that most CTAs take one item and a CTA's later items are the later runs of long
-// requests.
-struct WorkItem {
-  int b, split;   // b = -1: no such item
-};
-
-struct WorkListParams {
-  const int32_t* seq_lens;
-  int batch;
-  int table_pages;
-  int pages_per_split;   // the plan's value (0: no plan)
-  int max_splits;
-};
-
-// Columns of the grid per row block: one per request, and together with the other row blocks
-// about one wave (`slots` CTAs at once), never more than there are cells.
-inline int work_columns_for(int batch, int row_blocks, int slots, int max_splits) {
-  if (row_blocks < 1) row_blocks = 1;
-  const int64_t wave = (int64_t(slots) + row_blocks - 1) / row_blocks;
-  int64_t columns = batch > wave ? batch : wave;
-  const int64_t cells = int64_t(batch) * (max_splits > 1 ? max_splits : 1);
-  if (columns > cells) columns = cells;
-  return columns > 1 ? static_cast<int>(columns) : 1;
-}
-
-__host__ __device__ __forceinline__ int popcount32(unsigned v) {
-#if defined(__CUDA_ARCH__)
-  return __popc(v);
-#else
-  return __builtin_popcount(v);
-#endif
-}
-
-template <typename Warp>
-__host__ __device__ __forceinline__ int warp_sum(int v, const Warp& warp) {
-SNAPMLA_UNROLL
-  for (int o = 16; o > 0; o /= 2) v += warp.xor_shuffle(v, o);
-  return v;
-}
-
-__host__ __device__ __forceinline__ int request_runs(const WorkListParams& w, int b) {
-  return split_range(w.seq_lens[b], w.table_pages, w.pages_per_split, w.max_splits, 0).num_splits;
-}
-
-// The items of splits 1 .. s - 1 (s >= 1): min(runs - 1, s - 1) of each request.
-template <typename Warp>
-__host__ __device__ __forceinline__ int later_items_before(const WorkListParams& w, int s,
-                                                           const Warp& warp) {
-  int n = 0;
-SNAPMLA_NO_UNROLL
-  for (int b = warp.lane; b < w.batch; b += 32) {
-    const int later = request_runs(w, b) - 1;
-    n += later < s - 1 ? later : s - 1;
-  }
-  return warp_sum(n, warp);
-}
-
-// The list's length (every lane returns the same).
-template <typename Warp>
-__host__ __device__ __forceinline__ int work_item_count(const WorkListParams& w,
-                                                        const Warp& warp) {
-  return w.batch + (w.max_splits < 2 ? 0 : later_items_before(w, w.max_splits, warp));
-}
-
-// Item k of the list (every lane returns the same), or b = -1 past its end.  The whole warp
-// calls it.  Items below `batch` cost nothing; a later one a binary search over the splits.
-template <typename Warp>
-__host__ __device__ __forceinline__ WorkItem work_item(const WorkListParams& w, int k,
-                                                       const Warp& warp) {
-  if (k < w.batch) return {k, 0};
-  k -= w.batch;
-  if (w.max_splits < 2 || k >= later_items_before(w, w.max_splits, warp)) return {-1, 0};
-  int lo = 1, hi = w.max_splits - 1;   // the item's split: the last s with items before <= k
-SNAPMLA_NO_UNROLL
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (later_items_before(w, mid, warp) <= k) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  int j = k - later_items_before(w, lo, warp);   // the item is the j-th request with runs > lo
-SNAPMLA_NO_UNROLL
-  for (int b0 = 0; b0 < w.batch; b0 += 32) {
-    const int b = b0 + warp.lane;
-    const bool has = b < w.batch && request_runs(w, b) > lo;
-    unsigned mask = has ? 1u << warp.lane : 0u;
-SNAPMLA_UNROLL
-    for (int o = 16; o > 0; o /= 2) mask |= warp.xor_shuffle(mask, o);
-    const int n = popcount32(mask);
-    if (j < n) {   // the lane whose request is the j-th of this chunk's
-      int found = has && popcount32(mask & ((1u << warp.lane) - 1u)) == j ? b + 1 : 0;
-SNAPMLA_UNROLL
-      for (int o = 16; o > 0; o /= 2) found |= warp.xor_shuffle(found, o);
-      return {found - 1, lo};
-    }
-    j -= n;
-  }
-  return {-1, 0};   // not reached: the count above found the item
-}
-
 #ifdef __CUDACC__
-// A warp of the calling kernel (lane = threadIdx.x % 32) for plan_splits and work_item.
+// A warp of the calling kernel (lane = threadIdx.x % 32) for plan_splits.
 struct KernelWarp {
   int lane;
   template <typename T>

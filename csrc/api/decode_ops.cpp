@@ -274,9 +274,6 @@ std::tuple<at::Tensor, at::Tensor> run_decode(const char* op, const QueryRows& q
   p.s_q = static_cast<int>(s_q);
   p.num_rows = static_cast<int>(rows);
   p.max_splits = shape.max_splits;
-  p.batch = static_cast<int>(batch);
-  p.work_columns = work_columns_for(static_cast<int>(batch), shape.programs / static_cast<int>(batch),
-                                    shape.slots, shape.max_splits);
   p.causal = causal ? 1 : 0;
   p.qk_scale_log2 = static_cast<float>(softmax_scale * 1.4426950408889634);
   p.schedule = static_cast<int>(schedule);

@@ -23,9 +23,6 @@ constexpr int kScheduleSplitRoles = 1;   // WG1: S, softmax and P8 of every page
 // 2 + c consumer c's reductions and P8^T hand-off.
 constexpr int kPageBarrier = 4;
 constexpr int kVtFreeBarrier = 5;        // and 6
-// Between two work items of a CTA (the 64-row kernel): the consumers and the producer's warp.
-constexpr int kItemBarrier = 7;
-constexpr int kItemBarrierThreads = 2 * 128 + 32;
 
 // Register budgets after setmaxnreg (multiples of 8).  The CTA starts with its launch budget,
 // 65536 / 384 = 168 per thread, and setmaxnreg moves registers within that pool: a consumer's
@@ -107,9 +104,8 @@ constexpr int kRowStateBytes = 8 * 128 * 4;                                     
 constexpr int kSmemHandOver = kSmemVt + kConsumerWarpgroups * kVtBytes;
 constexpr int kSmemRowState = kSmemHandOver + kHandOverBuffers * kHandOverBytes;
 constexpr int kSmemBarriers = kSmemRowState + kRowStateBytes;
-// mbarriers: full[kStages], empty[kStages]; then the CTA's work item slot (decode_kernel).
-constexpr int kSmemItemSlot = kSmemBarriers + 2 * kStages * 8;
-constexpr int kSmemBytes = kSmemItemSlot + 7 * 4;
+// mbarriers: full[kStages], empty[kStages].
+constexpr int kSmemBytes = kSmemBarriers + 2 * kStages * 8;
 constexpr int kSmemAlloc = kSmemBytes + 1024;  // slack to align the dynamic base to 1024 bytes
 
 static_assert(kStageBytes % 1024 == 0 && kSmemQ8 % 1024 == 0 && kSmemQpe % 1024 == 0 &&

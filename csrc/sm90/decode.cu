@@ -125,8 +125,7 @@ const char* launch_decode_sm90(const DecodeParams& params, const uint8_t* kv_cac
                         NarrowConfig<32>::kSmemAlloc, device, content_map, rope_map, scale_map,
                         params, stream, after_own_launch);
   }
-  // Work items (split_kv.h work_item) instead of one CTA per (request, row block, split).
-  const dim3 grid(params.work_columns, (params.num_rows + kBlockRows - 1) / kBlockRows);
+  const dim3 grid(batch, (params.num_rows + kBlockRows - 1) / kBlockRows, params.max_splits);
   return params.schedule == kScheduleSplitRoles
              ? launch<decode_kernel<kScheduleSplitRoles>>(grid, kThreads, kSmemAlloc, device,
                       content_map, rope_map, scale_map, params, stream, after_own_launch)

@@ -32,10 +32,6 @@ struct DecodeParams {
   int s_q;
   int num_rows;                   // s_q * num_heads
   int max_splits;                 // the grid's splits per (request, row block)
-  int batch;
-  // The 64-row kernel's grid columns per row block, each taking work items (split_kv.h
-  // work_columns_for, work_item); the narrow kernel has one CTA per (request, split).
-  int work_columns;
   int causal;
   float qk_scale_log2;            // softmax_scale * log2(e): exponentials run in base 2
   int schedule;                   // host-side choice of the kernel: kSchedule* of config.h

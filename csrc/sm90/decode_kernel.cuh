@@ -268,7 +268,8 @@ struct ConsumerState {
   const DecodeParams& p;
   uint8_t* const smem;          // the dynamic shared memory, 1024-byte aligned
   const uint32_t smem_base;     // its shared-space address
-  const int b;
+  const int b, split;
+  const bool direct;    // the request's only run: final results instead of partials
   const int consumer;   // output columns [256 * consumer, +256), but see kSchedule
   const int wg_tid, warp, lane, quad, row0;
   uint8_t* const vt;    // this warpgroup's V^T buffer (kScheduleFree)
@@ -278,12 +279,14 @@ struct ConsumerState {
   uint32_t* const row_state;   // kScheduleSplitRoles: this thread's handed-over row state
 
   __device__ __forceinline__ ConsumerState(const DecodeParams& p, uint8_t* smem,
-                                           uint32_t smem_base, int b, int row_block,
-                                           int warpgroup)
+                                           uint32_t smem_base, int b, int row_block, int split,
+                                           bool direct, int warpgroup)
       : p(p),
         smem(smem),
         smem_base(smem_base),
         b(b),
+        split(split),
+        direct(direct),
         consumer(warpgroup - 1),
         wg_tid(threadIdx.x % 128),
         warp(wg_tid / 32),
@@ -511,14 +514,10 @@ struct ConsumerState {
   // Epilogue: out = sigma_P O / (sigma_P L) for the columns of `o` from col0 on (pieces of any
   // width, each an accumulator fragment); rows that saw nothing give 0 and LSE -inf, rows whose
   // sum is NaN (non-finite inputs, an invalid request) give NaN.
-  // The item (b, split; `direct`: the request's only run, whose results are final instead of
-  // partials) is read again from shared memory rather than kept through the page loop.
-  // kWritesLse false: a warpgroup that never writes the LSE (split-roles WG2), known at compile
-  // time.
-  template <bool kWritesLse = true, int kPieces, int kVals>
+  template <int kPieces, int kVals>
   __device__ __forceinline__ void write_output(const RowState& rows,
                                                const float (&o_pieces)[kPieces][kVals],
-                                               int col0, int b, int split, bool direct) const {
+                                               int col0) const {
     constexpr int kPieceN = 2 * kVals;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -528,7 +527,7 @@ struct ConsumerState {
       const float norm =
           seen_any ? rows.amax_prev[h] * (1.f / kPShift) / (kFp8Max * rows.l[h]) : 0.f;
       const float lse = seen_any ? (rows.m[h] + log2f(rows.l[h])) * kLn2 : -INFINITY;
-      const bool writes_lse = kWritesLse && consumer == 0 && quad == 0;
+      const bool writes_lse = consumer == 0 && quad == 0;
       if (direct) {
         __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.out) +
                              (static_cast<int64_t>(b) * p.num_rows + g) * kKvLoraRank + col0;
@@ -676,50 +675,20 @@ __device__ __forceinline__ void apply_page_to(float (&o_pieces)[kPieces][kVals],
 // code (a loop there makes the split-roles kernel keep `direct` in a general register instead
 // of a predicate, and spill; the free page gets another instruction schedule).
 
-__device__ __forceinline__ WorkListParams work_params(const DecodeParams& p) {
-  return {p.seq_lens, p.batch, p.table_pages,
-          p.pages_per_split != nullptr ? *p.pages_per_split : 0, p.max_splits};
-}
-
-// One warp, during a CTA's work item: the CTA's next item (after item_slot[2] by gridDim.x)
-// into item_slot (decode_kernel), for the item barrier to publish.
-__device__ __forceinline__ void publish_next_item(const DecodeParams& p, int* item_slot,
-                                                  int lane) {
-  const int k = item_slot[2] + static_cast<int>(gridDim.x);
-  const WorkItem next =
-      k < item_slot[3] ? work_item(work_params(p), k, KernelWarp{lane}) : WorkItem{-1, 0};
-  __syncwarp();   // every lane has read the slot
-  if (lane == 0) {
-    item_slot[0] = next.b;
-    item_slot[1] = next.split;
-    item_slot[2] = k;
-  }
-}
-
-// The ring's barriers, fresh (thread 0; a barrier's reuse is after mbar_inval).
-__device__ __forceinline__ void init_ring_barriers(uint32_t full_bar, uint32_t empty_bar) {
-  for (int s = 0; s < kStages; ++s) {
-    mbar_init(full_bar + 8 * s, 1);
-    mbar_init(empty_bar + 8 * s, 256);   // every thread of both consumers releases a page
-  }
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-
-// WG0's first warp, one work item: thread 0 streams the split's pages into the ring.
+// WG0: gives its registers to the consumers (setmaxnreg), and one thread streams the split's
+// pages into the ring.
 __device__ __forceinline__ void run_producer(const CUtensorMap& content_map,
                                              const CUtensorMap& rope_map,
                                              const CUtensorMap& scale_map, const DecodeParams& p,
-                                             int b, int split, uint32_t smem_base,
-                                             uint32_t full_bar, uint32_t empty_bar) {
-  if (threadIdx.x == 0) {
-    const SplitPages pages = split_pages(p, b, split);
-    if (pages.num_iters > 0) {
-      produce_pages<kStages>(&content_map, &rope_map, &scale_map,
-                             p.block_table + b * p.block_table_stride + pages.first_page,
-                             pages.num_iters, smem_base + kSmemStages, full_bar, empty_bar);
-    }
+                                             int b, int first_page, int num_iters,
+                                             uint32_t smem_base, uint32_t full_bar,
+                                             uint32_t empty_bar) {
+  setmaxnreg_dec<kProducerRegs>();
+  if (threadIdx.x == 0 && num_iters > 0) {
+    produce_pages<kStages>(&content_map, &rope_map, &scale_map,
+                           p.block_table + b * p.block_table_stride + first_page, num_iters,
+                           smem_base + kSmemStages, full_bar, empty_bar);
   }
-  __syncwarp();
 }
 
 // kScheduleSplitRoles.  Page i: WG1 (qk_softmax_page) computes S(i), the softmax and P8(i),
@@ -789,10 +758,8 @@ __device__ __forceinline__ void vt_pv_page(const ConsumerState<kScheduleSplitRol
 }  // namespace device
 #endif  // SNAPMLA_SM90_DEVICE
 
-// The CTAs of one 64-row block of the query rows, gridDim.x of them, take the launch's work items
-// (split_kv.h work_item): CTA c the items c, c + gridDim.x, ...  WG0 is the producer
-// (run_producer), WG1 and WG2 the consumers, by kSchedule.  Between two items the producer's
-// warp finds the next one while the consumers finish, then the ring's barriers start afresh.
+// One CTA per (request, 64-row block, KV split): WG0 the producer (run_producer), WG1 and WG2
+// the consumers, by kSchedule.
 template <int kSchedule>
 __global__ void __launch_bounds__(kThreads, 1)
     decode_kernel(const __grid_constant__ CUtensorMap content_map,
@@ -805,156 +772,112 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t smem_base = smem_addr(smem);
   const uint32_t full_bar = smem_base + kSmemBarriers;           // + 8 * stage: page landed
   const uint32_t empty_bar = full_bar + 8 * kStages;             // + 8 * stage: slot free
-  int* const item_slot = reinterpret_cast<int*>(smem + kSmemItemSlot);
 
+  const int b = blockIdx.x;
   const int row_block = blockIdx.y;
+  const int split = blockIdx.z;
   const int warpgroup = threadIdx.x / 128;
 
   // A dependent launch (dependent_launch.h): no global memory before the wait.
   wait_for_prior_grids();
-  // The CTA's work items (split_kv.h work_item): the producer's warp finds the first and counts
-  // them all before the ring's barriers are made; the first warp of WG2 finds each next one
-  // while the item before it runs.  They are published in shared memory: item_slot[0..1] the
-  // next item (request, split; -1: none), [2] its index k, [3] the count.  A CTA past the last
-  // item has nothing to do.
-  if (threadIdx.x < 32) {
-    const KernelWarp warp{static_cast<int>(threadIdx.x)};
-    const int count = work_item_count(work_params(p), warp);
-    const WorkItem first = static_cast<int>(blockIdx.x) < count
-                               ? work_item(work_params(p), blockIdx.x, warp)
-                               : WorkItem{-1, 0};
-    if (threadIdx.x == 0) {
-      item_slot[0] = first.b;
-      item_slot[1] = first.split;
-      item_slot[2] = blockIdx.x;
-      item_slot[3] = count;
-      item_slot[4] = first.b;
-      item_slot[5] = first.split;
-      if (first.b >= 0) init_ring_barriers(full_bar, empty_bar);
+  const auto [seq_len, first_page, num_iters, direct, valid] = split_pages(p, b, split);
+  // Splits past the request's last run (the planner cut it into fewer): nothing to do.  Split 0
+  // always runs, so that a request with no tokens still gets its zeros and LSE -inf.
+  if (split > 0 && num_iters == 0) return;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full_bar + 8 * s, 1);
+      mbar_init(empty_bar + 8 * s, 256);   // every thread of both consumers releases a page
     }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  if (item_slot[0] < 0) return;
 
   if (warpgroup == 0) {
-    setmaxnreg_dec<kProducerRegs>();
-    if (threadIdx.x >= 32) return;
-    for (;;) {
-      run_producer(content_map, rope_map, scale_map, p, item_slot[4], item_slot[5], smem_base,
-                   full_bar, empty_bar);
-      named_barrier_sync(kItemBarrier, kItemBarrierThreads);   // the item is done
-      if (item_slot[0] < 0) return;
-      if (threadIdx.x == 0) {
-        for (int s = 0; s < kStages; ++s) {
-          mbar_inval(full_bar + 8 * s);
-          mbar_inval(empty_bar + 8 * s);
-        }
-        init_ring_barriers(full_bar, empty_bar);
-        item_slot[4] = item_slot[0];
-        item_slot[5] = item_slot[1];
-      }
-      named_barrier_sync(kItemBarrier, kItemBarrierThreads);   // the ring is fresh
-    }
+    run_producer(content_map, rope_map, scale_map, p, b, first_page, num_iters, smem_base,
+                 full_bar, empty_bar);
+    return;
   }
 
   // ------------------------------------------------------------------ consumers
   setmaxnreg_inc<kConsumerRegs>();
-  for (;;) {
-    const WorkItem item{item_slot[4], item_slot[5]};
-    const auto [seq_len, first_page, num_iters, direct, valid] =
-        split_pages(p, item.b, item.split);
-    const ConsumerState<kSchedule> cs(p, smem, smem_base, item.b, row_block, warpgroup);
-    if (threadIdx.x == 128) item_slot[6] = direct;   // for the epilogue, after barrier 1
-    // The block's query rows into the swizzled WGMMA A tiles (zeros past num_rows), once an
-    // item; threads 0..255 over both consumer warpgroups.  (The thread index is made opaque:
-    // its address arithmetic hoisted out of the item loop would hold registers through the
-    // page loops.)
-    int stage_tid = threadIdx.x - 128;
-    asm volatile("" : "+r"(stage_tid));
-    stage_query<kBlockRows>(smem + kSmemQ8, kContentTileBytes, smem + kSmemQpe, p, item.b,
-                            cs.row0, stage_tid, 256);
-    fence_proxy_async();
-    named_barrier_sync(1, 256);   // every consumer has read item_slot
-    if (threadIdx.x / 32 == 8) publish_next_item(p, item_slot, threadIdx.x % 32);
-    RowState rows;
-    cs.init_rows(rows, seq_len, valid);
-    // The last page's live tokens.  Never read without pages (num_iters 0: an empty or invalid
-    // request, whose length may then be near INT_MAX and this difference wrap).  Guarding it
-    // with max(num_iters, 1) moved the split-roles kernel's page addressing off the uniform
-    // datapath, so it stays unguarded.
-    const PageRing ring{smem_base, full_bar, empty_bar, first_page, num_iters,
-                        min(seq_len - (first_page + num_iters - 1) * kPageSize, kPageSize)};
+  const ConsumerState<kSchedule> cs(p, smem, smem_base, b, row_block, split, direct, warpgroup);
+  // The block's query rows into the swizzled WGMMA A tiles (zeros past num_rows), once; threads
+  // 0..255 over both consumer warpgroups.
+  stage_query<kBlockRows>(smem + kSmemQ8, kContentTileBytes, smem + kSmemQpe, p, b, cs.row0,
+                          threadIdx.x - 128, 256);
+  fence_proxy_async();
+  named_barrier_sync(1, 256);
+  RowState rows;
+  cs.init_rows(rows, seq_len, valid);
+  // The last page's live tokens.  Never read without pages (num_iters 0: an empty or invalid
+  // request, whose length may then be near INT_MAX and this difference wrap).  Guarding it with
+  // max(num_iters, 1) moved the split-roles kernel's page addressing off the uniform datapath,
+  // so it stays unguarded.
+  const PageRing ring{smem_base, full_bar, empty_bar, first_page, num_iters,
+                      min(seq_len - (first_page + num_iters - 1) * kPageSize, kPageSize)};
 
-    // Each role accumulates O, in the current sigma_P domain, for its output columns.
-    if constexpr (kSchedule == kScheduleFree) {
-      // Both warpgroups compute every page's S and P8 (identical), each applies it to its
-      // columns.
-      float o[2][kPvN / 2];   // columns [256 * consumer, +256), two 128-column halves
-      fill_zero(o);
-      for (int i = 0; i < num_iters; ++i) {
-        ring.wait(i);
-        named_barrier_sync(cs.wg_barrier, 128);   // every warp's previous PV WGMMA has read vt
-        cs.build_own_vt(ring, i, 0);
-        fence_proxy_async();   // V^T becomes visible to the WGMMA (async) proxy
-        named_barrier_sync(cs.wg_barrier, 128);
-        uint32_t p8[2][4];
-        float gamma[2];
-        {
-          float s[32], k_scale[16];
-          cs.compute_s(ring, i, s);
-          cs.load_scales(ring, i, k_scale);
-          ring.release(i);   // this thread's QK WGMMAs completed, V^T built, scales read
-          cs.softmax(ring, rows, i, s, k_scale, p8, gamma);
-        }
-        // O = gamma O + P8 . V8 (V^T buffer 0), as four 64-column quarters of O (the same
-        // registers, viewed as pieces).
-        apply_page_to(reinterpret_cast<float(&)[4][kPvN / 4]>(o), p8, gamma, cs.vt_desc, 0);
+  // Each role accumulates O, in the current sigma_P domain, for its output columns.
+  if constexpr (kSchedule == kScheduleFree) {
+    // Both warpgroups compute every page's S and P8 (identical), each applies it to its columns.
+    float o[2][kPvN / 2];   // columns [256 * consumer, +256), two 128-column halves
+    fill_zero(o);
+    for (int i = 0; i < num_iters; ++i) {
+      ring.wait(i);
+      named_barrier_sync(cs.wg_barrier, 128);   // every warp's previous PV WGMMA has read vt
+      cs.build_own_vt(ring, i, 0);
+      fence_proxy_async();   // V^T becomes visible to the WGMMA (async) proxy
+      named_barrier_sync(cs.wg_barrier, 128);
+      uint32_t p8[2][4];
+      float gamma[2];
+      {
+        float s[32], k_scale[16];
+        cs.compute_s(ring, i, s);
+        cs.load_scales(ring, i, k_scale);
+        ring.release(i);   // this thread's QK WGMMAs completed, V^T built, scales read
+        cs.softmax(ring, rows, i, s, k_scale, p8, gamma);
       }
-      cs.write_output(rows, o, cs.consumer * kOutColsPerWarpgroup, item_slot[4], item_slot[5],
-                      item_slot[6] != 0);
-    } else if (cs.consumer == 0) {
-      // kScheduleSplitRoles, WG1 (see qk_softmax_page).
-      float o_qk[kQkPieces][kQkPieceCols / 2];   // columns [0, kQkWarpgroupCols)
-      fill_zero(o_qk);
-      // Unrolled by the ring's stages: with the stage a constant of each copy, the WGMMA
-      // descriptors of the page's tiles are uniform-register constants instead of 64-bit
-      // values rebuilt in vector registers for every WGMMA (the page counter is not uniform
-      // to the compiler): 1,065 instead of 1,224 static SASS instructions per page.
-      for (int i0 = 0; i0 < num_iters; i0 += kStages) {
-#pragma unroll
-        for (int i = i0; i < i0 + kStages; ++i) {
-          if (i >= num_iters) break;
-          qk_softmax_page(cs, ring, rows, o_qk, i);
-        }
-      }
-      if (num_iters > 0) cs.store_row_state(rows);   // for WG2's epilogue
-      named_barrier_sync(kPageBarrier, 256);
-      cs.write_output(rows, o_qk, 0, item_slot[4], item_slot[5],
-                      item_slot[6] != 0);
-    } else {
-      // kScheduleSplitRoles, WG2: the other columns, in 32-column pieces (two accumulators fit
-      // beside them).
-      float o_vt[kVtPieces][16];
-      fill_zero(o_vt);
-      // Unrolled by the ring's stages as WG1's loop: with the page parity a constant, the PV
-      // descriptors are uniform-register constants (and the loop has no spill).
-      for (int i0 = 0; i0 < num_iters; i0 += kStages) {
-#pragma unroll
-        for (int i = i0; i < i0 + kStages; ++i) {
-          if (i >= num_iters) break;
-          vt_pv_page(cs, ring, o_vt, i);
-        }
-      }
-      named_barrier_sync(kPageBarrier, 256);
-      if (num_iters > 0) cs.load_handed_over_state(rows);
-      cs.template write_output<false>(rows, o_vt, kQkWarpgroupCols, item_slot[4], item_slot[5],
-                      item_slot[6] != 0);
+      // O = gamma O + P8 . V8 (V^T buffer 0), as four 64-column quarters of O (the same
+      // registers, viewed as pieces).
+      apply_page_to(reinterpret_cast<float(&)[4][kPvN / 4]>(o), p8, gamma, cs.vt_desc, 0);
     }
-    // Every read of this item's shared memory (query tiles, V^T, hand-over) and of the ring is
-    // done, and the next item is published.
-    named_barrier_sync(kItemBarrier, kItemBarrierThreads);
-    if (item_slot[0] < 0) return;
-    named_barrier_sync(kItemBarrier, kItemBarrierThreads);   // the ring's barriers are fresh
+    cs.write_output(rows, o, cs.consumer * kOutColsPerWarpgroup);
+  } else if (cs.consumer == 0) {
+    // kScheduleSplitRoles, WG1 (see qk_softmax_page).
+    float o_qk[kQkPieces][kQkPieceCols / 2];   // columns [0, kQkWarpgroupCols)
+    fill_zero(o_qk);
+    // Unrolled by the ring's stages: with the stage a constant of each copy, the WGMMA
+    // descriptors of the page's tiles are uniform-register constants instead of 64-bit
+    // values rebuilt in vector registers for every WGMMA (the page counter is not uniform
+    // to the compiler): 1,065 instead of 1,224 static SASS instructions per page.
+    for (int i0 = 0; i0 < num_iters; i0 += kStages) {
+#pragma unroll
+      for (int i = i0; i < i0 + kStages; ++i) {
+        if (i >= num_iters) break;
+        qk_softmax_page(cs, ring, rows, o_qk, i);
+      }
+    }
+    if (num_iters > 0) cs.store_row_state(rows);   // for WG2's epilogue
+    named_barrier_sync(kPageBarrier, 256);
+    cs.write_output(rows, o_qk, 0);
+  } else {
+    // kScheduleSplitRoles, WG2: the other columns, in 32-column pieces (two accumulators fit
+    // beside them).
+    float o_vt[kVtPieces][16];
+    fill_zero(o_vt);
+    // Unrolled by the ring's stages as WG1's loop: with the page parity a constant, the PV
+    // descriptors are uniform-register constants (and the loop has no spill).
+    for (int i0 = 0; i0 < num_iters; i0 += kStages) {
+#pragma unroll
+      for (int i = i0; i < i0 + kStages; ++i) {
+        if (i >= num_iters) break;
+        vt_pv_page(cs, ring, o_vt, i);
+      }
+    }
+    named_barrier_sync(kPageBarrier, 256);
+    if (num_iters > 0) cs.load_handed_over_state(rows);
+    cs.write_output(rows, o_vt, kQkWarpgroupCols);
   }
 #elif defined(__CUDA_ARCH__)
   // Not sm_90a (e.g. a plain sm_90 build): fail loudly rather than return garbage.  The launcher

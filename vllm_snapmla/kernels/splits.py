@@ -51,24 +51,6 @@ def split_range(seq_len: int, table_pages: int, pages_per_split: int, max_splits
     return first, max(min(first + run, pages) - first, 0), num_splits
 
 
-def work_columns_for(batch: int, row_blocks: int, slots: int, max_splits: int) -> int:
-    """The 64-row kernel's grid columns per row block (``split_kv.h work_columns_for``): one per
-    request, and about one wave of CTAs over all row blocks, never more than there are
-    (request, split) cells."""
-    row_blocks = max(row_blocks, 1)
-    wave = -(-slots // row_blocks)
-    return max(1, min(max(batch, wave), batch * max(max_splits, 1)))
-
-
-def work_items(seq_lens: list[int], table_pages: int, pages_per_split: int,
-               max_splits: int) -> list[tuple[int, int]]:
-    """The 64-row kernel's work list, ``(request, split)`` in order (``split_kv.h work_item``):
-    split 0 of every request, then split 1 of the requests cut into two runs or more, then split
-    2, ...  Grid column c of a row block takes items c, c + columns, ..."""
-    runs = [split_range(n, table_pages, pages_per_split, max_splits, 0)[2] for n in seq_lens]
-    return [(b, s) for s in range(max(max_splits, 1)) for b, r in enumerate(runs) if r > s]
-
-
 # A split's fixed cost (query load, partial write) in pages of streaming, for the planner's cost
 # model (csrc/api/decode_ops.cpp kSplitOverheadPages).
 SPLIT_OVERHEAD_PAGES = 2

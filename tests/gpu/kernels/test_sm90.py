@@ -436,26 +436,6 @@ def test_any_plan_gives_exact_results(value, H, s_q):
     assert torch.equal(x_out, out) and torch.equal(x_lse, lse)
 
 
-@pytest.mark.parametrize("H, s_q, lens, num_splits", [
-    (128, 1, RAGGED + [9000], 40),        # about 3 items a CTA: 66 columns a row block
-    (64, 2, [4096] * 8 + [0, 1, 65], 33),  # 2 row blocks of 64 rows, empty and 1-token requests
-    (128, 1, [512] * 64, None),           # the planned one run each: 64 items on 66 columns
-    (128, 2, [131072], None),             # one long request: one item a CTA
-])
-def test_ctas_that_take_several_work_items(H, s_q, lens, num_splits):
-    """The 64-row kernel's CTAs each take a list of (request, split) items (split_kv.h
-    work_item) and start the ring afresh for each: every request's result against both
-    references, and the same bit for bit from the entry with a quantized query."""
-    q, qp, cache, bt, sl = _case(lens, H, s_q, seed=5 + len(lens) + H)
-    wide = _widen(bt, 2560)
-    out, lse = sm90.decode_sm90(q, qp, cache, wide, sl, SCALE, num_splits=num_splits)
-    torch.cuda.synchronize()
-    _check(out, lse, q, qp, cache, bt, sl)
-    q8, qs, qpe = ref.quantize_q(q, qp)
-    x_out, x_lse = decode(q8, qs, qpe, cache, wide, sl, SCALE, num_splits=num_splits)
-    assert torch.equal(x_out, out) and torch.equal(x_lse, lse)
-
-
 def test_a_launch_of_one_split_reads_and_writes_no_plan():
     """300 requests at 128 heads fill the GPU with one split each: ``plan_decode_sm90`` leaves
     the buffer as it was and a decode given it returns what it returns alone; an empty batch

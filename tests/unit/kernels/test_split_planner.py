@@ -15,10 +15,8 @@ from vllm_snapmla.kernels import splits
 # Reads cases "table_pages batch programs slots max_splits overhead len..." from stdin, one a
 # line, and prints each plan; a line "M batch programs slots table_pages" prints the grid's
 # max_splits_for instead, a line "R seq_len table_pages plan max_splits split" one split's
-# split_range, a line "W table_pages plan max_splits n len... k..." the work list's length
-# and work_item of each k (two numbers each: request, split), a line
-# "C batch row_blocks slots max_splits" work_columns_for.  A shuffle is two rounds of a
-# 32-thread barrier: every lane posts its value, then reads its partner's.
+# split_range.  A shuffle is two rounds of a 32-thread barrier: every lane posts
+# its value, then reads its partner's.
 _PROBE = r"""
 #include <condition_variable>
 #include <cstdio>
@@ -90,49 +88,6 @@ int main() {
       std::printf("%d %d %d\n", r.first_page, r.num_pages, r.num_splits);
       continue;
     }
-    if (!line.empty() && line[0] == 'C') {   // "C batch row_blocks slots max_splits"
-      char tag;
-      int batch, row_blocks, slots, max_splits;
-      in >> tag >> batch >> row_blocks >> slots >> max_splits;
-      std::printf("%d\n", snapmla::work_columns_for(batch, row_blocks, slots, max_splits));
-      continue;
-    }
-    if (!line.empty() && line[0] == 'W') {   // "W table_pages plan max_splits n len... k..."
-      char tag;
-      int n;
-      snapmla::WorkListParams w{};
-      in >> tag >> w.table_pages >> w.pages_per_split >> w.max_splits >> n;
-      std::vector<int32_t> lens(n);
-      for (int32_t& v : lens) in >> v;
-      std::vector<int> ks;
-      for (int k; in >> k;) ks.push_back(k);
-      w.seq_lens = lens.data();
-      w.batch = n;
-      Exchange x;
-      std::vector<int> answers[32];
-      std::vector<std::thread> lanes;
-      for (int lane = 0; lane < 32; ++lane) {
-        lanes.emplace_back([&, lane] {
-          const HostWarp warp{lane, &x};
-          answers[lane].push_back(snapmla::work_item_count(w, warp));
-          for (int k : ks) {
-            const snapmla::WorkItem item = snapmla::work_item(w, k, warp);
-            answers[lane].push_back(item.b);
-            answers[lane].push_back(item.split);
-          }
-        });
-      }
-      for (auto& t : lanes) t.join();
-      for (int lane = 1; lane < 32; ++lane) {
-        if (answers[lane] != answers[0]) {
-          std::printf("lanes disagree\n");
-          return 1;
-        }
-      }
-      for (int v : answers[0]) std::printf("%d ", v);
-      std::printf("\n");
-      continue;
-    }
     if (!line.empty() && line[0] == 'M') {   // "M batch programs slots table_pages": the grid
       char tag;
       long long batch, programs, table_pages;
@@ -188,27 +143,8 @@ def planner(tmp_path_factory):
     def ranges(cases):
         values = answers([f"R {' '.join(map(str, case))}\n" for case in cases], timeout=60)
         return [tuple(values[i:i + 3]) for i in range(0, len(values), 3)]
-    def work_lists(cases):
-        """(length, {k: item}) of each (table_pages, plan, max_splits, lens, ks)."""
-        out = subprocess.run([str(probe)], input="".join(
-            f"W {tp} {plan} {max_splits} {len(lens)} {' '.join(map(str, lens + ks))}\n"
-            for tp, plan, max_splits, lens, ks in cases), capture_output=True, text=True,
-            timeout=600)
-        assert out.returncode == 0, out.stdout[-500:] + out.stderr[-500:]
-        lists = []
-        for line, case in zip(out.stdout.splitlines(), cases):
-            values = [int(v) for v in line.split()]
-            items = [tuple(values[i:i + 2]) for i in range(1, len(values), 2)]
-            lists.append((values[0], dict(zip(case[4], items))))
-        return lists
-
-    def columns(cases):
-        return answers([f"C {batch} {row_blocks} {slots} {max_splits}\n"
-                        for batch, row_blocks, slots, max_splits in cases], timeout=60)
     run.grids = grids
     run.ranges = ranges
-    run.work_lists = work_lists
-    run.columns = columns
     return run
 
 
@@ -370,54 +306,3 @@ def test_any_plan_cuts_a_request_into_its_pages_exactly(planner):
                 expected.append((first, n, runs))
     assert splits.max_splits_for(1, 1, 132, int_max // 64) == 64
     assert planner.ranges(cases) == expected
-
-
-def test_the_cpp_work_list_matches_its_python_model(planner):
-    """``work_item`` (what each CTA of the 64-row kernel runs to find its items) against
-    ``splits.work_items``: the same length, the same item at the first and last places, at
-    places past the batch (the later splits) and at random ones, -1 past the end.  The model's
-    list holds every split with pages once, and split 0 of every request (empty and invalid
-    ones too)."""
-    rng = random.Random(11)
-    cases = []
-    for table_pages, lens, programs, slots, max_splits in _random_cases(rng, 150):
-        plan = (splits.pages_per_split_for(lens, programs, slots, max_splits, table_pages)
-                if rng.random() < 0.8 else rng.choice([0, 1, 3, 10**6]))
-        cases.append((table_pages, plan, max_splits, lens))
-    cases += [(2560, 0, 3, [512] * 64), (2560, 8, 3, [512] * 63 + [16384]),
-              (8, 1, 8, [512, 0, 64, 1]), (2048, 0, 132, [131072])]
-    wants, probes = [], []
-    for table_pages, plan, max_splits, lens in cases:
-        want = splits.work_items(lens, table_pages, plan, max_splits)
-        n, batch = len(want), len(lens)
-        ks = sorted({0, batch - 1, batch, batch + 1, n - 2, n - 1, n, n + 5,
-                     *(rng.randrange(n) for _ in range(6))} - {-1})
-        ks = [k for k in ks if k >= 0]
-        wants.append(want)
-        probes.append((table_pages, plan, max_splits, lens, ks))
-        cells = {(b, s) for b, length in enumerate(lens) for s in range(max_splits)
-                 if s == 0 or splits.split_range(length, table_pages, plan, max_splits, s)[1] > 0}
-        assert len(set(want)) == len(want) and set(want) == cells
-    later_splits = 0
-    for want, probe, (count, got) in zip(wants, probes, planner.work_lists(probes)):
-        assert count == len(want), probe[:3]
-        for k, item in got.items():
-            assert item == (want[k] if k < len(want) else (-1, 0)), (probe[:3], k)
-        later_splits += any(s > 1 for k, (_, s) in got.items() if k < len(want))
-    assert later_splits > 30
-
-
-def test_the_cpp_work_columns_match_their_python_model(planner):
-    """One column per request, about one wave of CTAs over the row blocks, never more than the
-    cells; C++ and Python alike."""
-    cases = [(batch, row_blocks, slots, max_splits)
-             for batch in (1, 2, 8, 64, 65, 66, 67, 200, 1024)
-             for row_blocks in (1, 2, 4)
-             for slots in (132, 78)
-             for max_splits in (1, 2, 3, 17, 66, 132)]
-    got = planner.columns(cases)
-    want = [splits.work_columns_for(*case) for case in cases]
-    assert got == want
-    for (batch, row_blocks, slots, max_splits), columns in zip(cases, want):
-        assert batch <= columns <= batch * max_splits
-        assert columns * row_blocks <= max(slots + row_blocks, batch * row_blocks)
