@@ -50,7 +50,8 @@ token picks top-k experts uniformly at random (with replacement, so a token's 8 
 repeat one), the balanced load DeepSeek's bias-based balancing aims at; ``--routing weights``
 keeps the router.  Results before the option existed are ``weights``.  A row counts only if
 the engine logged the simulator's warning (vLLM prints it once, from the engine core, at the
-first MoE forward; seen on the H200 with vLLM 0.26.0, piecewise and FULL CUDA graphs).
+first MoE forward; seen on the H200 and the H100 with vLLM 0.26.0, piecewise and FULL CUDA
+graphs).
 
 KV budget: what a real deployment of the full 61-layer model leaves a rank per layer
 (``kv_budget``): the H200's memory times vLLM's default ``gpu_memory_utilization`` (0.9), less
@@ -653,7 +654,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "shrink the share of the per-step host work, see the docstring)")
     parser.add_argument("--routing", choices=list(ROUTING_ENV), default="uniform",
                         help="uniform: each token picks its experts uniformly at random "
-                             "(vLLM's routing simulator), the balanced load of a deployment; "
+                             "(vLLM's routing simulator), the idealised balanced load "
+                             "DeepSeek's bias-based balancing aims at; "
                              "weights: the router on the dummy weights, which sends every "
                              "token to the same experts")
     parser.add_argument("--timeout", type=float, default=1800,
