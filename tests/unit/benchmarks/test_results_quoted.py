@@ -1,5 +1,6 @@
-"""The README quotes the recorded results: when a file under benchmarks/results is replaced by a
-new run, the README's numbers must follow it, and these tests fail until they do."""
+"""The README and benchmarks/RESULTS.md quote the recorded results: when a file under
+benchmarks/results is replaced by a new run, the quoted numbers must follow it, and these tests
+fail until they do."""
 
 from pathlib import Path
 
@@ -163,3 +164,58 @@ def test_continuous_batching_ratios_are_the_recorded_ones():
             if r["kv"] == "fp8_snapmla" and r["status"] == "ok" and r["heads"] == "16"}
     line = _readme_line("| continuous batching on one H100")
     assert f"{ours['graph']} / {ours['eager']}" in line, (ours, line)
+
+
+_DEPLOYMENT_CONFIGS = {"DP8/TP1": "dp8-tp1-ep8", "DP4/TP2": "dp4-tp2-ep8", "DP1/TP8": "dp1-tp8"}
+
+
+def _results_tables(header: str) -> list[list[list[str]]]:
+    """The tables of benchmarks/RESULTS.md under a header row starting with ``header``: their
+    rows as lists of cells."""
+    lines = (ROOT / "benchmarks" / "RESULTS.md").read_text().splitlines()
+    tables = []
+    for i, line in enumerate(lines):
+        if line.startswith(header):
+            rows = []
+            for row in lines[i + 2:]:
+                if not row.startswith("|"):
+                    break
+                rows.append([cell.strip() for cell in row.strip().strip("|").split("|")])
+            tables.append(rows)
+    return tables
+
+
+@pytest.mark.parametrize("mtp, value_column", [("False", "decode_tok_s"),
+                                               ("True", "projected_output_tok_s")])
+def test_results_deployment_tables_are_the_recorded_runs(mtp, value_column):
+    """RESULTS.md's deployment tables (without and with MTP) against deployment.csv: per
+    configuration, format and context the batch, step time, windows' spread, tokens per second
+    and ratio to BF16."""
+    _, rows = read_csv(RESULTS / "deployment" / "deployment.csv")
+    recorded = {(r["config"], r["kv"], int(r["context"])): r for r in rows if r["mtp"] == mtp}
+    header = ("| configuration | KV format | context | B | step ms (apart) | "
+              + ("decode tok/s | vs BF16 |" if mtp == "False"
+                 else "projected output tok/s | vs BF16 + MTP |"))
+    tables = _results_tables(header)
+    assert len(tables) == 1, header
+    config, seen = None, 0
+    for cells in tables[0]:
+        label, kv_label, contexts, batches, steps, values, ratios = cells
+        if label:
+            config = _DEPLOYMENT_CONFIGS[label.split(",")[0]]
+        kv = ("fp8_snapmla" if "fp8_snapmla" in kv_label
+              else "fp8" if "`fp8`" in kv_label else "auto")
+        for i, context in enumerate(c.strip() for c in contexts.split("/")):
+            context = {"32k": 32768, "64k": 65536, "128k": 131072, "16k": 16384}[context]
+            r = recorded[(config, kv, context)]
+            where = (config, kv, context)
+            assert batches.split("/")[i].strip() == r["batch"], where
+            step, spread = steps.split("/")[i].strip().rstrip("%)").split(" (")
+            assert step == f"{float(r['tpot_ms']):.2f}", where
+            assert spread == f"{float(r['spread_pct']):.1f}", where
+            assert values.split("/")[i].strip() == f"{float(r[value_column]):,.0f}", where
+            if kv != "auto":
+                ratio = ratios.strip("*").split("/")[i].strip().strip("*")
+                assert ratio == _ratio(r["speedup_vs_auto"]), where
+            seen += 1
+    assert seen == len(recorded), (seen, len(recorded))
