@@ -443,9 +443,10 @@ def _estimate_problems(path: Path, calibration: list[str] = ()) -> tuple[int, li
     for row in rows:
         if not row.get("context_s") or row["error"]:
             continue
-        if "H200" not in comments[int(row["run"]) - 1].split("|")[2]:
+        header = comments[int(row["run"]) - 1]
+        if "H200" not in header.split("|")[2]:
             continue
-        args = parser.parse_args(_run_args(comments[int(row["run"]) - 1])[1])
+        args = parser.parse_args(_run_args(header)[1])
         args.contexts = [int(row["context"])]
         engine = dep.plan_engine(dep.CONFIGS[row["config"]], row["kv"], row["mtp"] == "True",
                                  args)

@@ -206,7 +206,7 @@ def test_results_deployment_tables_are_the_recorded_runs(mtp, value_column):
         kv = ("fp8_snapmla" if "fp8_snapmla" in kv_label
               else "fp8" if "`fp8`" in kv_label else "auto")
         for i, context in enumerate(c.strip() for c in contexts.split("/")):
-            context = {"32k": 32768, "64k": 65536, "128k": 131072, "16k": 16384}[context]
+            context = {label: c for c, label in CONTEXTS.items()}[context]
             r = recorded[(config, kv, context)]
             where = (config, kv, context)
             assert batches.split("/")[i].strip() == r["batch"], where
