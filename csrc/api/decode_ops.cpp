@@ -200,10 +200,10 @@ struct SplitSpace {
 };
 
 SplitSpace reserve_splits(Scratch& scratch, int64_t batch, int64_t rows, const LaunchShape& shape,
-                          bool planned) {
+                          bool own_plan) {
   SplitSpace space;
   if (batch == 0 || rows == 0) return space;
-  if (planned) space.plan = scratch.reserve({sizeof(int32_t)});
+  if (own_plan) space.plan = scratch.reserve({sizeof(int32_t)});
   if (shape.max_splits > 1) {
     space.part_out = scratch.reserve({batch, shape.max_splits, rows, kKvLoraRank, sizeof(float)});
     space.part_lse = scratch.reserve({batch, shape.max_splits, rows, sizeof(float)});
@@ -350,15 +350,33 @@ void check_plan(const char* op, const at::Tensor& plan, const at::Device& device
   check_shape(op, "plan", plan, at::kInt, {1});
 }
 
-// A plan given to a decode call (plan_decode_sm90's), read by the decode and combine kernels in
-// place of the call's own planner.  Null where none is given.
-const int32_t* given_plan(const char* op, const std::optional<at::Tensor>& plan,
-                          const at::Device& device, int64_t num_splits) {
-  if (!plan.has_value()) return nullptr;
-  check_plan(op, *plan, device);
-  TORCH_CHECK_VALUE(num_splits == 0, op, ": a plan goes with num_splits 0 (planned), got ",
-                    num_splits);
-  return plan->data_ptr<int32_t>();
+// Which split plan a decode call's kernels read: the call's own, made in its first launch (the
+// query quantization, or the planner alone), a given one (plan_decode_sm90's, made once per
+// step), or none (one split, or a fixed split count: equal cuts).
+struct PlanSource {
+  bool own = false;                // the call reserves a plan buffer and plans into it
+  const int32_t* given = nullptr;  // the caller's plan, read in place of the call's own
+
+  const int32_t* read(const int32_t* own_plan) const { return own ? own_plan : given; }
+};
+
+PlanSource plan_source(const char* op, const std::optional<at::Tensor>& plan,
+                       const at::Device& device, int64_t num_splits, const DecodeSetup& d,
+                       int64_t batch, int64_t rows) {
+  PlanSource source;
+  if (plan.has_value()) {
+    check_plan(op, *plan, device);
+    TORCH_CHECK_VALUE(num_splits == 0, op, ": a plan goes with num_splits 0 (planned), got ",
+                      num_splits);
+  }
+  // With one split (or nothing to decode) no kernel reads a plan.
+  if (num_splits != 0 || d.shape.max_splits == 1 || batch == 0 || rows == 0) return source;
+  if (plan.has_value()) {
+    source.given = plan->data_ptr<int32_t>();
+  } else {
+    source.own = true;
+  }
+  return source;
 }
 
 }  // namespace
@@ -382,16 +400,14 @@ std::tuple<at::Tensor, at::Tensor> decode_sm90(const at::Tensor& q_nope, const a
   const c10::cuda::CUDAGuard guard(device);
   const DecodeSetup d = setup_decode(op, device, batch, rows, kv_cache, block_table, seq_lens,
                                      softmax_scale, num_splits, schedule);
-  const int32_t* plan_given = given_plan(op, plan, device, num_splits);
+  const PlanSource plans = plan_source(op, plan, device, num_splits, d, batch, rows);
 
   const int64_t tokens = batch * s_q;
-  const bool planned = num_splits == 0 && d.shape.max_splits > 1;
-  const bool plan_here = planned && plan_given == nullptr;
   Scratch scratch;
   const int64_t q8_at = scratch.reserve({tokens, heads, kKvLoraRank});
   const int64_t q_scale_at = scratch.reserve({tokens, heads, sizeof(float)});
   const int64_t q_pe_at = scratch.reserve({tokens, heads, kRopeDim, 2});
-  const SplitSpace space = reserve_splits(scratch, batch, rows, d.shape, plan_here);
+  const SplitSpace space = reserve_splits(scratch, batch, rows, d.shape, plans.own);
   scratch.allocate(q_nope.options());
   if (tokens == 0 || heads == 0) {
     return run_decode(op, {}, batch, s_q, heads, q_nope.options(), kv_cache, d.table, d.lens,
@@ -403,7 +419,7 @@ std::tuple<at::Tensor, at::Tensor> decode_sm90(const at::Tensor& q_nope, const a
   uint8_t* q_pe_scaled = scratch.at<uint8_t>(q_pe_at);
   int32_t* own_plan = scratch.at<int32_t>(space.plan);
   SplitPlanParams plan_of_batch{};
-  if (plan_here) plan_of_batch = plan_params(d.lens, d.table.size(1), batch, own_plan, d.shape);
+  if (plans.own) plan_of_batch = plan_params(d.lens, d.table.size(1), batch, own_plan, d.shape);
   // Rows are (b * s_q + i, head): vLLM's [T, H, 512] bmm output viewed as [B, s_q, H, 512]
   // folds into [B * s_q, H] rows without a copy.
   const at::Tensor nope = vector_ready(q_nope.reshape({tokens, heads, kKvLoraRank}));
@@ -411,14 +427,13 @@ std::tuple<at::Tensor, at::Tensor> decode_sm90(const at::Tensor& q_nope, const a
   check_launch(op, launch_quantize_q(dtype, {nope.data_ptr(), nope.stride(0), nope.stride(1)},
                                      {pe.data_ptr(), pe.stride(0), pe.stride(1)}, tokens, heads,
                                      q8, q_scale, q_pe_scaled,
-                                     plan_here ? &plan_of_batch : nullptr,
+                                     plans.own ? &plan_of_batch : nullptr,
                                      c10::cuda::getCurrentCUDAStream()));
   // The quantization (with the planner, unless a plan was given) is the last kernel in the stream.
   return run_decode(op, contiguous_rows(q8, q_scale, q_pe_scaled, s_q, heads), batch, s_q, heads,
                     q_nope.options(), kv_cache, d.table, d.lens, softmax_scale, causal, d.shape,
-                    d.schedule, plan_here ? own_plan : (planned ? plan_given : nullptr),
-                    scratch.at<float>(space.part_out), scratch.at<float>(space.part_lse),
-                    /*after_own_launch=*/true);
+                    d.schedule, plans.read(own_plan), scratch.at<float>(space.part_out),
+                    scratch.at<float>(space.part_lse), /*after_own_launch=*/true);
 }
 
 std::tuple<at::Tensor, at::Tensor> decode_sm90_quantized(
@@ -442,14 +457,12 @@ std::tuple<at::Tensor, at::Tensor> decode_sm90_quantized(
   const c10::cuda::CUDAGuard guard(device);
   const DecodeSetup d = setup_decode(op, device, batch, rows, kv_cache, block_table, seq_lens,
                                      softmax_scale, num_splits, schedule);
-  const int32_t* plan_given = given_plan(op, plan, device, num_splits);
-  const bool planned = num_splits == 0 && d.shape.max_splits > 1 && batch > 0 && rows > 0;
-  const bool plan_here = planned && plan_given == nullptr;
+  const PlanSource plans = plan_source(op, plan, device, num_splits, d, batch, rows);
   Scratch scratch;
-  const SplitSpace space = reserve_splits(scratch, batch, rows, d.shape, plan_here);
+  const SplitSpace space = reserve_splits(scratch, batch, rows, d.shape, plans.own);
   scratch.allocate(q8.options());
   int32_t* own_plan = scratch.at<int32_t>(space.plan);
-  if (plan_here) {
+  if (plans.own) {
     check_launch(op, launch_split_plan(plan_params(d.lens, d.table.size(1), batch, own_plan,
                                                    d.shape),
                                        c10::cuda::getCurrentCUDAStream()));
@@ -462,10 +475,9 @@ std::tuple<at::Tensor, at::Tensor> decode_sm90_quantized(
     query.q_pe_stride[d3] = q_pe_scaled.stride(d3) * 2;
   }
   return run_decode(op, query, batch, s_q, heads, q8.options(), kv_cache, d.table, d.lens,
-                    softmax_scale, causal, d.shape, d.schedule,
-                    plan_here ? own_plan : (planned ? plan_given : nullptr),
+                    softmax_scale, causal, d.shape, d.schedule, plans.read(own_plan),
                     scratch.at<float>(space.part_out), scratch.at<float>(space.part_lse),
-                    /*after_own_launch=*/plan_here);
+                    /*after_own_launch=*/plans.own);
 }
 
 void plan_decode_sm90(const at::Tensor& seq_lens, const at::Tensor& block_table, int64_t batch,
