@@ -21,11 +21,13 @@ checked against the step plan's.  It tells whether the planner's cost model
 from __future__ import annotations
 
 import argparse
-import csv
+from pathlib import Path
 
 import torch
 
+from benchmarks import bench_decode
 from benchmarks.provenance import describe, run_info
+from benchmarks.vllm_engine import write_csv
 from vllm_snapmla import format as fmt, ops
 from vllm_snapmla.kernels import sm90, splits
 
@@ -40,11 +42,10 @@ MAX_CUT_DIFFERENCE = 0.05
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:
-    """``BxHxN`` as (B, H, N)."""
-    parts = text.lower().split("x")
-    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise argparse.ArgumentTypeError(f"a shape is BxHxN, got {text!r}")
-    B, H, N = (int(p) for p in parts)
+    """``BxHxN`` as (B, H, N): ``bench_decode``'s shapes, one query token."""
+    B, H, N, _ = bench_decode.parse_shape(text)
+    if text.count("x") + text.count("X") != 2:
+        raise argparse.ArgumentTypeError(f"a shape is BxHxN (one query token), got {text!r}")
     return B, H, N
 
 
@@ -71,13 +72,8 @@ def launch_max_splits(B: int, H: int, table_width: int, slots: int) -> int:
 
 
 def _graph_us(call) -> float:
-    from triton.testing import do_bench
-    call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    return do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3
+    """Median µs of CUDA-graph replays of ``call`` with the L2 flushed, as bench_decode times."""
+    return bench_decode._time(call, rep=200, warmup=25, eager=False)
 
 
 def sweep_shape(B: int, H: int, N: int, table_width: int) -> dict:
@@ -151,11 +147,7 @@ def main(argv: list[str] | None = None) -> None:
                         key=lambda k: int(k.split("_")[1]))
     fields = ["B", "H", "N", "table_width", "step_pages_per_split", "step_us", *run_fields,
               "no_split_us"]
-    with open(args.out, "w", newline="") as f:
-        f.write(f"# {describe(info)}\n")
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(rows, Path(args.out), fields, comments=[describe(info)])
     print(f"wrote {args.out}")
 
 
