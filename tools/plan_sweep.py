@@ -43,9 +43,9 @@ MAX_CUT_DIFFERENCE = 0.05
 
 def parse_shape(text: str) -> tuple[int, int, int]:
     """``BxHxN`` as (B, H, N): ``bench_decode``'s shapes, one query token."""
-    B, H, N, _ = bench_decode.parse_shape(text)
-    if text.count("x") + text.count("X") != 2:
+    if text.lower().count("x") != 2:
         raise argparse.ArgumentTypeError(f"a shape is BxHxN (one query token), got {text!r}")
+    B, H, N, _ = bench_decode.parse_shape(text)
     return B, H, N
 
 
