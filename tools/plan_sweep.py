@@ -14,8 +14,8 @@ Per shape (B requests x H heads x N tokens each, one query token), ``ops.decode`
   captured vLLM graph cannot take (its grid must allow for long requests).
 
 Each time is the median of CUDA-graph replays with the L2 flushed before each (triton's
-``do_bench``, as ``benchmarks/bench_decode.py`` times), in µs; every forced cut's output is
-checked against the step plan's.  It tells whether the planner's cost model
+``do_bench``), on the inputs ``benchmarks/bench_decode.py`` makes and as it times, in µs; every
+forced cut's output is checked against the step plan's.  It tells whether the planner's cost model
 (``csrc/split_kv.h``, ``kernels/splits.py``) picks the fastest cut on this GPU.
 """
 from __future__ import annotations
@@ -77,23 +77,16 @@ def _graph_us(call) -> float:
 
 
 def sweep_shape(B: int, H: int, N: int, table_width: int) -> dict:
-    """One shape's times (µs, rounded to ns) by plan, on random data in a fresh cache."""
-    dev = torch.device("cuda")
+    """One shape's times (µs, rounded to ns) by plan, on ``bench_decode``'s inputs for it: random
+    data in a fresh cache, a shuffled table as wide as vLLM's, zero past a request's pages."""
     pages = -(-N // fmt.PAGE_SIZE)
     if pages > table_width:
         raise ValueError(f"{N} tokens need {pages} pages, more than --table-width {table_width}")
-    blocks = B * pages + 4
-    cache = torch.empty(blocks, fmt.PAGE_SIZE, fmt.BYTES_PER_TOKEN, dtype=torch.uint8,
-                        device=dev)
-    ops.append_kv(torch.randn(blocks * fmt.PAGE_SIZE, fmt.KV_LORA_RANK, device=dev).bfloat16(),
-                  3 * torch.randn(blocks * fmt.PAGE_SIZE, fmt.ROPE_DIM, device=dev).bfloat16(),
-                  cache, torch.arange(blocks * fmt.PAGE_SIZE, device=dev))
-    # vLLM's table: as wide as max_model_len / 64, zero past a request's pages.
-    table = torch.zeros(B, table_width, dtype=torch.int32, device=dev)
-    table[:, :pages] = torch.randperm(blocks, device=dev)[:B * pages].int().view(B, pages)
-    lens = torch.full((B,), N, dtype=torch.int32, device=dev)
-    q_nope = torch.randn(B, 1, H, fmt.KV_LORA_RANK, device=dev).bfloat16()
-    q_pe = torch.randn(B, 1, H, fmt.ROPE_DIM, device=dev).bfloat16()
+    inputs = bench_decode.make_inputs(B, H, N, 1, bench_decode._shape_generator(B, H, N, 1),
+                                      table_width=table_width)
+    q_nope, q_pe, cache = inputs["q_nope"], inputs["q_pe"], inputs["snap"]
+    table, lens = inputs["block_table"], inputs["seq_lens"]
+    dev = lens.device
     scale = fmt.HEAD_SIZE ** -0.5
     step = ops.plan_decode(lens, table, H)
     expected, _ = ops.decode(q_nope, q_pe, cache, table, lens, scale, plan=step)
