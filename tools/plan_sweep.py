@@ -63,14 +63,6 @@ def run_lengths(pages: int, max_splits: int) -> list[int]:
     return out
 
 
-def launch_max_splits(B: int, H: int, table_width: int, slots: int) -> int:
-    """The grid's splits per request of the Hopper decode for B requests of H heads (one query
-    token): one CTA per request in the narrow kernel, one per 64 rows in the 64-row kernel
-    (``csrc/api/decode_ops.cpp`` launch_shape)."""
-    row_blocks = 1 if H <= sm90.NARROW_MAX_ROWS else -(-H // 64)
-    return splits.max_splits_for(B, B * row_blocks, slots, table_width)
-
-
 def _graph_us(call) -> float:
     """Median µs of CUDA-graph replays of ``call`` with the L2 flushed, as bench_decode times."""
     return bench_decode._time(call, rep=200, warmup=25, eager=False)
@@ -104,7 +96,7 @@ def sweep_shape(B: int, H: int, N: int, table_width: int) -> dict:
         row[f"{name}_us"] = round(_graph_us(call), 3)
 
     slots = torch.cuda.get_device_properties(dev).multi_processor_count
-    for run in run_lengths(pages, launch_max_splits(B, H, table_width, slots)):
+    for run in run_lengths(pages, sm90.launch_max_splits(B, H, table_width, slots)):
         forced = torch.full((1,), run, dtype=torch.int32, device=dev)
         checked(f"run_{run}", lambda forced=forced: ops.decode(q_nope, q_pe, cache, table, lens,
                                                                 scale, plan=forced))

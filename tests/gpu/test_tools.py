@@ -32,7 +32,7 @@ def test_plan_sweep_times_every_run_length_the_grid_allows(tmp_path, monkeypatch
     slots = torch.cuda.get_device_properties(0).multi_processor_count
     for row, (B, H, N) in zip(rows, shapes):
         pages = N // 64
-        expected = plan_sweep.run_lengths(pages, plan_sweep.launch_max_splits(B, H, 2560, slots))
+        expected = plan_sweep.run_lengths(pages, sm90.launch_max_splits(B, H, 2560, slots))
         timed = [int(k.split("_")[1]) for k, v in row.items() if k.startswith("run_") and v]
         assert timed == expected
         assert 1 <= int(row["step_pages_per_split"]) <= pages

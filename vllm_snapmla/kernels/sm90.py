@@ -22,9 +22,23 @@ from __future__ import annotations
 import torch
 
 from vllm_snapmla._native import native, require_native
+from vllm_snapmla.kernels import splits
 
 SCHEDULES = {"free": 0, "split-roles": 1, "narrow": 2}
 NARROW_MAX_ROWS = 32
+
+
+def launch_programs(batch: int, rows: int) -> int:
+    """CTAs per split of a ``decode_sm90`` launch for ``batch`` requests of ``rows`` query rows
+    (``s_q x heads``): one a request in the narrow kernel, one per 64 rows above it
+    (``csrc/api/decode_ops.cpp`` launch_shape)."""
+    row_blocks = 1 if rows <= NARROW_MAX_ROWS else -(-rows // 64)
+    return batch * row_blocks
+
+
+def launch_max_splits(batch: int, rows: int, table_pages: int, slots: int) -> int:
+    """The grid's splits per request of that launch on a GPU of ``slots`` SMs."""
+    return splits.max_splits_for(batch, launch_programs(batch, rows), slots, table_pages)
 
 
 def available(device: torch.device | int | None = None) -> bool:

@@ -374,9 +374,8 @@ def _model_plan(lens, table_pages, batch, rows):
     and the launch's max_splits."""
     from vllm_snapmla.kernels import splits
     slots = torch.cuda.get_device_properties(0).multi_processor_count
-    row_blocks = 1 if rows <= sm90.NARROW_MAX_ROWS else -(-rows // 64)
-    programs = batch * row_blocks
-    max_splits = splits.max_splits_for(batch, programs, slots, table_pages)
+    max_splits = sm90.launch_max_splits(batch, rows, table_pages, slots)
+    programs = sm90.launch_programs(batch, rows)
     return splits.pages_per_split_for(lens, programs, slots, max_splits, table_pages), max_splits
 
 

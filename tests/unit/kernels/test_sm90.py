@@ -64,3 +64,14 @@ def test_available_without_the_extension_or_a_gpu(monkeypatch):
     monkeypatch.setattr(sm90, "native", lambda: _FakeOps(True))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert sm90.available() is False
+
+
+def test_launch_max_splits_follows_the_kernel_choice():
+    # narrow kernel up to 32 rows: one CTA a request; 64-row kernel: one per 64 rows.
+    assert sm90.launch_programs(64, 16) == 64 and sm90.launch_programs(64, 32) == 64
+    assert sm90.launch_programs(64, 128) == 128 and sm90.launch_programs(3, 2 * 64 + 1) == 9
+    assert sm90.launch_max_splits(64, 16, 2560, 132) == 5
+    assert sm90.launch_max_splits(64, 128, 2560, 132) == 3
+    assert sm90.launch_max_splits(1, 128, 2560, 132) == 66
+    assert sm90.launch_max_splits(1, 16, 2560, 132) == 132
+    assert sm90.launch_max_splits(1, 16, 8, 132) == 8   # never more than the table's pages

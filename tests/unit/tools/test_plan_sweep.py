@@ -24,14 +24,6 @@ def test_each_forced_run_is_the_run_the_kernels_take(pages, max_splits):
         assert first_run == run
 
 
-def test_launch_max_splits_follows_the_kernel_choice():
-    # narrow kernel up to 32 rows: one CTA a request; 64-row kernel: one per 64 heads.
-    assert tool.launch_max_splits(64, 16, 2560, 132) == 5
-    assert tool.launch_max_splits(64, 128, 2560, 132) == 3
-    assert tool.launch_max_splits(1, 128, 2560, 132) == 66
-    assert tool.launch_max_splits(1, 16, 2560, 132) == 132
-
-
 def test_shape_parsing():
     assert tool.parse_shape("64x128x512") == (64, 128, 512)
     for bad in ("64x128", "64x128x512x2", "0x16x512", "8xax512"):
