@@ -29,7 +29,7 @@ from benchmarks import bench_decode
 from benchmarks.provenance import describe, run_info
 from benchmarks.vllm_engine import write_csv
 from vllm_snapmla import format as fmt, ops
-from vllm_snapmla.kernels import sm90, splits
+from vllm_snapmla.kernels import sm90
 
 # 1-64 requests of 512-8k tokens: where a decode call is short and a cut's fixed costs show.
 SHAPES = [(1, 16, 512), (8, 16, 512), (64, 16, 512), (1, 16, 2048), (8, 16, 2048),

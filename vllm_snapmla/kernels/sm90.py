@@ -26,13 +26,14 @@ from vllm_snapmla.kernels import splits
 
 SCHEDULES = {"free": 0, "split-roles": 1, "narrow": 2}
 NARROW_MAX_ROWS = 32
+BLOCK_ROWS = 64   # query rows per CTA of the 64-row kernel (csrc/sm90/config.h kBlockRows)
 
 
 def launch_programs(batch: int, rows: int) -> int:
     """CTAs per split of a ``decode_sm90`` launch for ``batch`` requests of ``rows`` query rows
-    (``s_q x heads``): one a request in the narrow kernel, one per 64 rows above it
+    (``s_q x heads``): one a request in the narrow kernel, one per BLOCK_ROWS rows above it
     (``csrc/api/decode_ops.cpp`` launch_shape)."""
-    row_blocks = 1 if rows <= NARROW_MAX_ROWS else -(-rows // 64)
+    row_blocks = 1 if rows <= NARROW_MAX_ROWS else -(-rows // BLOCK_ROWS)
     return batch * row_blocks
 
 
