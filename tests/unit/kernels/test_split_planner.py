@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from tests.unit.kernels.host_probe import build_probe
-from vllm_snapmla.kernels import splits
+from vllm_snapmla.kernels import sm90, splits
 
 # Reads cases "table_pages batch programs slots max_splits overhead len..." from stdin, one a
 # line, and prints each plan; a line "M batch programs slots table_pages" prints the grid's
@@ -214,9 +214,8 @@ def test_the_planner_charges_the_combine(planner, monkeypatch):
     a run of one page is not worth its split; long requests keep their cut (the pages
     dominate)."""
     def case(batch, heads, tokens):
-        programs = batch * (1 if heads <= 32 else -(-heads // 64))
-        return (2560, [tokens] * batch, programs, 132,
-                splits.max_splits_for(batch, programs, 132, 2560))
+        return (2560, [tokens] * batch, sm90.launch_programs(batch, heads), 132,
+                sm90.launch_max_splits(batch, heads, 2560, 132))
 
     # The term itself: nothing for one run; 2 pages, plus 3 per 32 splits (wide, from 32 splits
     # a launch) or 1 per 2 splits (one warp a row).
