@@ -112,6 +112,7 @@ from benchmarks.vllm_engine import (BLOCK_SIZE, DEEPSEEK_V31_ATTENTION, ENGINE_O
                                     KV_BYTES_PER_TOKEN, KV_SETTINGS, NOISE_FRACTION,
                                     SETTLE_STEPS,
                                     concurrent_memory_problem, concurrent_start_spec,
+                                    drop_unused_runs,
                                     estimated_kv_blocks, estimated_prefill_s, merge_by_key,
                                     mla_projection_weights, not_lock_step, number, read_csv,
                                     run_engines_together, run_number, write_csv)
@@ -518,12 +519,14 @@ def _cache_used(row: dict) -> str:
 def write_outputs(rows: list[dict], out: Path, header: str, budget: str) -> None:
     """Merge ``rows`` into ``out``'s earlier results (so each configuration can run in its own
     call) and rewrite deployment.csv, .md and .png; ``header`` joins the runs listed on top, and
-    each row's ``run`` is its run's number in that list."""
+    each row's ``run`` is its run's number in that list (runs no row names any more are
+    dropped)."""
     out.mkdir(parents=True, exist_ok=True)
     runs, old = read_csv(out / "deployment.csv")
     run = run_number(runs, header)
-    rows = add_speedups(merge_rows([_row_from_csv(r) for r in old],
-                                   [{**r, "run": run} for r in rows]))
+    runs, rows = drop_unused_runs(runs, merge_rows([_row_from_csv(r) for r in old],
+                                                   [{**r, "run": run} for r in rows]))
+    rows = add_speedups(rows)
     write_csv(rows, out / "deployment.csv", FIELDS, comments=runs)
     lines = ["\n\n".join(f"run {i}: {text}" for i, text in enumerate(runs, 1)), "",
              "KV budget per rank:", "", budget, "",

@@ -247,6 +247,15 @@ def run_number(runs: list[str], header: str) -> int:
     return runs.index(header) + 1
 
 
+def drop_unused_runs(runs: list[str], rows: list[dict]) -> tuple[list[str], list[dict]]:
+    """The runs some row still names (a rerun replaces all of an older run's rows), numbered
+    again from 1 in their order, and the rows renumbered to match."""
+    used = sorted({int(r["run"]) for r in rows})
+    renumber = {old: new for new, old in enumerate(used, 1)}
+    return ([runs[old - 1] for old in used],
+            [{**r, "run": renumber[int(r["run"])]} for r in rows])
+
+
 def write_csv(rows: list[dict], path: Path, fields: list[str], comments=()) -> None:
     """``rows`` under a header of ``# `` comment lines; unknown keys dropped, missing ones empty."""
     with open(path, "w", newline="") as f:

@@ -166,6 +166,28 @@ def test_runs_of_separate_configurations_merge(tmp_path):
     assert text.startswith("run 1: one\n\nrun 2: two\n") and "1.20x" in text and "1.50x" in text
 
 
+def test_a_run_whose_rows_were_all_replaced_is_dropped_and_the_rest_renumbered(tmp_path):
+    pytest.importorskip("matplotlib")
+
+    def row(kv, tok, context=32768):
+        return {"config": "dp1-tp8", "heads": 16, "kv": kv, "mtp": False, "context": context,
+                "batch": 8, "decode_tok_s": tok, "tpot_ms": 8 / tok * 1e3}
+
+    dep.write_outputs([row("auto", 100.0), row("fp8_snapmla", 170.0)], tmp_path, "old", "b")
+    dep.write_outputs([row("auto", 90.0, 131072)], tmp_path, "kept", "b")
+    dep.write_outputs([row("auto", 110.0), row("fp8_snapmla", 160.0)], tmp_path, "new", "b")
+    with open(tmp_path / "deployment.csv") as f:
+        lines = f.read().splitlines()
+    # "old" has no row left: it goes, and "kept" and "new" become runs 1 and 2.
+    assert [line for line in lines if line.startswith("#")] == ["# kept", "# new"]
+    got = list(csv.DictReader(line for line in lines if not line.startswith("#")))
+    assert [(r["run"], r["kv"], r["context"], r["decode_tok_s"]) for r in got] == [
+        ("2", "auto", "32768", "110.0"), ("1", "auto", "131072", "90.0"),
+        ("2", "fp8_snapmla", "32768", "160.0")]
+    text = (tmp_path / "deployment.md").read_text()
+    assert text.startswith("run 1: kept\n\nrun 2: new\n") and "old" not in text
+
+
 def test_engine_runs_plain_mtp_and_mtp_only():
     kvs = ["auto", "fp8_snapmla", "fp8"]
     assert dep.engine_runs(kvs, False, False) == [(kv, False) for kv in kvs]
