@@ -4,7 +4,7 @@ per rank for DP8/TP1, DP4/TP2 and DP1/TP8 (the paper's Figure 1 configurations).
     python -m benchmarks.bench_deployment --out out/deployment [--configs dp8-tp1-ep8 ...]
         [--contexts 16384 32768 65536 131072] [--kv auto fp8_snapmla fp8]
         [--mtp | --mtp-only] [--routing uniform|weights] [--concurrent-starts N]
-        [--budget-only | --dry-run]
+        [--profile-steps S] [--budget-only | --dry-run]
 
 The model is the part of DeepSeek-V3.1 one rank runs, for a few layers: 1 dense layer and 3 MoE
 layers (``--moe-layers``) with the rank's shards, FP8 block-quantized weights as the checkpoint
@@ -89,6 +89,15 @@ the proxy gets one more layer's share.  In the 4-layer proxy the drafter is one 
 not one in 62, so its cost per step is overstated: compare KV formats with MTP against each
 other, not against the runs without it.
 
+``--profile-steps S`` asks where a decode step's time goes instead: each engine runs its engine
+core in its own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, where torch's profiler sees the
+kernels) and, after the timed windows of each context, profiles S more decode steps of the same
+batch (``benchmarks/step_profile.py``): GPU time per step by kernel and by group (attention,
+MoE, GEMMs, other), the time the GPU was busy, the step's wall time and its host side.  Such a
+run writes ``profile.md``, ``profile.csv`` (every kernel per step) and ``profile.png`` (GPU time
+per step by group, and the wall time) to ``--out``, not deployment rows: with the engine core
+in-process and the profiler on, its steps are not the ones the windows above time.
+
 Writes ``deployment.csv``, ``deployment.md`` and ``deployment.png`` (per configuration, speedup
 over ``auto`` against context, the paper's Figure 1 layout), merged with earlier runs in the same
 ``--out`` (a rerun row replaces the old one), so that each configuration can run in its own call;
@@ -108,6 +117,7 @@ from pathlib import Path
 
 from benchmarks import bench_e2e
 from benchmarks.provenance import describe, run_info
+from benchmarks.step_profile import MOE_GROUPS, group_names, kernel_group
 from benchmarks.vllm_engine import (BLOCK_SIZE, DEEPSEEK_V31_ATTENTION, ENGINE_OVERHEAD_GIB,
                                     KV_BYTES_PER_TOKEN, KV_SETTINGS, NOISE_FRACTION,
                                     SETTLE_STEPS,
@@ -410,7 +420,7 @@ def plan_engine(rank: Rank, kv: str, mtp: bool, args) -> EnginePlan:
     max_batch = largest_batch(kv, kv_gib, layers, args.contexts, args.max_batch)
     usable = estimated_kv_blocks(kv, kv_gib, layers) - 1
     draft = MTP_SPEC["num_speculative_tokens"] if mtp else 0
-    timed = (SETTLE_STEPS + args.windows * args.gen_tokens) * (1 + draft)
+    timed = (SETTLE_STEPS + args.windows * args.gen_tokens + args.profile_steps) * (1 + draft)
     weights = prefill_weights_per_token(rank, args.moe_layers, mtp)
     batches, seconds = {}, {}
     for context in args.contexts:
@@ -555,6 +565,96 @@ def write_outputs(rows: list[dict], out: Path, header: str, budget: str) -> None
         plot(rows, out / "deployment.png")
 
 
+PROFILE_FIELDS = ["config", "kv", "mtp", "context", "batch", "kernel", "group", "us_per_step",
+                  "launches_per_step"]
+PROFILE_TOP_KERNELS = 12
+
+
+def _profile_label(row: dict) -> str:
+    return (f"{row['config']} {row['kv']}{' + MTP' if row.get('mtp') else ''} "
+            f"{int(row['context']) // 1024}k")
+
+
+def write_profile_outputs(rows: list[dict], out: Path, header: str) -> None:
+    """``--profile-steps``: per engine and context, the profiled decode steps (``profile.md``,
+    ``profile.csv``, ``profile.png``); rows without a profile (failed contexts) are listed as
+    such."""
+    out.mkdir(parents=True, exist_ok=True)
+    profiled = [r for r in rows if r.get("profile")]
+    groups = group_names(MOE_GROUPS)
+    lines = [header, "",
+             "Decode steps profiled after the timed windows, engine core in-process (the "
+             "profiler adds its own cost to every op, so the wall and host figures compare "
+             "formats; they are not what an unprofiled step costs). µs per step:", "",
+             "| configuration | kv | context | B | window step ms (in-process) | wall | GPU busy | "
+             + " | ".join(groups) + " | host µs in ops | waits per step |",
+             "|---|---|---|---|---|---|---|" + "---|" * len(groups) + "---|---|"]
+    for r in profiled:
+        p = r["profile"]
+        cells = [r["config"], r["kv"] + (" + MTP" if r.get("mtp") else ""),
+                 r["context"], r.get("batch", ""),
+                 f"{r['tpot_ms']:.2f}" if r.get("tpot_ms") else "",
+                 f"{p['wall_us']:,.1f}", f"{p['busy_us']:,.1f}",
+                 *(f"{p['groups_us'][g]:,.1f}" for g in groups),
+                 f"{p['host_us']:,.1f}", f"{p['waits_per_step']:.1f}"]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    for r in profiled:
+        lines += ["", f"{_profile_label(r)}, B={r.get('batch')}: largest kernels per step", "",
+                  "| µs | launches | group | kernel |", "|---|---|---|---|"]
+        for name, us, launches in r["profile"]["kernels"][:PROFILE_TOP_KERNELS]:
+            lines.append(f"| {us:,.1f} | {launches:.1f} | {kernel_group(name, MOE_GROUPS)} | "
+                         f"`{name[:90]}` |")
+    failed = [r for r in rows if not r.get("profile")]
+    if failed:
+        lines += ["", "Not profiled:", ""] + [
+            f"- {_profile_label(r)}: {r.get('error') or 'no profile'}" for r in failed]
+    (out / "profile.md").write_text("\n".join(lines) + "\n")
+    write_csv([{"config": r["config"], "kv": r["kv"], "mtp": bool(r.get("mtp")),
+                "context": r["context"], "batch": r.get("batch", ""), "kernel": name,
+                "group": kernel_group(name, MOE_GROUPS), "us_per_step": round(us, 3),
+                "launches_per_step": round(launches, 3)}
+               for r in profiled for name, us, launches in r["profile"]["kernels"]],
+              out / "profile.csv", PROFILE_FIELDS, comments=[header])
+    if profiled:
+        plot_profiles(profiled, out / "profile.png")
+
+
+def plot_profiles(rows: list[dict], path: Path) -> None:
+    """GPU µs per decode step by kernel group (stacked) and the step's wall time, per engine and
+    context; one panel per configuration."""
+    try:
+        import matplotlib
+    except ImportError:
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = group_names(MOE_GROUPS)
+    configs = [c for c in CONFIGS if any(r["config"] == c for r in rows)]
+    fig, axes = plt.subplots(1, len(configs), figsize=(1.2 + 5 * len(configs), 4.5),
+                             squeeze=False)
+    for ax, config in zip(axes[0], configs):
+        mine = [r for r in rows if r["config"] == config]
+        bottom = [0.0] * len(mine)
+        for group in groups:
+            heights = [r["profile"]["groups_us"][group] / 1000 for r in mine]
+            ax.bar(range(len(mine)), heights, bottom=bottom, label=group)
+            bottom = [b + h for b, h in zip(bottom, heights)]
+        ax.plot(range(len(mine)), [r["profile"]["wall_us"] / 1000 for r in mine], "k_",
+                markersize=24, label="step wall time")
+        ax.set_xticks(range(len(mine)),
+                      [f"{r['kv']}{' + MTP' if r.get('mtp') else ''}\n"
+                       f"{int(r['context']) // 1024}k, B={r.get('batch')}" for r in mine],
+                      fontsize=7, rotation=30, ha="right")
+        ax.set_title(config)
+        ax.set_ylabel("ms per decode step (profiled)")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def say(line: str) -> None:
     """``line`` in one write: engines of a --concurrent-starts group report from threads."""
     sys.stdout.write(line + "\n")
@@ -594,8 +694,11 @@ def engine_launch(rank: Rank, kv: str, mtp: bool, position: int, group_size: int
         spec = {"model": model, "heads": rank.heads, "contexts": list(args.contexts),
                 "kv": kv, "gen_tokens": args.gen_tokens, "windows": args.windows,
                 "kv_cache_gib": kv_bytes / GIB, "max_batch": max_batch,
-                "vocab": V31["vocab"] // rank.tp, "env": ROUTING_ENV[args.routing],
-                "speculative_config": MTP_SPEC if mtp else None}
+                "vocab": V31["vocab"] // rank.tp,
+                "env": {**ROUTING_ENV[args.routing],
+                        **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if args.profile_steps else {})},
+                "speculative_config": MTP_SPEC if mtp else None,
+                "profile_steps": args.profile_steps}
         spec.update(concurrent_start_spec(go_file, group_size))
         reported = set()
 
@@ -673,6 +776,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--concurrent-starts", type=int, default=1, metavar="N",
                         help="start N engines of a configuration at once (their start-ups "
                              "overlap), measure them one at a time")
+    parser.add_argument("--profile-steps", type=int, default=0, metavar="S",
+                        help="profile S decode steps per context after the timed windows, "
+                             "engine core in-process; writes profile.md/csv/png, not "
+                             "deployment rows")
     parser.add_argument("--budget-only", action="store_true",
                         help="print the KV-budget arithmetic and stop")
     parser.add_argument("--dry-run", action="store_true",
@@ -688,6 +795,8 @@ def main(argv=None) -> None:
         parser.error("--concurrent-starts must be 1 to 8")
     if args.windows < 1 or args.gen_tokens < 1:
         parser.error("--windows and --gen-tokens must be at least 1")
+    if args.profile_steps < 0:
+        parser.error("--profile-steps must be 0 (no profile) or more")
     if args.max_batch < 8:
         parser.error("--max-batch must be at least 8 (batches are sized in multiples of 8)")
     if not engine_runs(args.kv, args.mtp, args.mtp_only):
@@ -725,7 +834,10 @@ def main(argv=None) -> None:
         """Each engine's rows into the outputs once it ends: an interrupted run keeps them."""
         with lock:
             rows.extend(engine_rows)
-            write_outputs(rows, out, header, budget)
+            if args.profile_steps:
+                write_profile_outputs(rows, out, header)
+            else:
+                write_outputs(rows, out, header, budget)
 
     with tempfile.TemporaryDirectory(prefix="bench-deployment-") as tmp:
         for name in args.configs:
@@ -736,7 +848,8 @@ def main(argv=None) -> None:
                 run_engines_together(
                     [engine_launch(rank, kv, mtp, position, len(group), args, Path(tmp), save)
                      for position, (kv, mtp) in enumerate(group)], Path(tmp))
-    print(f"wrote {out}/deployment.md, deployment.csv, deployment.png")
+    print(f"wrote {out}/" + ("profile.md, profile.csv, profile.png" if args.profile_steps
+                             else "deployment.md, deployment.csv, deployment.png"))
 
 
 if __name__ == "__main__":

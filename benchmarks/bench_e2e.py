@@ -56,6 +56,7 @@ import time
 from pathlib import Path
 
 from benchmarks.provenance import describe, run_info
+from benchmarks.step_profile import MOE_GROUPS, profiled, window_profile
 from benchmarks.vllm_engine import (
     BASELINE_KV, DEEPSEEK_V31_ATTENTION, KV_SETTINGS, SETTLE_STEPS, batch_to_fill, build_llm,
     child_main, engine_log_facts, merge_by_key, model_config, not_lock_step, number,
@@ -242,7 +243,8 @@ def run_engine(spec: dict):
     from vllm.sampling_params import RequestOutputKind
 
     gen, windows = spec["gen_tokens"], spec["windows"]
-    timed_tokens = SETTLE_STEPS + windows * gen
+    profile_steps = spec.get("profile_steps") or 0
+    timed_tokens = SETTLE_STEPS + windows * gen + profile_steps
     # With speculative decoding a step can add 1 + k tokens to a request.
     draft = (spec.get("speculative_config") or {}).get("num_speculative_tokens", 0)
     timed_tokens *= 1 + draft
@@ -279,9 +281,17 @@ def run_engine(spec: dict):
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                                     output_kind=RequestOutputKind.DELTA)
             gained: list[int] = []
+            profile: dict = {}
+
+            def profile_window(step):
+                profile.update(window_profile(
+                    profiled(lambda: [step() for _ in range(profile_steps)]), profile_steps,
+                    MOE_GROUPS))
+
             seconds, lock_step, prefill_steps, timer = timed_decode_windows(
                 llm.llm_engine, random_prompts(gen_ids, batch, context, vocab), params, gen,
-                windows, id_prefix=f"bench-e2e-{context}", window_tokens=gained)
+                windows, id_prefix=f"bench-e2e-{context}", window_tokens=gained,
+                after_windows=profile_window if profile_steps else None)
             summary = summarize_windows(batch, seconds)
             # Tokens per request and step (1 without speculative decoding; decode_tok_s counts
             # one per request and step).
@@ -291,7 +301,8 @@ def run_engine(spec: dict):
             yield {**result, "error": f"{type(exc).__name__}: {exc}"[:300]}
             continue
         yield {**result, **summary, "lock_step": lock_step, "prefill_steps": prefill_steps,
-               "timer": timer, "context_s": round(time.monotonic() - context_started, 1)}
+               "timer": timer, "context_s": round(time.monotonic() - context_started, 1),
+               **({"profile": profile} if profile else {})}
 
 
 def parse_engine_log(spec: dict, results: list[dict], log: str, failure: str | None

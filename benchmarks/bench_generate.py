@@ -56,6 +56,7 @@ from pathlib import Path
 
 from benchmarks.bench_matrix import switch_interval_arg_problem
 from benchmarks.provenance import describe, run_info
+from benchmarks.step_profile import busy_us, group_names, host_wait, kernel_group, profiled
 from benchmarks.vllm_engine import (
     BASELINE_KV,
     DEEPSEEK_V31_ATTENTION,
@@ -74,12 +75,7 @@ from vllm_snapmla.testing import write_tiny_deepseek_v3
 
 WARM_UP_TOKENS = 32
 TOP_KERNELS = 12
-# Kernel groups, by what a kernel's name contains (lower case), tried in this order: FA3's
-# kernels are CUTLASS device kernels, so attention comes before the GEMMs.
-GROUPS = (("attention", ("snapmla", "flash", "mla")),
-          ("GEMMs", ("nvjet", "gemm", "cutlass", "cublas", "splitkreduce", "xmma")))
-OTHER = "other"
-GROUP_NAMES = [group for group, _ in GROUPS] + [OTHER]
+GROUP_NAMES = group_names()
 
 CALL_FIELDS = ["run", "layers", "heads", "kv", "mode", "engine_core", "switch_interval_ms",
                "batch", "prompt_len", "output_len", "max_model_len", "call", "seconds",
@@ -87,42 +83,9 @@ CALL_FIELDS = ["run", "layers", "heads", "kv", "mode", "engine_core", "switch_in
 KERNEL_FIELDS = ["layers", "kv", "kernel", "group", "us_per_step", "launches_per_step"]
 HOST_FIELDS = ["layers", "kv", "op", "waits", "us_per_step", "calls_per_step"]
 TOP_HOST_OPS = 12
-# CUDA runtime calls that make the host wait for the GPU: the synchronizations and the plain
-# (synchronous) copies.  Counted per step apart from the rest: in an eager step each one stops
-# the CPU from running ahead.  cudaMemcpyAsync is not one of them (vLLM copies its inputs from
-# pinned memory with it every step); a blocking ``.item()`` shows as a copy and a
-# synchronization, and counts once.
-WAIT_CALLS = ("cudaMemcpy", "cudaMemcpy2D", "cudaMemcpyPeer")
 
 
 # --- profile arithmetic (no GPU) ----------------------------------------------------------------
-
-def kernel_group(name: str) -> str:
-    lower = name.lower()
-    for group, marks in GROUPS:
-        if any(mark in lower for mark in marks):
-            return group
-    return OTHER
-
-
-def host_wait(name: str) -> bool:
-    """A CUDA runtime call that makes the host wait for the GPU: a ``cuda*Synchronize`` or one
-    of ``WAIT_CALLS``."""
-    return name.startswith("cuda") and (name.endswith("Synchronize") or name in WAIT_CALLS)
-
-
-def busy_us(spans) -> float:
-    """Length of the union of ``(start, end)`` intervals: the time at least one ran."""
-    total, current = 0.0, None
-    for start, end in sorted(spans):
-        if current is None or start > current[1]:
-            if current is not None:
-                total += current[1] - current[0]
-            current = [start, end]
-        else:
-            current[1] = max(current[1], end)
-    return total + (current[1] - current[0] if current is not None else 0.0)
-
 
 def per_step_difference(before: list, after: list, steps: int) -> list[tuple[str, float, float]]:
     """``(name, µs, count)`` per step of what ran more often or longer in ``after`` than in
@@ -297,24 +260,11 @@ def write_outputs(out: Path, header: str, rows: list[dict], profiles: dict,
 # --- one engine in a child process --------------------------------------------------------------
 
 def _profiled_call(llm, prompts, max_tokens: int):
-    import torch
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
     from vllm import SamplingParams
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                     use_tqdm=False)
-        torch.cuda.synchronize()
-        wall_us = (time.perf_counter() - started) * 1e6
-    events = prof.events()
-    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in events
-               if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
-    host = [(e.name, e.self_cpu_time_total) for e in events
-            if e.device_type == DeviceType.CPU and not e.is_user_annotation]
-    return wall_us, kernels, host
+    return profiled(lambda: llm.generate(prompts, SamplingParams(max_tokens=max_tokens,
+                                                                 ignore_eos=True),
+                                         use_tqdm=False))
 
 
 def run_engine(spec: dict):

@@ -129,7 +129,7 @@ def core_timestamp(output) -> float | None:
 
 def timed_decode_windows(engine, prompts: list, params, steps: int, windows: int,
                          clock=time.perf_counter, id_prefix: str = "bench",
-                         window_tokens: list | None = None
+                         window_tokens: list | None = None, after_windows=None
                          ) -> tuple[list[float], bool, int, str]:
     """Seconds per step of ``windows`` consecutive windows of ``steps`` engine steps in which
     every request decodes; whether every request gained exactly one token per timed step; the
@@ -143,8 +143,10 @@ def timed_decode_windows(engine, prompts: list, params, steps: int, windows: int
     steps (``RequestOutput.metrics.last_token_ts``, with stats logging on): a front end that
     falls behind would otherwise time its own output processing.  Without them ``clock`` times
     the ``step()`` calls.  ``window_tokens``, if given, receives the tokens all requests gained
-    in each window (more than one per step with speculative decoding).  The requests are aborted
-    after the last window."""
+    in each window (more than one per step with speculative decoding).  ``after_windows``, if
+    given, is called after the last window with a function that runs one more engine step (the
+    requests still decode: ``params`` must leave room for those steps too).  The requests are
+    aborted after that."""
     ids = [f"{id_prefix}-{i}" for i in range(len(prompts))]
     for request_id, prompt in zip(ids, prompts):
         engine.add_request(request_id, prompt, params)
@@ -185,6 +187,8 @@ def timed_decode_windows(engine, prompts: list, params, steps: int, windows: int
             lock_step &= all(tokens[i] - before[i] == steps for i in ids)
             if window_tokens is not None:
                 window_tokens.append(sum(tokens[i] - before[i] for i in ids))
+        if after_windows is not None:
+            after_windows(step)
     finally:
         engine.abort_request(ids)   # the front end forgets them at once; nothing to step
     return seconds, lock_step, prefill_steps, " + ".join(sorted(timers))

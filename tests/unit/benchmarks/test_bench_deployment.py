@@ -288,6 +288,58 @@ def test_main_runs_a_configurations_engines_in_groups(tmp_path, monkeypatch, con
     assert all(8 <= s["max_batch"] < 512 for s in specs)
 
 
+def test_profile_steps_run_in_process_and_write_profiles_not_deployment_rows(tmp_path,
+                                                                             monkeypatch):
+    from benchmarks import bench_e2e
+
+    specs = []
+    attention = "void snapmla::sm90::decode_narrow_kernel<16>(x)"
+
+    def fake_engine(spec, timeout, on_result, startup_timeout=None):
+        specs.append(spec)
+        on_result({"kind": "engine", "kv_cache_tokens": 1000})
+        rows = []
+        for context in spec["contexts"]:
+            result = {"context": context, "batch": 4, "decode_tok_s": 100.0, "tpot_ms": 40.0,
+                      "spread_pct": 1.0, "timing_ok": True, "lock_step": True,
+                      "prefill_steps": 3, "tokens_per_step": 1.0}
+            on_result(result)
+            if spec["kv"] != "fp8":   # fp8's context failed before its profile
+                result["profile"] = {
+                    "steps": 4, "wall_us": 3000.0, "busy_us": 2500.0,
+                    "groups_us": {"attention": 1000.0, "MoE": 900.0, "GEMMs": 500.0,
+                                  "other": 100.0},
+                    "kernels": [(attention, 1000.0, 4.0), ("fused_moe_kernel", 900.0, 3.0)],
+                    "host": [], "host_us": 800.0, "waits_per_step": 0.0, "waits_us": 0.0}
+            rows.append({"heads": spec["heads"], "kv": spec["kv"], **result,
+                         "simulated_routing": "uniform_random"})
+        return rows
+
+    monkeypatch.setattr(bench_e2e, "run_in_subprocess", fake_engine)
+    dep.main(["--out", str(tmp_path), "--configs", "dp1-tp8", "--contexts", "16384",
+              "--profile-steps", "4"])
+    assert all(s["profile_steps"] == 4 for s in specs)
+    assert all(s["env"] == {"VLLM_MOE_ROUTING_SIMULATION_STRATEGY": "uniform_random",
+                            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"} for s in specs)
+    assert not (tmp_path / "deployment.csv").exists()
+    text = (tmp_path / "profile.md").read_text()
+    assert "| dp1-tp8 | fp8_snapmla | 16384 | 4 | 40.00 | 3,000.0 | 2,500.0 | 1,000.0 | " \
+           "900.0 | 500.0 | 100.0 | 800.0 | 0.0 |" in text
+    assert "Not profiled:" in text and "dp1-tp8 fp8 16k" in text
+    with open(tmp_path / "profile.csv") as f:
+        kernels = list(csv.DictReader(line for line in f if not line.startswith("#")))
+    assert {(r["kv"], r["group"]) for r in kernels} == {
+        (kv, group) for kv in ("auto", "fp8_snapmla") for group in ("attention", "MoE")}
+    if pytest.importorskip("matplotlib"):
+        assert (tmp_path / "profile.png").stat().st_size > 0
+
+
+def test_negative_profile_steps_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        dep.main(["--profile-steps", "-1", "--budget-only"])
+    assert "--profile-steps must be 0" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("mtp", [False, True], ids=["plain", "mtp"])
 @pytest.mark.parametrize("name", sorted(dep.CONFIGS))
 def test_max_num_seqs_holds_every_batch_the_cache_fills(name, mtp):

@@ -423,7 +423,9 @@ def test_run_engine_sizes_each_context_with_plan_context(monkeypatch):
     monkeypatch.setattr(bench, "build_llm", lambda *a, **k: built.update(args=a, kw=k) or llm)
     monkeypatch.setattr(bench, "warm_up", lambda *a: None)
 
-    def windows(engine, prompts, params, gen, count, id_prefix, window_tokens):
+    def windows(engine, prompts, params, gen, count, id_prefix, window_tokens,
+                after_windows=None):
+        assert after_windows is None                          # no --profile-steps
         timed.append((len(prompts), params.max_tokens))
         window_tokens += [len(prompts) * gen * 2] * count     # two tokens per request and step
         return [0.002] * count, True, 7, "engine core"
@@ -450,6 +452,48 @@ def test_run_engine_sizes_each_context_with_plan_context(monkeypatch):
     assert second["context"] == 10**7 and "no request" in second["error"]
     # max_model_len leaves room for the longest context's warm-up and timed tokens.
     assert built["args"][2] == 10**7 + bench.MAX_WARM_TOKENS + (engine_lib.SETTLE_STEPS + 16) * 2
+
+
+def test_run_engine_profiles_extra_decode_steps_after_the_windows(monkeypatch):
+    # With profile_steps the requests get room for them, the steps run after the timed windows
+    # under the profiler, and the context's result carries their per-step profile.
+    from types import SimpleNamespace
+
+    cache = SimpleNamespace(num_gpu_blocks=2000, block_size=64)
+    config = SimpleNamespace(cache_config=cache,
+                             scheduler_config=SimpleNamespace(max_num_batched_tokens=16384))
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=config))
+    monkeypatch.setattr(bench, "build_llm", lambda *a, **k: llm)
+    monkeypatch.setattr(bench, "warm_up", lambda *a: None)
+    steps_run, max_tokens = [], []
+
+    def windows(engine, prompts, params, gen, count, id_prefix, window_tokens,
+                after_windows=None):
+        max_tokens.append(params.max_tokens)
+        window_tokens += [len(prompts) * gen] * count
+        after_windows(lambda: steps_run.append("step"))
+        return [0.002] * count, True, 7, "engine core"
+
+    def fake_profiled(work):
+        work()
+        kernels = [("void snapmla::sm90::decode_narrow_kernel<16>(x)", 10 * s, 10 * s + 4)
+                   for s in range(3)]
+        kernels += [("fused_moe_kernel", 10 * s + 4, 10 * s + 7) for s in range(3)]
+        return 60.0, kernels, [("cudaGraphLaunch", 6.0)] * 3
+
+    monkeypatch.setattr(bench, "timed_decode_windows", windows)
+    monkeypatch.setattr(bench, "profiled", fake_profiled)
+    spec = {"model": "m", "kv": "fp8_snapmla", "contexts": [4096], "gen_tokens": 8,
+            "windows": 2, "kv_cache_gib": 1.0, "max_batch": 512, "vocab": 100,
+            "profile_steps": 3}
+    engine, result = list(bench.run_engine(spec))
+    assert steps_run == ["step"] * 3
+    without = bench.plan_context(1999, 64, 4096, engine_lib.SETTLE_STEPS + 16, 0, 16384, 512)
+    assert max_tokens == [without["max_tokens"] + 3]
+    profile = result["profile"]
+    assert profile["wall_us"] == 20.0 and profile["busy_us"] == 7.0
+    assert profile["groups_us"] == {"attention": 4.0, "MoE": 3.0, "GEMMs": 0.0, "other": 0.0}
+    assert profile["host_us"] == 6.0 and profile["waits_per_step"] == 0
 
 
 def test_tensor_parallel_rows_pair_and_plot_apart_from_one_gpu_rows(tmp_path):
