@@ -552,7 +552,7 @@ def write_outputs(rows: list[dict], out: Path, header: str, budget: str) -> None
         tok, tpot, speedup = r.get("decode_tok_s"), r.get("tpot_ms"), r["speedup_vs_auto"]
         per_step, projected = r.get("tokens_per_step"), r.get("projected_output_tok_s")
         cells = [r["run"], r["config"], r["heads"], r.get("layers", ""),
-                 r["kv"] + (" + MTP" if r.get("mtp") else ""),
+                 _kv_label(r),
                  r.get("routing", ""), r["context"], r.get("batch", ""), _cache_used(r),
                  f"{tok:,.0f}" if tok else r.get("error", ""), f"{tpot:.2f}" if tpot else "",
                  _spread_cell(r.get("spread_pct")), f"{per_step:.3f}" if per_step else "",
@@ -570,9 +570,12 @@ PROFILE_FIELDS = ["config", "kv", "mtp", "context", "batch", "kernel", "group", 
 PROFILE_TOP_KERNELS = 12
 
 
+def _kv_label(row: dict) -> str:
+    return row["kv"] + (" + MTP" if row.get("mtp") else "")
+
+
 def _profile_label(row: dict) -> str:
-    return (f"{row['config']} {row['kv']}{' + MTP' if row.get('mtp') else ''} "
-            f"{int(row['context']) // 1024}k")
+    return f"{row['config']} {_kv_label(row)} {int(row['context']) // 1024}k"
 
 
 def write_profile_outputs(rows: list[dict], out: Path, header: str) -> None:
@@ -591,7 +594,7 @@ def write_profile_outputs(rows: list[dict], out: Path, header: str) -> None:
              "|---|---|---|---|---|---|---|" + "---|" * len(groups) + "---|---|"]
     for r in profiled:
         p = r["profile"]
-        cells = [r["config"], r["kv"] + (" + MTP" if r.get("mtp") else ""),
+        cells = [r["config"], _kv_label(r),
                  r["context"], r.get("batch", ""),
                  f"{r['tpot_ms']:.2f}" if r.get("tpot_ms") else "",
                  f"{p['wall_us']:,.1f}", f"{p['busy_us']:,.1f}",
@@ -643,8 +646,8 @@ def plot_profiles(rows: list[dict], path: Path) -> None:
         ax.plot(range(len(mine)), [r["profile"]["wall_us"] / 1000 for r in mine], "k_",
                 markersize=24, label="step wall time")
         ax.set_xticks(range(len(mine)),
-                      [f"{r['kv']}{' + MTP' if r.get('mtp') else ''}\n"
-                       f"{int(r['context']) // 1024}k, B={r.get('batch')}" for r in mine],
+                      [f"{_kv_label(r)}\n{int(r['context']) // 1024}k, B={r.get('batch')}"
+                       for r in mine],
                       fontsize=7, rotation=30, ha="right")
         ax.set_title(config)
         ax.set_ylabel("ms per decode step (profiled)")

@@ -56,7 +56,8 @@ from pathlib import Path
 
 from benchmarks.bench_matrix import switch_interval_arg_problem
 from benchmarks.provenance import describe, run_info
-from benchmarks.step_profile import busy_us, group_names, host_wait, kernel_group, profiled
+from benchmarks.step_profile import (busy_us, group_names, host_wait, kernel_group, profiled,
+                                     step_summary)
 from benchmarks.vllm_engine import (
     BASELINE_KV,
     DEEPSEEK_V31_ATTENTION,
@@ -109,20 +110,12 @@ def decode_profile(prefill: tuple, full: tuple, steps: int) -> dict:
     per_step = per_step_difference([(name, end - start) for name, start, end in kernels_p],
                                    [(name, end - start) for name, start, end in kernels_f],
                                    steps)
-    groups = dict.fromkeys(GROUP_NAMES, 0.0)
-    for name, us, _ in per_step:
-        groups[kernel_group(name)] += us
     # Host rows that were not called more often in the longer call are the prefill's own, or the
     # profiled call's fixed costs, whatever their time did.
     host = [h for h in per_step_difference(host_p, host_f, steps) if h[2] > 0]
-    waits = [h for h in host if host_wait(h[0])]
-    return {"steps": steps, "wall_us": (wall_f - wall_p) / steps,
-            "busy_us": (busy_us(k[1:] for k in kernels_f)
-                        - busy_us(k[1:] for k in kernels_p)) / steps,
-            "groups_us": groups, "kernels": per_step, "host": host,
-            "host_us": sum(us for _, us, _ in host),
-            "waits_per_step": sum(count for _, _, count in waits),
-            "waits_us": sum(us for _, us, _ in waits)}
+    return step_summary(steps, (wall_f - wall_p) / steps,
+                        (busy_us(k[1:] for k in kernels_f)
+                         - busy_us(k[1:] for k in kernels_p)) / steps, per_step, host)
 
 
 def summarize(rows: list[dict]) -> list[dict]:

@@ -93,20 +93,25 @@ def per_step(entries: list, steps: int) -> list[tuple[str, float, float]]:
     return rows
 
 
-def window_profile(measured: tuple[float, list, list], steps: int, groups=GROUPS) -> dict:
-    """Per step of a profiled window of ``steps`` engine steps (``profiled``'s result), every
-    one a decode step: wall µs, the time the GPU was busy, µs by kernel group, by kernel
-    (``(name, µs, launches)``) and on the host, with the waits for the GPU counted apart."""
-    wall_us, kernels, host_calls = measured
-    kernel_rows = per_step([(name, end - start) for name, start, end in kernels], steps)
+def step_summary(steps: int, wall_us: float, busy_us: float, kernels: list, host: list,
+                 groups=GROUPS) -> dict:
+    """The per-step profile both benchmarks report, from its per-step figures: ``kernels`` and
+    ``host`` as ``per_step`` gives them (largest first); adds µs by kernel group, the host's
+    total and its waits for the GPU counted apart."""
     groups_us = dict.fromkeys(group_names(groups), 0.0)
-    for name, us, _ in kernel_rows:
+    for name, us, _ in kernels:
         groups_us[kernel_group(name, groups)] += us
-    host = per_step(host_calls, steps)
     waits = [h for h in host if host_wait(h[0])]
-    return {"steps": steps, "wall_us": wall_us / steps,
-            "busy_us": busy_us(k[1:] for k in kernels) / steps,
-            "groups_us": groups_us, "kernels": kernel_rows, "host": host,
-            "host_us": sum(us for _, us, _ in host),
+    return {"steps": steps, "wall_us": wall_us, "busy_us": busy_us, "groups_us": groups_us,
+            "kernels": kernels, "host": host, "host_us": sum(us for _, us, _ in host),
             "waits_per_step": sum(count for _, _, count in waits),
             "waits_us": sum(us for _, us, _ in waits)}
+
+
+def window_profile(measured: tuple[float, list, list], steps: int, groups=GROUPS) -> dict:
+    """Per step of a profiled window of ``steps`` engine steps (``profiled``'s result), every
+    one a decode step (``step_summary``)."""
+    wall_us, kernels, host = measured
+    return step_summary(steps, wall_us / steps, busy_us(k[1:] for k in kernels) / steps,
+                        per_step([(name, end - start) for name, start, end in kernels], steps),
+                        per_step(host, steps), groups)
