@@ -226,6 +226,13 @@ def test_speedup_uncertainty_adds_both_sides_spreads():
     assert dep.speedup_uncertainty(ours, {}) == pytest.approx(1.6 * 0.005)
 
 
+def _context_result(context: int) -> dict:
+    """What a fake engine child reports for a context it timed (run_in_subprocess's results)."""
+    return {"context": context, "batch": 4, "decode_tok_s": 100.0, "tpot_ms": 40.0,
+            "spread_pct": 1.0, "timing_ok": True, "lock_step": True, "prefill_steps": 3,
+            "tokens_per_step": 1.0}
+
+
 @pytest.mark.parametrize("concurrent", [1, 3])
 def test_main_runs_a_configurations_engines_in_groups(tmp_path, monkeypatch, concurrent,
                                                        capsys):
@@ -253,9 +260,7 @@ def test_main_runs_a_configurations_engines_in_groups(tmp_path, monkeypatch, con
                     line for line in f if not line.startswith("#"))}
         rows = []
         for context in spec["contexts"]:
-            result = {"context": context, "batch": 4, "decode_tok_s": 100.0, "tpot_ms": 40.0,
-                      "spread_pct": 1.0, "timing_ok": True, "lock_step": True,
-                      "prefill_steps": 3, "tokens_per_step": 1.0}
+            result = _context_result(context)
             on_result(result)
             rows.append({"heads": spec["heads"], "kv": spec["kv"], **result,
                          "simulated_routing": logged_routing})
@@ -300,9 +305,7 @@ def test_profile_steps_run_in_process_and_write_profiles_not_deployment_rows(tmp
         on_result({"kind": "engine", "kv_cache_tokens": 1000})
         rows = []
         for context in spec["contexts"]:
-            result = {"context": context, "batch": 4, "decode_tok_s": 100.0, "tpot_ms": 40.0,
-                      "spread_pct": 1.0, "timing_ok": True, "lock_step": True,
-                      "prefill_steps": 3, "tokens_per_step": 1.0}
+            result = _context_result(context)
             on_result(result)
             if spec["kv"] != "fp8":   # fp8's context failed before its profile
                 result["profile"] = {
