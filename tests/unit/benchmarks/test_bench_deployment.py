@@ -475,7 +475,7 @@ def test_options_that_would_run_nothing_or_fail_late_are_refused(extra, message,
 RECORDED_DEFAULTS = {"9861e7f": ["--windows", "2", "--gen-tokens", "256", "--routing", "weights"]}
 DEPLOYMENT_CSV = Path(dep.__file__).parent / "results" / "deployment" / "deployment.csv"
 # The H200 runs the time model was calibrated on (the headers of results/deployment at
-# `92e505f`); the uniform-routing runs on an H100 replaced three of them in the results file.
+# `92e505f`); the uniform-routing runs on an H100 have replaced them all in the results file.
 CALIBRATION_HEADERS = [
     f"2026-12-04 {t} UTC | commit 9861e7f | NVIDIA H200 | vLLM 0.26.0 | python -m "
     f"benchmarks.bench_deployment --out .../res/deployment --configs {args} --contexts 32768 131072"

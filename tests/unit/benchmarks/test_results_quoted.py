@@ -219,3 +219,64 @@ def test_results_deployment_tables_are_the_recorded_runs(mtp, value_column):
                 assert ratio == _ratio(r["speedup_vs_auto"]), where
             seen += 1
     assert seen == len(recorded), (seen, len(recorded))
+
+
+def _markdown_table(path: Path, header: str) -> list[dict[str, str]]:
+    """The one table of ``path`` whose header row starts with ``header``, as dicts by column."""
+    lines = path.read_text().splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith(header)]
+    assert len(starts) == 1, (path, header, starts)
+    names = [cell.strip() for cell in lines[starts[0]].strip().strip("|").split("|")]
+    rows = []
+    for line in lines[starts[0] + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append(dict(zip(names, (c.strip() for c in line.strip().strip("|").split("|")))))
+    return rows
+
+
+def test_results_profile_table_is_the_recorded_profile():
+    """RESULTS.md's TP8 step profile (ms) against the profile the benchmark wrote (µs)."""
+    folder = RESULTS / "deployment"
+    recorded = {(r["kv"], int(r["context"])): r for r in
+                _markdown_table(folder / "profile.md", "| configuration | kv | context |")}
+    columns = {"step, in-process windows": "window step ms (in-process)", "GPU busy": "GPU busy",
+               "attention": "attention", "MoE": "MoE", "GEMMs": "GEMMs", "other": "other"}
+    seen = 0
+    for row in _markdown_table(ROOT / "benchmarks" / "RESULTS.md",
+                               "| KV format | context | B | step, in-process windows |"):
+        kv = ("fp8_snapmla" if "fp8_snapmla" in row["KV format"]
+              else "fp8" if "`fp8`" in row["KV format"] else "auto")
+        contexts = [{"16k": 16384, "32k": 32768, "128k": 131072}[c.strip()]
+                    for c in row["context"].split("/")]
+        for i, context in enumerate(contexts):
+            r = recorded[(kv, context)]
+            assert row["B"].split("/")[i].strip() == r["B"], (kv, context)
+            for quoted, column in columns.items():
+                value = float(r[column].replace(",", ""))
+                ms = value if column.startswith("window") else value / 1000
+                assert row[quoted].split("/")[i].strip() == f"{ms:.2f}", (kv, context, quoted)
+            seen += 1
+    assert seen == len(recorded), (seen, len(recorded))
+
+
+def test_three_format_matrix_table_is_the_recorded_run():
+    """RESULTS.md's one-measurement 16-head matrix with vLLM's ``fp8`` against its CSV."""
+    _, rows = read_csv(RESULTS / "matrix-h100-three-formats" / "matrix.csv")
+    ratio = {(r["kv"], int(r["context"]), r["batch"]): r["vs_bf16"] for r in rows}
+    batches = {"1 request": "1", "8": "8", "64": "64", "filling batch": "fill"}
+    table = _markdown_table(ROOT / "benchmarks" / "RESULTS.md",
+                            "| context | 1 request | 8 | 64 | filling batch |")
+    assert len(table) == 5, table
+    for row in table:
+        context = int(row["context"])
+        for column, batch in batches.items():
+            cell = row[column].replace("**", "")
+            ours, fp8 = ratio[("fp8_snapmla", context, batch)], ratio[("fp8", context, batch)]
+            if not ours:
+                assert cell.startswith("-"), (context, batch, cell)
+                continue
+            assert cell == f"{_ratio(ours)} ({_ratio(fp8)})", (context, batch, cell)
+            # bold exactly where a ratio is under 1.0x
+            bold = row[column].count("**") // 2
+            assert bold == (float(ours) < 1) + (float(fp8) < 1), (context, batch, row[column])
