@@ -169,10 +169,15 @@ def test_continuous_batching_ratios_are_the_recorded_ones():
 _DEPLOYMENT_CONFIGS = {"DP8/TP1": "dp8-tp1-ep8", "DP4/TP2": "dp4-tp2-ep8", "DP1/TP8": "dp1-tp8"}
 
 
-def _results_tables(header: str) -> list[list[list[str]]]:
-    """The tables of benchmarks/RESULTS.md under a header row starting with ``header``: their
-    rows as lists of cells."""
-    lines = (ROOT / "benchmarks" / "RESULTS.md").read_text().splitlines()
+def _cells(line: str) -> list[str]:
+    return [cell.strip() for cell in line.strip().strip("|").split("|")]
+
+
+def _markdown_tables(header: str, path: Path = ROOT / "benchmarks" / "RESULTS.md"
+                     ) -> list[tuple[list[str], list[list[str]]]]:
+    """The tables of ``path`` whose header row starts with ``header``: each one's column names
+    and its rows as lists of cells."""
+    lines = path.read_text().splitlines()
     tables = []
     for i, line in enumerate(lines):
         if line.startswith(header):
@@ -180,8 +185,8 @@ def _results_tables(header: str) -> list[list[list[str]]]:
             for row in lines[i + 2:]:
                 if not row.startswith("|"):
                     break
-                rows.append([cell.strip() for cell in row.strip().strip("|").split("|")])
-            tables.append(rows)
+                rows.append(_cells(row))
+            tables.append((_cells(line), rows))
     return tables
 
 
@@ -196,10 +201,10 @@ def test_results_deployment_tables_are_the_recorded_runs(mtp, value_column):
     header = ("| configuration | KV format | context | B | step ms (apart) | "
               + ("decode tok/s | vs BF16 |" if mtp == "False"
                  else "projected output tok/s | vs BF16 + MTP |"))
-    tables = _results_tables(header)
+    tables = _markdown_tables(header)
     assert len(tables) == 1, header
     config, seen = None, 0
-    for cells in tables[0]:
+    for cells in tables[0][1]:
         label, kv_label, contexts, batches, steps, values, ratios = cells
         if label:
             config = _DEPLOYMENT_CONFIGS[label.split(",")[0]]
@@ -223,16 +228,10 @@ def test_results_deployment_tables_are_the_recorded_runs(mtp, value_column):
 
 def _markdown_table(path: Path, header: str) -> list[dict[str, str]]:
     """The one table of ``path`` whose header row starts with ``header``, as dicts by column."""
-    lines = path.read_text().splitlines()
-    starts = [i for i, line in enumerate(lines) if line.startswith(header)]
-    assert len(starts) == 1, (path, header, starts)
-    names = [cell.strip() for cell in lines[starts[0]].strip().strip("|").split("|")]
-    rows = []
-    for line in lines[starts[0] + 2:]:
-        if not line.startswith("|"):
-            break
-        rows.append(dict(zip(names, (c.strip() for c in line.strip().strip("|").split("|")))))
-    return rows
+    tables = _markdown_tables(header, path)
+    assert len(tables) == 1, (path, header, len(tables))
+    names, rows = tables[0]
+    return [dict(zip(names, row)) for row in rows]
 
 
 def test_results_profile_table_is_the_recorded_profile():
