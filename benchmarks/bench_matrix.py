@@ -90,7 +90,11 @@ Cells are skipped, with the reason in the CSV, never silently: a prefill of more
 engine for ``fill``), a batch the KV cache does not hold, a need above max_model_len, and
 ``--budget-s``: before an engine starts and before each cell, the time left is compared with an
 estimate (engine start, prefill from its GEMM and attention FLOPs, decode steps; in the
-engine the estimate is rescaled by how the finished cells compared with theirs).
+engine the estimate is rescaled by how the finished cells compared with theirs).  A cell (or
+serve run) still running ``STALL_FACTOR`` (10) times its estimate, and at least 3 minutes, has
+stalled: its engine is stopped after printing its processes' Python stacks and the GPU's
+utilization (``vllm_engine.stall_watchdog``), the cell is recorded as failed ("stalled: ..."),
+the engine's later cells as failed with it, and the run goes on with the next engine.
 
 ``--serve`` adds a continuous-batching run to the ``wide`` engine of each (kv, heads, mode)
 (``--serve-only``: that run alone): ``--serve-requests`` requests with log-uniform prompt and
@@ -105,7 +109,7 @@ calls; each starts with the runs' date, commit, GPU, vLLM version and command):
 ``matrix.csv`` (a row per cell and kv: status ok/skipped/failed and the reason), ``matrix.md``
 (a table per (heads, max_model_len, mode) with fp8_snapmla/BF16 and fp8/BF16 throughput ratios,
 those below 1.0 marked), ``matrix.png`` (heat maps of the fp8_snapmla/BF16 ratio), ``serve.csv``
-and ``serve.md``.
+and ``serve.md``; ``logs/`` holds the whole output of each engine that failed.
 """
 
 from __future__ import annotations
@@ -128,11 +132,11 @@ from benchmarks.provenance import describe, run_info
 from benchmarks.vllm_engine import (
     BASELINE_KV, BLOCK_SIZE, DEEPSEEK_V31_ATTENTION, ENGINE_OVERHEAD_GIB, KV_BYTES_PER_TOKEN,
     KV_SETTINGS, SETTLE_STEPS, apply_switch_interval, batch_to_fill, build_llm, child_main,
-    concurrent_memory_problem, concurrent_start_spec, core_timestamp, engine_log_facts,
-    estimated_kv_blocks, estimated_prefill_s, merge_by_key, mla_projection_weights, model_config,
+    concurrent_memory_problem, concurrent_start_spec, core_timestamp, enable_stall_dumps,
+    engine_log_facts, estimated_kv_blocks, estimated_prefill_s, merge_by_key, mla_projection_weights, model_config,
     not_lock_step, number, random_prompts, read_csv, run_child, run_engines_together,
-    summarize_windows, timed_decode_windows, wait_for_turn, end_turn, warm_tokens, warm_up,
-    write_csv)
+    stall_watchdog, summarize_windows, timed_decode_windows, wait_for_turn, end_turn,
+    warm_tokens, warm_up, write_csv)
 from vllm_snapmla.testing import write_tiny_deepseek_v3
 
 KV_NAMES = {"auto": "BF16", "fp8_snapmla": "fp8_snapmla", "fp8": "fp8"}
@@ -158,6 +162,15 @@ CELL_OVERHEAD_S = 0.5
 # in about 61 GiB (module docstring); with --layers N every N holds those tokens.
 KV_CACHE_GIB_PER_LAYER = 1.0
 CHILD_GRACE_S = 30.0   # how long past the budget a running engine may go before it is killed
+# A measurement still running this many times its estimate, and at least STALL_MIN_S, has
+# stalled: the engine is stopped with its stacks in the log (vllm_engine.stall_watchdog).  The
+# recorded cells took 0.1-2.3x their estimates (cell_s against estimated_s in the results).
+STALL_FACTOR = 10.0
+STALL_MIN_S = 180.0
+
+
+def stall_limit_s(estimate_s: float) -> float:
+    return max(STALL_MIN_S, STALL_FACTOR * estimate_s)
 
 MATRIX_FIELDS = [
     "heads", "max_model_len", "mode", "context", "batch", "kv", "status", "reason",
@@ -557,6 +570,7 @@ def run_engine(spec: dict):
 
     settings = Settings(**spec["settings"])
     started = time.monotonic()
+    enable_stall_dumps()
     switch_interval = spec.get("switch_interval_s")
     if switch_interval:
         # apply_switch_interval sends a function to the engine core.
@@ -585,9 +599,11 @@ def run_engine(spec: dict):
     # With --interleave a cell is only worth starting if the engines after this one in the
     # turn can measure it too: the budget check counts them (this one included).
     turn_engines = spec.get("turn_engines", 1)
+    calls: dict = {}   # measure_cell calls per cell: its round (measure_in_turns adds it after)
 
     def measure_cell(context: int, label: str) -> dict:
         nonlocal spent, estimated, measured
+        calls[context, label] = calls.get((context, label), 0) + 1
         decision = decide_cell(label, context, usable, cache.block_size,
                                spec["max_model_len_tokens"], max_batched_tokens, settings)
         result = {"kind": "cell", "context": context, "batch": label,
@@ -606,13 +622,18 @@ def run_engine(spec: dict):
                               f"{max(0.0, deadline - time.time()):.0f} s left"}
         cell_start = time.monotonic()
         measured += 1
+        watch = stall_watchdog(stall_limit_s(scale * estimate),
+                               {**result, "estimated_s": round(estimate, 1),
+                                "round": calls[context, label]},
+                               f"cell ctx {context} x {label}")
         try:
             params = SamplingParams(temperature=0.0, max_tokens=decision["max_tokens"],
                                     ignore_eos=True, output_kind=RequestOutputKind.DELTA)
-            seconds, lock_step, prefill_steps, timer = timed_decode_windows(
-                llm.llm_engine, random_prompts(generator, decision["batch_size"], context),
-                params, settings.steps, settings.windows,
-                id_prefix=f"cell{measured}-{context}-{label}")
+            with watch:
+                seconds, lock_step, prefill_steps, timer = timed_decode_windows(
+                    llm.llm_engine, random_prompts(generator, decision["batch_size"], context),
+                    params, settings.steps, settings.windows,
+                    id_prefix=f"cell{measured}-{context}-{label}")
             summary = summarize_windows(decision["batch_size"], seconds)
         except Exception as exc:  # noqa: BLE001  (record this cell; the next ones still try)
             return {**result, "status": "failed", "reason": f"{type(exc).__name__}: {exc}"[:300]}
@@ -639,7 +660,8 @@ def run_engine(spec: dict):
             # Stop at the budget, on the monotonic clock the token times are on.
             stop_at = (None if deadline is None
                        else time.monotonic() + deadline - time.time() + CHILD_GRACE_S / 2)
-            start, records = run_serve(llm.llm_engine, requests, stop_at=stop_at)
+            with stall_watchdog(stall_limit_s(estimate / turn_engines), result, "serve run"):
+                start, records = run_serve(llm.llm_engine, requests, stop_at=stop_at)
             summary = serve_summary(start, records, [out for _, _, out in workload])
         except Exception as exc:  # noqa: BLE001  (report it like a cell)
             return {**result, "status": "failed", "reason": f"{type(exc).__name__}: {exc}"[:300]}
@@ -1158,6 +1180,15 @@ def engine_rows(engine: Engine, results: list[dict], failure: str | None, facts:
     return matrix, serve
 
 
+def write_engine_log(out: Path, number: int, engine: Engine, log: str) -> Path:
+    """A failed engine's whole output (with a stalled cell's stacks) in ``out/logs``."""
+    path = out / "logs" / (f"engine-{number}-{engine.kv}-h{engine.heads}-"
+                           f"{engine.max_model_len_tokens}-{engine.mode}.log")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(log)
+    return path
+
+
 def _cell_line(row: dict, bf16: dict | None, engine_no: int, round_: int | None = None) -> str:
     """A cell's progress line; it names the engine (engines of a group report interleaved) and,
     with --rounds, the round."""
@@ -1464,7 +1495,8 @@ def main(argv=None) -> None:
                 write_outputs(out, info, matrix, serve_rows, run_fields=run_fields,
                               repeats=runs_per_cell)
                 if failure:
-                    print(f"    [{i}] engine failed: {failure}", flush=True)
+                    print(f"    [{i}] engine failed: {failure}; its output in "
+                          f"{write_engine_log(out, i, engine, log)}", flush=True)
     matrix, serve_rows = write_outputs(out, None, run_fields=None)
     print(f"\nwrote {out}/matrix.csv, matrix.md, matrix.png"
           + (", serve.csv, serve.md" if serve_rows else "")

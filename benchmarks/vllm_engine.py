@@ -15,7 +15,9 @@ are aborted.
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import faulthandler
 import json
 import math
 import os
@@ -355,6 +357,73 @@ def apply_switch_interval(llm, seconds: float) -> None:
         if round(interval * 1e6) != round(seconds * 1e6):
             raise RuntimeError(f"engine process {pid} has switch interval {interval} s, "
                                f"not {seconds} s")
+
+
+# An engine child stopped by stall_watchdog exits with this status.
+STALL_EXIT = 3
+
+
+def enable_stall_dumps() -> None:
+    """In an engine child, before vLLM starts its engine core: a fatal signal (SIGABRT from
+    ``stall_watchdog``) makes this process and every Python process it starts print their
+    threads' stacks to stderr, forked (faulthandler's state) or spawned (the environment)."""
+    faulthandler.enable(all_threads=True)
+    os.environ["PYTHONFAULTHANDLER"] = "1"
+
+
+def _group_pids() -> list[int]:
+    """The other processes of this process's group (Linux: /proc)."""
+    me, group = os.getpid(), os.getpgid(0)
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != me:
+            try:
+                if os.getpgid(int(entry)) == group:
+                    pids.append(int(entry))
+            except OSError:   # gone meanwhile
+                pass
+    return pids
+
+
+@contextlib.contextmanager
+def stall_watchdog(limit_s: float, result: dict, what: str, settle_s: float = 5.0):
+    """In an engine child: if the body is still running ``limit_s`` after it began, the
+    measurement has stalled (a hung kernel or a deadlocked engine).  Then, from a timer thread:
+    the GPU's utilization and this process's stacks go to stderr, every other process of its
+    group gets SIGABRT (vLLM's engine core prints its stacks, ``enable_stall_dumps``), ``result``
+    goes out as this measurement's result with status "failed" and the stall as its reason,
+    and the process exits with ``STALL_EXIT`` (the engine's later cells then come back
+    without a result).  So a hang costs one cell and leaves its evidence in the engine's log,
+    instead of holding the run to its timeout.  The group is signalled only when this process
+    leads it (``run_child`` starts a child in a session of its own)."""
+    began = time.monotonic()
+
+    def stalled() -> None:
+        utilization = gpu_query("utilization.gpu")
+        reason = (f"stalled: no result {time.monotonic() - began:.0f} s after it began"
+                  + (f" (GPU utilization {utilization}%)" if utilization else ""))
+        sys.stderr.write(f"\n=== {what}: {reason}; the stacks of this process, then of the "
+                         "others of its group ===\n")
+        sys.stderr.flush()
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        if os.getpgid(0) == os.getpid():
+            for pid in _group_pids():
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGABRT)
+            time.sleep(settle_s)   # their stacks, before this process's exit ends the log
+        print(RESULT_TAG + json.dumps({**result, "status": "failed", "reason": reason}),
+              flush=True)
+        sys.stderr.write(f"engine stopped: {what} {reason}\n")
+        sys.stderr.flush()
+        os._exit(STALL_EXIT)
+
+    timer = threading.Timer(limit_s, stalled)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def child_main(run) -> None:

@@ -1275,3 +1275,42 @@ def test_a_fixed_batch_above_max_batch_is_refused(capsys):
         bm.main(["--out", "unused", "--dry-run", "--heads", "16", "--contexts", "512",
                  "--batches", "1024", "--max-batch", "512"])
     assert "--batches 1024 above --max-batch 512" in capsys.readouterr().err
+
+
+def test_a_failed_engine_leaves_its_output_and_its_stalled_cell(tmp_path, monkeypatch, capsys):
+    import csv
+
+    stalled = {**{k: v for k, v in _cell_result(0, 0).items()
+                  if k not in ("decode_tok_s", "tpot_ms")},
+               "status": "failed", "reason": "stalled: no result 180 s after it began"}
+
+    def fake_run_child(command, spec, timeout, on_result, startup_timeout=None):
+        on_result(ENGINE_UP)
+        if spec["kv"] == "auto":
+            result = _cell_result(100.0, 10.0)
+            on_result(result)
+            return [ENGINE_UP, result], "", None
+        on_result(stalled)
+        log = "the engine's output\nThread 0x1 (most recent call first):\n"
+        return [ENGINE_UP, stalled], log, "exit 3: engine stopped: cell ctx 512 x 1 stalled"
+
+    monkeypatch.setattr(bm, "run_child", fake_run_child)
+    bm.main(["--out", str(tmp_path), "--kv", "auto", "fp8_snapmla", "--heads", "16",
+             "--contexts", "512", "--batches", "1", "--max-model-len", "wide", "--modes",
+             "eager"])
+    log = tmp_path / "logs" / "engine-2-fp8_snapmla-h16-163840-eager.log"
+    assert log.read_text().startswith("the engine's output\nThread 0x1"), list(tmp_path.iterdir())
+    assert not (tmp_path / "logs" / "engine-1-auto-h16-163840-eager.log").exists()
+    out = capsys.readouterr().out
+    assert "[2] fp8_snapmla ctx    512 x    1: failed: stalled: no result 180 s" in out, out
+    assert f"[2] engine failed: exit 3: engine stopped: cell ctx 512 x 1 stalled; its output " \
+           f"in {log}" in out, out
+    with open(tmp_path / "matrix.csv") as f:
+        rows = [r for r in csv.DictReader(line for line in f if not line.startswith("#"))]
+    ours = next(r for r in rows if r["kv"] == "fp8_snapmla")
+    assert ours["status"] == "failed" and ours["reason"].startswith("stalled"), ours
+
+
+def test_stall_limit_is_ten_estimates_and_at_least_three_minutes():
+    assert bm.stall_limit_s(1.0) == bm.STALL_MIN_S == 180.0
+    assert bm.stall_limit_s(133.3) == pytest.approx(1333.0)
