@@ -136,11 +136,11 @@ def _matrix_range(heads: int, mode: str, tables: str, fill: bool,
 
 @pytest.mark.parametrize("prefix, heads, mode, tables", [
     ("| workload matrix through vLLM on one H100, 16 heads", 16, "graph", "wide"),
-    ("| the same with `enforce_eager` (1-64 requests of 512-32k tokens", 16, "eager", "wide"),
+    ("| the same with `enforce_eager` (1-64 requests of 512-128k tokens", 16, "eager", "wide"),
     ("| the same, default compilation, with tables as small", 16, "graph", "tight"),
     ("| the same, tight tables and `enforce_eager`", 16, "eager", "tight"),
     ("| that matrix at 128 heads", 128, "graph", "wide"),
-    ("| the same with `enforce_eager` | **0.84", 128, "eager", "wide"),
+    ("| the same with `enforce_eager` | **0.69", 128, "eager", "wide"),
     ("| 128 heads, default compilation, tight tables", 128, "graph", "tight"),
 ])
 def test_matrix_ranges_are_the_recorded_ones(prefix, heads, mode, tables):
