@@ -4,7 +4,7 @@
         [--kv auto fp8_snapmla fp8] [--heads 16 128] [--contexts 512 2048 8192 32768 131072]
         [--batches 1 8 64 fill] [--max-model-len wide tight] [--modes graph eager]
         [--serve | --serve-only] [--concurrent-starts N | --interleave [--rounds N]]
-        [--repeats N]
+        [--repeats N] [--below RATIO]
         [--layers N] [--switch-interval MS]
     python -m benchmarks.bench_matrix --out out/matrix --replot      # no GPU: redraw md/png
 
@@ -63,6 +63,9 @@ fresh requests, so that the median of N rounds and the range of the rounds' rati
 difference from a spell.  Rows combine as with ``--repeats`` (a round is a run there).  On an
 H100 a 4-layer cell's highest round ratio was still a median 1.22x its lowest; with
 ``--layers 16`` and CUDA graphs, within 9% in 8 of 9 cells.
+``--below RATIO`` keeps of the selected cells those whose recorded ratio in ``--out``'s
+matrix.csv is below RATIO: ``--below 1.0 --interleave --rounds 3`` measures again, in rounds,
+the cells a single measurement put under 1.0x.
 
 ``--repeats N`` runs the whole plan N times over, each engine a fresh process (the plan in
 order, then again), for cells whose step time moves between engine runs more than between the
@@ -133,10 +136,10 @@ from benchmarks.vllm_engine import (
     BASELINE_KV, BLOCK_SIZE, DEEPSEEK_V31_ATTENTION, ENGINE_OVERHEAD_GIB, KV_BYTES_PER_TOKEN,
     KV_SETTINGS, SETTLE_STEPS, apply_switch_interval, batch_to_fill, build_llm, child_main,
     concurrent_memory_problem, concurrent_start_spec, core_timestamp, enable_stall_dumps,
-    engine_log_facts, estimated_kv_blocks, estimated_prefill_s, merge_by_key, mla_projection_weights, model_config,
-    not_lock_step, number, random_prompts, read_csv, run_child, run_engines_together,
-    stall_watchdog, summarize_windows, timed_decode_windows, wait_for_turn, end_turn,
-    warm_tokens, warm_up, write_csv)
+    end_turn, engine_log_facts, estimated_kv_blocks, estimated_prefill_s, merge_by_key,
+    mla_projection_weights, model_config, not_lock_step, number, random_prompts, read_csv,
+    run_child, run_engines_together, stall_watchdog, summarize_windows, timed_decode_windows,
+    wait_for_turn, warm_tokens, warm_up, write_csv)
 from vllm_snapmla.testing import write_tiny_deepseek_v3
 
 KV_NAMES = {"auto": "BF16", "fp8_snapmla": "fp8_snapmla", "fp8": "fp8"}
@@ -415,6 +418,29 @@ def plan_matrix(kvs, heads, contexts, batches, max_model_lens, modes, settings: 
                 engines += [Engine(kv, h, "wide", WIDE_MAX_MODEL_LEN, mode, [], serve=True)
                             for kv in kvs]
     return engines, skipped
+
+
+def cells_below(rows: list[dict], ratio: float) -> set[tuple]:
+    """(heads, max_model_len, mode, context, batch) of the recorded cells whose fp8_snapmla/BF16
+    ratio is below ``ratio`` (cells without a ratio are not among them)."""
+    return {(int(r["heads"]), r["max_model_len"], r["mode"], int(r["context"]), r["batch"])
+            for r in rows if r["kv"] == "fp8_snapmla" and r.get("status") == "ok"
+            and number(r.get("vs_bf16")) is not None and number(r["vs_bf16"]) < ratio}
+
+
+def keep_cells(engines: list[Engine], skipped: list[dict], chosen: set[tuple]
+               ) -> tuple[list[Engine], list[dict]]:
+    """``plan_matrix``'s engines and skipped rows with only the ``chosen`` cells; an engine
+    left without cells goes unless it runs the serve workload.  The tight engines keep the
+    max_model_len of the whole selection, so a cell runs as it was recorded."""
+    kept = []
+    for engine in engines:
+        cells = [(c, b) for c, b in engine.cells
+                 if (engine.heads, engine.max_model_len, engine.mode, c, b) in chosen]
+        if cells or engine.serve:
+            kept.append(replace(engine, cells=cells))
+    return kept, [s for s in skipped if (s["heads"], s["max_model_len"], s["mode"],
+                                         s["context"], s["batch"]) in chosen]
 
 
 def estimate_engine_s(engine: Engine, settings: Settings, workload=None) -> tuple[float, list]:
@@ -1248,6 +1274,10 @@ def main(argv=None) -> None:
     parser.add_argument("--budget-s", type=float,
                         help="wall-clock seconds for the whole command: no engine or cell "
                              "starts that the estimate says would end later")
+    parser.add_argument("--below", type=float, metavar="RATIO",
+                        help="only the selected cells whose recorded fp8_snapmla/BF16 ratio "
+                             "in --out's matrix.csv is below RATIO (1.0: measure the cells "
+                             "under 1.0x again, e.g. with --interleave --rounds 3)")
     parser.add_argument("--timeout", type=float, default=1800,
                         help="seconds for an engine to start, and for it to start and measure "
                              "(an engine of a --concurrent-starts group also gets the time of "
@@ -1356,6 +1386,12 @@ def main(argv=None) -> None:
     engines, skipped = plan_matrix(args.kv, args.heads, args.contexts, args.batches,
                                    args.max_model_lens, args.modes, settings, serve,
                                    args.serve_only)
+    if args.below is not None:
+        engines, skipped = keep_cells(engines, skipped,
+                                      cells_below(read_csv(out / "matrix.csv")[1], args.below))
+        if not any(e.cells for e in engines):
+            parser.error(f"--below {args.below:g}: no selected cell in {out / 'matrix.csv'} has "
+                         f"a fp8_snapmla/BF16 ratio below {args.below:g}")
     # The continuous-batching run (serve.csv keeps one row per format) runs once.
     engines = [replace(e, repeat=r, serve=e.serve and r == 1, rounds=args.rounds)
                for r in range(1, args.repeats + 1) for e in engines if e.cells or r == 1]

@@ -1314,3 +1314,45 @@ def test_a_failed_engine_leaves_its_output_and_its_stalled_cell(tmp_path, monkey
 def test_stall_limit_is_ten_estimates_and_at_least_three_minutes():
     assert bm.stall_limit_s(1.0) == bm.STALL_MIN_S == 180.0
     assert bm.stall_limit_s(133.3) == pytest.approx(1333.0)
+
+
+def _recorded(heads, mml, mode, context, batch, ratio, kv="fp8_snapmla", status="ok"):
+    return {"heads": heads, "max_model_len": mml, "mode": mode, "context": context,
+            "batch": batch, "kv": kv, "status": status, "vs_bf16": ratio}
+
+
+def test_below_selects_the_recorded_cells_under_the_ratio(tmp_path, capsys):
+    vllm_engine.write_csv([
+        _recorded(16, "wide", "eager", 512, "8", 0.83),          # chosen
+        _recorded(16, "wide", "eager", 512, "1", 1.02),
+        _recorded(16, "wide", "eager", 512, "8", 1.0, kv="auto"),  # BF16's own row: 1.0
+        _recorded(16, "tight", "eager", 2048, "fill", 0.78),     # chosen
+        _recorded(16, "tight", "eager", 2048, "1", 0.5, status="failed"),
+        _recorded(16, "wide", "graph", 512, "8", 0.7),           # a mode not selected
+    ], tmp_path / "matrix.csv", bm.MATRIX_FIELDS)
+    bm.main(["--out", str(tmp_path), "--dry-run", "--below", "1.0", "--heads", "16", "--kv",
+             "auto", "fp8_snapmla", "--contexts", "512", "2048", "--batches", "1", "8",
+             "fill", "--modes", "eager"])
+    out = capsys.readouterr().out
+    assert "4 engines (0 graph, 4 eager), 4 cells" in out, out
+    # The tight engine keeps the max_model_len the whole selection gives the 2k context.
+    assert "[3] auto H=16 tight (2368 tokens, 37 pages) eager: 1 cells" in out, out
+    assert re.search(r"context 512: 8: ~[\d.]+ s\n", out), out
+    assert re.search(r"context 2048: fill\b", out) and "context 512: 1:" not in out, out
+    with pytest.raises(SystemExit):
+        bm.main(["--out", str(tmp_path), "--dry-run", "--below", "0.6", "--heads", "16",
+                 "--modes", "eager"])
+    assert "--below 0.6: no selected cell" in capsys.readouterr().err
+
+
+def test_keep_cells_keeps_the_serve_engine_and_the_chosen_skips():
+    settings = bm.Settings()
+    engines, skipped = bm.plan_matrix(["auto", "fp8_snapmla"], [16], [512, 131072],
+                                      ["1", "64"], ["wide"], ["graph"], settings, serve=True)
+    assert {(s["context"], s["batch"]) for s in skipped} == {(131072, "64")}
+    kept, kept_skips = bm.keep_cells(engines, skipped, {(16, "wide", "graph", 512, "64")})
+    assert [(e.kv, e.cells, e.serve) for e in kept] == [
+        ("auto", [(512, "64")], True), ("fp8_snapmla", [(512, "64")], True)]
+    assert kept_skips == []
+    kept, _ = bm.keep_cells(engines, skipped, set())
+    assert [e.cells for e in kept] == [[], []]   # the serve run stays
