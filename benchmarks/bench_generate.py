@@ -56,8 +56,8 @@ from pathlib import Path
 
 from benchmarks.bench_matrix import switch_interval_arg_problem
 from benchmarks.provenance import describe, run_info
-from benchmarks.step_profile import (busy_us, group_names, host_wait, kernel_group, profiled,
-                                     step_summary)
+from benchmarks.step_profile import (busy_us, group_names, host_wait, kernel_group, per_step,
+                                     profiled, step_summary)
 from benchmarks.vllm_engine import (
     BASELINE_KV,
     DEEPSEEK_V31_ATTENTION,
@@ -66,7 +66,6 @@ from benchmarks.vllm_engine import (
     build_llm,
     child_main,
     engine_log_facts,
-    kernel_totals,
     model_config,
     random_prompts,
     run_child,
@@ -88,34 +87,20 @@ TOP_HOST_OPS = 12
 
 # --- profile arithmetic (no GPU) ----------------------------------------------------------------
 
-def per_step_difference(before: list, after: list, steps: int) -> list[tuple[str, float, float]]:
-    """``(name, µs, count)`` per step of what ran more often or longer in ``after`` than in
-    ``before`` (``(name, µs)`` of every launch or call each), largest first."""
-    totals_before, totals_after = kernel_totals(before), kernel_totals(after)
-    per_step = []
-    for name, (us, count) in totals_after.items():
-        us_b, count_b = totals_before.get(name, (0.0, 0))
-        if us - us_b > 0:
-            per_step.append((name, (us - us_b) / steps, (count - count_b) / steps))
-    per_step.sort(key=lambda k: -k[1])
-    return per_step
-
-
 def decode_profile(prefill: tuple, full: tuple, steps: int) -> dict:
     """Per decode step, from two profiled calls on the same prompts' shapes: ``prefill`` =
     (wall µs, kernels, host ops) of a call with one output token, ``full`` the same with 1 +
     ``steps``; kernels are ``(name, start µs, end µs)``, host ops ``(name, own CPU µs)``.  What
     ran no more in the longer call (the prefill's own) drops out."""
     (wall_p, kernels_p, host_p), (wall_f, kernels_f, host_f) = prefill, full
-    per_step = per_step_difference([(name, end - start) for name, start, end in kernels_p],
-                                   [(name, end - start) for name, start, end in kernels_f],
-                                   steps)
+    kernels = per_step([(name, end - start) for name, start, end in kernels_f], steps,
+                       before=[(name, end - start) for name, start, end in kernels_p])
     # Host rows that were not called more often in the longer call are the prefill's own, or the
     # profiled call's fixed costs, whatever their time did.
-    host = [h for h in per_step_difference(host_p, host_f, steps) if h[2] > 0]
+    host = [h for h in per_step(host_f, steps, before=host_p) if h[2] > 0]
     return step_summary(steps, (wall_f - wall_p) / steps,
                         (busy_us(k[1:] for k in kernels_f)
-                         - busy_us(k[1:] for k in kernels_p)) / steps, per_step, host)
+                         - busy_us(k[1:] for k in kernels_p)) / steps, kernels, host)
 
 
 def summarize(rows: list[dict]) -> list[dict]:

@@ -217,7 +217,7 @@ def number(value) -> float | None:
 
 def kernel_totals(launches) -> dict[str, list[float]]:
     """``{name: [µs, launches]}`` summed over ``launches``, ``(name, µs)`` of every kernel launch
-    a profile saw: how the benchmarks that profile (bench_decode, bench_generate) count kernels."""
+    a profile saw: how the benchmarks that profile (bench_decode, step_profile) count kernels."""
     totals: dict[str, list[float]] = {}
     for name, us in launches:
         entry = totals.setdefault(name, [0.0, 0])
