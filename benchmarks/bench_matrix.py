@@ -625,11 +625,9 @@ def run_engine(spec: dict):
     # With --interleave a cell is only worth starting if the engines after this one in the
     # turn can measure it too: the budget check counts them (this one included).
     turn_engines = spec.get("turn_engines", 1)
-    calls: dict = {}   # measure_cell calls per cell: its round (measure_in_turns adds it after)
 
-    def measure_cell(context: int, label: str) -> dict:
+    def measure_cell(context: int, label: str, round_: int) -> dict:
         nonlocal spent, estimated, measured
-        calls[context, label] = calls.get((context, label), 0) + 1
         decision = decide_cell(label, context, usable, cache.block_size,
                                spec["max_model_len_tokens"], max_batched_tokens, settings)
         result = {"kind": "cell", "context": context, "batch": label,
@@ -650,7 +648,7 @@ def run_engine(spec: dict):
         measured += 1
         watch = stall_watchdog(stall_limit_s(scale * estimate),
                                {**result, "estimated_s": round(estimate, 1),
-                                "round": calls[context, label]},
+                                "round": round_},
                                f"cell ctx {context} x {label}")
         try:
             params = SamplingParams(temperature=0.0, max_tokens=decision["max_tokens"],
@@ -672,10 +670,11 @@ def run_engine(spec: dict):
     def measure_serve() -> dict:
         workload = [tuple(r) for r in spec["serve"]["workload"]]
         result = {"kind": "serve", "kv_cache_tokens": capacity}
-        estimate = estimate_serve_s(workload, spec["mode"], settings.layers) * turn_engines
-        if deadline is not None and time.time() + estimate > deadline:
+        estimate = estimate_serve_s(workload, spec["mode"], settings.layers)
+        need = estimate * turn_engines
+        if deadline is not None and time.time() + need > deadline:
             return {**result, "status": "skipped",
-                    "reason": f"--budget-s: needs ~{estimate:.0f} s, "
+                    "reason": f"--budget-s: needs ~{need:.0f} s, "
                               f"{max(0.0, deadline - time.time()):.0f} s left"}
         serve_generator = torch.Generator().manual_seed(spec["serve"]["seed"])
         requests = [(arrival, random_prompts(serve_generator, 1, prompt_len)[0],
@@ -686,7 +685,7 @@ def run_engine(spec: dict):
             # Stop at the budget, on the monotonic clock the token times are on.
             stop_at = (None if deadline is None
                        else time.monotonic() + deadline - time.time() + CHILD_GRACE_S / 2)
-            with stall_watchdog(stall_limit_s(estimate / turn_engines), result, "serve run"):
+            with stall_watchdog(stall_limit_s(estimate), result, "serve run"):
                 start, records = run_serve(llm.llm_engine, requests, stop_at=stop_at)
             summary = serve_summary(start, records, [out for _, _, out in workload])
         except Exception as exc:  # noqa: BLE001  (report it like a cell)
@@ -699,18 +698,18 @@ def run_engine(spec: dict):
 
 def measure_in_turns(spec: dict, measure_cell, measure_serve=None):
     """An engine child's measurements, each in its turn (``wait_for_turn``): every cell of
-    ``spec["cells"]`` (``measure_cell(context, label)``), then with ``spec["serve"]`` the serve
-    run (``measure_serve()``); yields each result.  Alone or in a --concurrent-starts group only
-    the first waits, for the group's go; with --interleave each waits for its turn and, once its
-    result is out, gives the next engine its turn (``end_turn``), except the last: that turn ends
-    with this engine's process, so that no engine measures during another one's shutdown.  A
-    cell listed more than once (--rounds) is measured each time; its results carry ``round``
-    (1, 2, ...)."""
+    ``spec["cells"]`` (``measure_cell(context, label, round)``), then with ``spec["serve"]`` the
+    serve run (``measure_serve()``); yields each result.  Alone or in a --concurrent-starts group
+    only the first waits, for the group's go; with --interleave each waits for its turn and, once
+    its result is out, gives the next engine its turn (``end_turn``), except the last: that turn
+    ends with this engine's process, so that no engine measures during another one's shutdown.
+    A cell listed more than once (--rounds) is measured each time; its round (1, 2, ...) goes
+    to ``measure_cell`` and into its result as ``round``."""
     rounds: dict = {}
     turns = []
     for c, b in spec["cells"]:
         rounds[c, b] = rounds.get((c, b), 0) + 1
-        turns.append(lambda c=c, b=b, r=rounds[c, b]: {**measure_cell(c, b), "round": r})
+        turns.append(lambda c=c, b=b, r=rounds[c, b]: {**measure_cell(c, b, r), "round": r})
     if spec.get("serve"):
         turns.append(measure_serve)
     for turn, measure in enumerate(turns):

@@ -633,7 +633,7 @@ def _fake_turns_engine(k: int, cells: int, log: list, start_s: float = 0.01,
         time.sleep(start_s)
         on_up()
         results = []
-        for result in bm.measure_in_turns(spec, lambda context, label: measure(int(label)),
+        for result in bm.measure_in_turns(spec, lambda context, label, _round: measure(int(label)),
                                           lambda: measure("serve")):
             results.append(result)
             if len(results) == die_at:
@@ -730,7 +730,7 @@ def _child_in_turns(spec: dict, on_result, tpot_ms: float) -> tuple[list, str, N
     results = []
     for result in bm.measure_in_turns(
             {**spec, "serve": None},
-            lambda context, label: {**_cell_result(1000 / tpot_ms, tpot_ms),
+            lambda context, label, _round: {**_cell_result(1000 / tpot_ms, tpot_ms),
                                     "context": context, "batch": label}):
         on_result(result)
         results.append(result)
@@ -863,7 +863,7 @@ def test_main_rounds_alternate_the_formats_of_a_cell_and_combine_like_repeats(tm
         on_result(ENGINE_UP)
         done = {}
 
-        def measure_cell(context, label):
+        def measure_cell(context, label, _round):
             done[context, label] = done.get((context, label), 0) + 1
             tpot = tpot_by_round[spec["kv"]][done[context, label] - 1]
             with lock:
