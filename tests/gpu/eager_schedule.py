@@ -105,17 +105,18 @@ def main() -> None:
                 pos = torch.arange(start, start + n, device=device)
                 slots = table[r, pos // fmt.PAGE_SIZE].long() * fmt.PAGE_SIZE \
                     + pos % fmt.PAGE_SIZE
-                for _ in range(args.layers):
-                    ops.append_kv(kv_c, k_pe, cache, slots)
-                    for first in range(0, start, GATHER_TOKENS):
-                        m = min(GATHER_TOKENS, start - first)
-                        ops.gather_kv(
-                            cache, torch.empty(m, fmt.HEAD_SIZE, device=device,
-                                               dtype=torch.bfloat16),
-                            table[r:r + 1], torch.tensor([0, m], dtype=torch.int32,
-                                                         device=device),
+                # The chunk's context, 64k tokens at a time: the step's metadata, for every layer.
+                gathers = [(torch.empty(m, fmt.HEAD_SIZE, device=device, dtype=torch.bfloat16),
+                            torch.tensor([0, m], dtype=torch.int32, device=device),
                             torch.zeros(m, dtype=torch.int32, device=device), m,
                             torch.tensor([first], dtype=torch.int32, device=device))
+                           for first in range(0, start, GATHER_TOKENS)
+                           for m in [min(GATHER_TOKENS, start - first)]]
+                for _ in range(args.layers):
+                    ops.append_kv(kv_c, k_pe, cache, slots)
+                    for dst, cu_seq_lens, token_to_seq, m, seq_starts in gathers:
+                        ops.gather_kv(cache, dst, table[r:r + 1], cu_seq_lens, token_to_seq, m,
+                                      seq_starts)
                 if r:   # the requests already prefilled decode in the same step
                     lens[:r] += 1
                     decode_step(lens, r)
