@@ -12,6 +12,8 @@ from benchmarks.vllm_engine import read_csv
 ROOT = Path(__file__).resolve().parents[3]
 RESULTS = ROOT / "benchmarks" / "results"
 CONTEXTS = {32768: "32k", 65536: "64k", 131072: "128k"}
+# The contexts RESULTS.md's tables name, by their labels.
+CONTEXT_OF_LABEL = {label: c for c, label in {16384: "16k", **CONTEXTS}.items()}
 
 
 def _readme_line(prefix: str) -> str:
@@ -211,7 +213,7 @@ def test_results_deployment_tables_are_the_recorded_runs(mtp, value_column):
         kv = ("fp8_snapmla" if "fp8_snapmla" in kv_label
               else "fp8" if "`fp8`" in kv_label else "auto")
         for i, context in enumerate(c.strip() for c in contexts.split("/")):
-            context = {label: c for c, label in {16384: "16k", **CONTEXTS}.items()}[context]
+            context = CONTEXT_OF_LABEL[context]
             r = recorded[(config, kv, context)]
             where = (config, kv, context)
             assert batches.split("/")[i].strip() == r["batch"], where
@@ -246,8 +248,7 @@ def test_results_profile_table_is_the_recorded_profile():
                                "| KV format | context | B | step, in-process windows |"):
         kv = ("fp8_snapmla" if "fp8_snapmla" in row["KV format"]
               else "fp8" if "`fp8`" in row["KV format"] else "auto")
-        contexts = [{"16k": 16384, "32k": 32768, "128k": 131072}[c.strip()]
-                    for c in row["context"].split("/")]
+        contexts = [CONTEXT_OF_LABEL[c.strip()] for c in row["context"].split("/")]
         for i, context in enumerate(contexts):
             r = recorded[(kv, context)]
             assert row["B"].split("/")[i].strip() == r["B"], (kv, context)
