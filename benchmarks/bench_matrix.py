@@ -108,7 +108,8 @@ arrival and TPOT = (last token - first token) / (tokens - 1); output tok/s = all
 (last token - first arrival).
 
 Outputs in ``--out`` (merged with earlier runs in the same folder, so a sweep can be split across
-calls; each starts with the runs' date, commit, GPU, vLLM version and command):
+calls, a cell skipped by a later run keeping what an earlier one measured; each starts with the
+runs' date, commit, GPU, vLLM version and command):
 ``matrix.csv`` (a row per cell and kv: status ok/skipped/failed and the reason), ``matrix.md``
 (a table per (heads, max_model_len, mode) with fp8_snapmla/BF16 and fp8/BF16 throughput ratios,
 those below 1.0 marked), ``matrix.png`` (heat maps of the fp8_snapmla/BF16 ratio), ``serve.csv``
@@ -1182,11 +1183,14 @@ def engine_rows(engine: Engine, results: list[dict], failure: str | None, facts:
     ``repeat``."""
     base = {"heads": engine.heads, "kv": engine.kv, "mode": engine.mode}
     started = next((r for r in results if r.get("kind") == "engine"), {})
-    # The backend's block size (vLLM's BF16 default on Hopper, FlashAttention MLA, uses 16).
-    block_size = started.get("block_size") or BLOCK_SIZE
+    # The backend's block size (vLLM's BF16 default on Hopper, FlashAttention MLA, uses 16), as
+    # the engine reported it; unknown ("") where it never started (its cells skipped or failed).
+    block_size = started.get("block_size")
     cell_base = {**base, "max_model_len": engine.max_model_len,
-                 "max_model_len_tokens": engine.max_model_len_tokens, "block_size": block_size,
-                 "table_width": math.ceil(engine.max_model_len_tokens / block_size)}
+                 "max_model_len_tokens": engine.max_model_len_tokens,
+                 "block_size": block_size or "",
+                 "table_width": math.ceil(engine.max_model_len_tokens / block_size)
+                 if block_size else ""}
     capacity = started.get("kv_cache_tokens", "")
     by_cell = {(r["context"], r["batch"], r.get("round", 1)): r for r in results
                if r.get("kind") == "cell"}

@@ -1,6 +1,7 @@
 """Where the time of a workload-matrix cell goes: the attention kernels, or the rest of the step.
 
     python -m benchmarks.explain_matrix --out out/matrix [--below 1.0 | --all] [--limit N]
+        [--unexplained]
     python -m benchmarks.explain_matrix --out out/matrix --replot     # no GPU
 
 ``bench_matrix`` times whole decode steps through vLLM.  For each cell of ``--out``'s
@@ -36,7 +37,7 @@ attention and rest of each side, and which of the two makes most of the differen
 ``explain.png`` (a pair of stacked bars per cell).  The rows follow the folder's matrix.csv (also
 with ``--replot``): where a cell was measured again since (a later run, ``--repeats``), its row is
 derived again from the new TPOTs and the kernel times it holds, or left out where the cell's
-shapes changed.
+shapes changed.  ``--unexplained`` times only the cells that leaves without a row.
 """
 
 from __future__ import annotations
@@ -197,6 +198,14 @@ def follow_matrix(rows: list[dict], matrix: list[dict]) -> list[dict]:
     return followed
 
 
+def unexplained(pairs: list[tuple[dict, dict]], rows: list[dict], matrix: list[dict]
+                ) -> list[tuple[dict, dict]]:
+    """The ``pairs`` (``cells_to_explain``) whose cells ``follow_matrix`` finds no explanation
+    for in ``rows`` (explain.csv): kernel times of a later run need only be taken for those."""
+    covered = {explain_key(r)[:5] for r in follow_matrix(rows, matrix)}
+    return [(bf16, ours) for bf16, ours in pairs if explain_key(ours)[:5] not in covered]
+
+
 def _ms(value, digits=2) -> str:
     value = number(value)
     return "-" if value is None else f"{value:.{digits}f}"
@@ -327,6 +336,9 @@ def main(argv=None) -> None:
     parser.add_argument("--all", action="store_true",
                         help="every cell with a ratio (both sides ok and lock-step in one run)")
     parser.add_argument("--limit", type=int, help="at most this many cells, the worst first")
+    parser.add_argument("--unexplained", action="store_true",
+                        help="only the cells explain.csv cannot explain yet (no row of their "
+                             "measurement, nor kernel times at their decode shapes)")
     parser.add_argument("--replot", action="store_true", help="no GPU: redraw explain.md/png")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -337,8 +349,12 @@ def main(argv=None) -> None:
     _, matrix = read_csv(out / "matrix.csv")
     if not matrix:
         sys.exit(f"no matrix.csv in {out}: run benchmarks.bench_matrix --out {out} first")
-    pairs = cells_to_explain(matrix, None if args.all else args.below)[:args.limit]
+    pairs = cells_to_explain(matrix, None if args.all else args.below)
     what = "every measured cell" if args.all else f"cells under {args.below:g}x BF16"
+    if args.unexplained:
+        pairs = unexplained(pairs, read_csv(out / "explain.csv")[1], matrix)
+        what += " not explained yet"
+    pairs = pairs[:args.limit]
     if not pairs:
         print(f"{out}/matrix.csv has no {what}: nothing to explain")
         return

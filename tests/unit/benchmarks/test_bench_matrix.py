@@ -372,6 +372,22 @@ def test_outputs_merge_runs_replace_cells_and_compute_ratios(tmp_path):
     assert len(matrix) == 25
     row = next(r for r in matrix if bm.matrix_key(r) == bm.matrix_key(failed))
     assert row["status"] == "failed" and row["vs_bf16"] == ""
+    # A later run that skips cells (its budget ran out) keeps what earlier runs measured there,
+    # a failure included; a cell that no run measured gets the skip.
+    later = {**INFO, "commit": "0a1b2c3", "command": "python -m benchmarks.bench_matrix y"}
+    budget = "--budget-s: engine start + first cell ~34 s, 0 s left"
+    ok_cell = next(r for r in matrix if r["status"] == "ok" and r["kv"] == "fp8_snapmla")
+    new_cell = {**skipped, "context": 32768, "batch": "8", "kv": "fp8_snapmla"}
+    skips = [{**r, "status": "skipped", "reason": budget, "tpot_ms": "", "decode_tok_s": ""}
+             for r in (ok_cell, failed, new_cell)]
+    matrix, _ = bm.write_outputs(tmp_path, later, skips, run_fields=bm.run_fields_of())
+    by_key = {bm.matrix_key(r): r for r in matrix}
+    assert len(matrix) == 26
+    assert by_key[bm.matrix_key(ok_cell)]["status"] == "ok"
+    assert by_key[bm.matrix_key(ok_cell)]["vs_bf16"] == ok_cell["vs_bf16"]
+    assert by_key[bm.matrix_key(failed)]["status"] == "failed"
+    assert by_key[bm.matrix_key(new_cell)]["status"] == "skipped"
+    assert by_key[bm.matrix_key(new_cell)]["commit"] == "0a1b2c3"
     table = (tmp_path / "matrix.md").read_text()
     assert bm.describe(INFO) in table and bm.describe(second) in table
     assert "## H=16 (one TP8 rank of DeepSeek-V3.1), max_model_len wide, graph" in table
@@ -517,7 +533,7 @@ def test_serve_rows_merge_with_ratios_and_a_table(tmp_path):
 def test_engine_rows_mark_cells_without_a_result():
     engine = bm.Engine("fp8", 128, "tight", 8576, "eager", [(8192, "1"), (8192, "fill")],
                        serve=True)
-    results = [{"kind": "engine", "kv_cache_tokens": 7000000},
+    results = [{"kind": "engine", "kv_cache_tokens": 7000000, "block_size": 64},
                {"kind": "cell", "context": 8192, "batch": "1", "status": "ok",
                 "decode_tok_s": 10.0}]
     matrix, serve = bm.engine_rows(engine, results, "timed out after 60 s",
@@ -532,6 +548,13 @@ def test_engine_rows_mark_cells_without_a_result():
     matrix, _ = bm.engine_rows(bf16, [{"kind": "engine", "kv_cache_tokens": 932064,
                                        "block_size": 16}], None, {})
     assert matrix[0]["block_size"] == 16 and matrix[0]["table_width"] == 10240
+    # An engine that never started (its cells skipped or failed) has no known block size: no
+    # table width is made up for it (a BF16 engine's was once given in our 64-token pages).
+    skipped = [{"kind": "cell", "context": 512, "batch": "64", "status": "skipped",
+                "reason": "--budget-s: engine start + first cell ~34 s, 0 s left"}]
+    matrix, _ = bm.engine_rows(bf16, skipped, None, {})
+    assert matrix[0]["status"] == "skipped"
+    assert matrix[0]["block_size"] == "" and matrix[0]["table_width"] == ""
 
 
 def test_replot_redraws_md_and_png_from_the_csvs(tmp_path):

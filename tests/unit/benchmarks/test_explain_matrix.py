@@ -163,6 +163,11 @@ def test_rows_follow_the_matrix_when_a_cell_is_measured_again(tmp_path):
                        _cell("fp8_snapmla", 14000.0, 2048, batch_size=32)], later)
     rows = {int(r["context"]): r for r in ex.write_outputs(tmp_path, None)}
     assert sorted(rows) == [512, 8192]    # 2048's kernel times were for another batch
+    # --unexplained times only 2048 again: the held kernel times explain 512 and 8192.
+    matrix = vllm_engine.read_csv(tmp_path / "matrix.csv")[1]
+    held = vllm_engine.read_csv(tmp_path / "explain.csv")[1]
+    todo = ex.unexplained(ex.cells_to_explain(matrix, 1.0), held, matrix)
+    assert [int(o["context"]) for _, o in todo] == [2048]
     again = rows[512]
     assert float(again["vs_bf16"]) == pytest.approx(0.95)
     assert float(again["tpot_ours_ms"]) == pytest.approx(64000 / 19000.0)
