@@ -134,8 +134,9 @@ from pathlib import Path
 
 from benchmarks.provenance import describe, run_info
 from benchmarks.vllm_engine import (
-    BASELINE_KV, BLOCK_SIZE, DEEPSEEK_V31_ATTENTION, ENGINE_OVERHEAD_GIB, KV_BYTES_PER_TOKEN,
-    KV_SETTINGS, SETTLE_STEPS, apply_switch_interval, batch_to_fill, build_llm, child_main,
+    BASELINE_KV, BLOCK_SIZE, BUDGET_SKIP, DEEPSEEK_V31_ATTENTION, ENGINE_OVERHEAD_GIB,
+    KV_BYTES_PER_TOKEN, KV_SETTINGS, SETTLE_STEPS, apply_switch_interval, batch_to_fill,
+    build_llm, child_main,
     concurrent_memory_problem, concurrent_start_spec, core_timestamp, enable_stall_dumps,
     end_turn, engine_log_facts, estimated_kv_blocks, estimated_prefill_s, merge_by_key,
     mla_projection_weights, model_config, not_lock_step, number, random_prompts, read_csv,
@@ -643,7 +644,7 @@ def run_engine(spec: dict):
         need = scale * estimate * turn_engines
         if deadline is not None and time.time() + need > deadline:
             return {**result, "status": "skipped",
-                    "reason": f"--budget-s: needs ~{need:.0f} s, "
+                    "reason": f"{BUDGET_SKIP} needs ~{need:.0f} s, "
                               f"{max(0.0, deadline - time.time()):.0f} s left"}
         cell_start = time.monotonic()
         measured += 1
@@ -675,7 +676,7 @@ def run_engine(spec: dict):
         need = estimate * turn_engines
         if deadline is not None and time.time() + need > deadline:
             return {**result, "status": "skipped",
-                    "reason": f"--budget-s: needs ~{need:.0f} s, "
+                    "reason": f"{BUDGET_SKIP} needs ~{need:.0f} s, "
                               f"{max(0.0, deadline - time.time()):.0f} s left"}
         serve_generator = torch.Generator().manual_seed(spec["serve"]["seed"])
         requests = [(arrival, random_prompts(serve_generator, 1, prompt_len)[0],
@@ -953,7 +954,11 @@ def format_matrix(rows: list[dict], runs: list[str]) -> str:
                     notes.append(f"{KV_NAMES[kv]} from another run ({r.get('date')}, "
                                  f"{r.get('commit')}): no ratio")
                 if r and r.get("status") != "ok":
-                    notes.append(f"{KV_NAMES[kv]} {r.get('status')}: {r.get('reason')}")
+                    # From another run than BF16's (say, a failure kept while a later run
+                    # skipped the cell for time): named, so it does not read as this run's.
+                    when = (f" ({r.get('date')}, {r.get('commit')})"
+                            if bf16_run and run_of(r) != bf16_run else "")
+                    notes.append(f"{KV_NAMES[kv]} {r.get('status')}{when}: {r.get('reason')}")
                 elif r and str(r.get("lock_step")) == "False":
                     notes.append(f"{KV_NAMES[kv]} not lock-step")
                 elif r and str(r.get("timing_ok")) == "False":
@@ -1431,14 +1436,17 @@ def main(argv=None) -> None:
         def run(go_file, on_up):
             engine_start = time.monotonic()
 
+            started = []   # the engine's own record (its block size), once it is up
+
             def report(result):
                 kind = result.get("kind")
                 if kind == "engine":
+                    started.append(result)
                     on_up()
                     print(f"    [{i}] engine up in {time.monotonic() - engine_start:.0f} s, "
                           f"KV cache {result['kv_cache_tokens']:,} tokens", flush=True)
                 elif kind == "cell":
-                    matrix, _ = engine_rows(engine, [result], None, {})
+                    matrix, _ = engine_rows(engine, started + [result], None, {})
                     row = next(r for r in matrix
                                if (r["context"], r["batch"], r["repeat"])
                                == (result["context"], result["batch"],
@@ -1502,7 +1510,7 @@ def main(argv=None) -> None:
                              if engine.serve else 0.0)
                 need = ENGINE_START_S[engine.mode] + queued + first
                 if deadline is not None and time.time() + need > deadline:
-                    reason = (f"--budget-s: engine start + first cell ~{need:.0f} s, "
+                    reason = (f"{BUDGET_SKIP} engine start + first cell ~{need:.0f} s, "
                               f"{max(0.0, deadline - time.time()):.0f} s left")
                     print(f"[{i}/{len(engines)}] {engine.describe(args.repeats)}: skipped, "
                           f"{reason}", flush=True)

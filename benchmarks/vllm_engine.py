@@ -226,18 +226,23 @@ def kernel_totals(launches) -> dict[str, list[float]]:
     return totals
 
 
+# How a skip for want of time starts its reason (``--budget-s``): the run did not get to the cell.
+BUDGET_SKIP = "--budget-s:"
+
+
 def merge_by_key(old: list[dict], new: list[dict], key, order=None) -> list[dict]:
     """``old`` with each row whose ``key(row)`` a row of ``new`` shares replaced by that row, the
     rest of ``new`` added; sorted by ``order(key)``, or in the order keys first appear without
     one.  How every benchmark merges a run into the results already in its output folder.  A
-    new row that measured nothing (status ``skipped``: over the budget, say) does not replace
-    an old one that did run (``ok`` or ``failed``): a shorter run into the same folder must not
-    erase what an earlier one measured."""
+    new row skipped for want of time (status ``skipped``, reason ``BUDGET_SKIP``) does not
+    replace an old one that ran (``ok`` or ``failed``): a shorter run into the same folder must
+    not erase what an earlier one measured.  Any other skip (a cache too small, say, with this
+    run's settings) replaces it."""
     merged = {key(r): r for r in old}
     for row in new:
         kept = merged.get(key(row))
-        if (row.get("status") == "skipped" and kept is not None
-                and kept.get("status") in ("ok", "failed")):
+        if (row.get("status") == "skipped" and str(row.get("reason", "")).startswith(BUDGET_SKIP)
+                and kept is not None and kept.get("status") in ("ok", "failed")):
             continue
         merged[key(row)] = row
     return [merged[k] for k in (merged if order is None else sorted(merged, key=order))]

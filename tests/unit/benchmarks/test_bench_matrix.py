@@ -376,7 +376,8 @@ def test_outputs_merge_runs_replace_cells_and_compute_ratios(tmp_path):
     # a failure included; a cell that no run measured gets the skip.
     later = {**INFO, "commit": "0a1b2c3", "command": "python -m benchmarks.bench_matrix y"}
     budget = "--budget-s: engine start + first cell ~34 s, 0 s left"
-    ok_cell = next(r for r in matrix if r["status"] == "ok" and r["kv"] == "fp8_snapmla")
+    ok_cell = next(r for r in matrix if r["status"] == "ok" and r["kv"] == "fp8_snapmla"
+                   and str(r["context"]) == "8192")
     new_cell = {**skipped, "context": 32768, "batch": "8", "kv": "fp8_snapmla"}
     skips = [{**r, "status": "skipped", "reason": budget, "tpot_ms": "", "decode_tok_s": ""}
              for r in (ok_cell, failed, new_cell)]
@@ -388,6 +389,11 @@ def test_outputs_merge_runs_replace_cells_and_compute_ratios(tmp_path):
     assert by_key[bm.matrix_key(failed)]["status"] == "failed"
     assert by_key[bm.matrix_key(new_cell)]["status"] == "skipped"
     assert by_key[bm.matrix_key(new_cell)]["commit"] == "0a1b2c3"
+    # A skip for another reason is this run's finding about the cell: it replaces the row.
+    capacity = {**skips[0], "reason": "batch 64 x 8211 pages > the 58253 pages of the KV cache"}
+    matrix, _ = bm.write_outputs(tmp_path, later, [capacity], run_fields=bm.run_fields_of())
+    row = next(r for r in matrix if bm.matrix_key(r) == bm.matrix_key(ok_cell))
+    assert row["status"] == "skipped" and row["reason"] == capacity["reason"]
     table = (tmp_path / "matrix.md").read_text()
     assert bm.describe(INFO) in table and bm.describe(second) in table
     assert "## H=16 (one TP8 rank of DeepSeek-V3.1), max_model_len wide, graph" in table
@@ -395,7 +401,8 @@ def test_outputs_merge_runs_replace_cells_and_compute_ratios(tmp_path):
     line = next(ln for ln in table.splitlines()
                 if ln.startswith("| 512 | fill |") and "2,000" in ln)
     assert "**0.70x** ▼" in line and "| 1.10x |" in line
-    assert "fp8_snapmla failed: exit 1: CUDA error" in table
+    # The failure kept from the first run, beside the BF16 row of another, names its run.
+    assert "fp8_snapmla failed (2026-12-03 10:00 UTC, abc1234): exit 1: CUDA error" in table
     assert "BF16 skipped: prefill 64 x 131072" in table
     assert table.count("x** ▼") == 4   # the four cells at 512 tokens
 
@@ -766,7 +773,7 @@ def test_main_gives_grouped_engines_a_go_file_and_a_memory_share(tmp_path, monke
     import csv
     import threading
 
-    specs, live, most_live = [], [0], [0]
+    specs, live, most_live, widths = [], [0], [0], []
     lock = threading.Lock()
 
     def fake_run_child(command, spec, timeout, on_result, startup_timeout=None):
@@ -781,6 +788,10 @@ def test_main_gives_grouped_engines_a_go_file_and_a_memory_share(tmp_path, monke
         on_result(result)
         with lock:
             live[0] -= 1
+            # The row written as the cell arrives already has the engine's block size.
+            widths.extend(r["table_width"] for r in
+                          vllm_engine.read_csv(tmp_path / "matrix.csv")[1]
+                          if r["kv"] == spec["kv"])
         return [result], "", None
 
     monkeypatch.setattr(bm, "run_child", fake_run_child)
@@ -804,6 +815,7 @@ def test_main_gives_grouped_engines_a_go_file_and_a_memory_share(tmp_path, monke
     ours = next(r for r in rows if r["kv"] == "fp8_snapmla")
     assert ours["status"] == "ok" and float(ours["vs_bf16"]) == pytest.approx(1.5)
     assert ours["window_ms"] == "10.000 10.000"   # each window's step time is kept
+    assert widths == ["2560", "2560"]
     assert {r["switch_interval_ms"] for r in rows} == {"0.2" if concurrent == 2 else ""}
     # The progress line of the cell measured second names its ratio to this run's BF16 cell.
     cell_lines = [line for line in capsys.readouterr().out.splitlines() if "tok/s, TPOT" in line]
