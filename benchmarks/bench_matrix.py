@@ -4,7 +4,7 @@
         [--kv auto fp8_snapmla fp8] [--heads 16 128] [--contexts 512 2048 8192 32768 131072]
         [--batches 1 8 64 fill] [--max-model-len wide tight] [--modes graph eager]
         [--serve | --serve-only] [--concurrent-starts N | --interleave [--rounds N]]
-        [--repeats N] [--below RATIO]
+        [--repeats N] [--below RATIO] [--unmeasured]
         [--layers N] [--switch-interval MS]
     python -m benchmarks.bench_matrix --out out/matrix --replot      # no GPU: redraw md/png
 
@@ -65,7 +65,9 @@ H100 a 4-layer cell's highest round ratio was still a median 1.22x its lowest; w
 ``--layers 16`` and CUDA graphs, within 9% in 8 of 9 cells.
 ``--below RATIO`` keeps of the selected cells those whose recorded ratio in ``--out``'s
 matrix.csv is below RATIO: ``--below 1.0 --interleave --rounds 3`` measures again, in rounds,
-the cells a single measurement put under 1.0x.
+the cells a single measurement put under 1.0x.  ``--unmeasured`` keeps those that some selected
+format has not settled in matrix.csv (no row, or one skipped for time, ``--budget-s``): the
+same command again after a run the budget cut short measures only what it did not reach.
 
 ``--repeats N`` runs the whole plan N times over, each engine a fresh process (the plan in
 order, then again), for cells whose step time moves between engine runs more than between the
@@ -428,6 +430,21 @@ def cells_below(rows: list[dict], ratio: float) -> set[tuple]:
     return {(int(r["heads"]), r["max_model_len"], r["mode"], int(r["context"]), r["batch"])
             for r in rows if r["kv"] == "fp8_snapmla" and r.get("status") == "ok"
             and number(r.get("vs_bf16")) is not None and number(r["vs_bf16"]) < ratio}
+
+
+def settled_cells(rows: list[dict], kvs: list[str]) -> set[tuple]:
+    """(heads, max_model_len, mode, context, batch) of the recorded cells that every format of
+    ``kvs`` has settled: measured (ok or failed), or skipped for a reason of its own (the KV
+    cache, the prefill limit), not for time."""
+    settled: dict[tuple, set] = {}
+    for r in rows:
+        status, reason = r.get("status"), str(r.get("reason") or "")
+        if status in ("ok", "failed") or (status == "skipped"
+                                          and not reason.startswith(BUDGET_SKIP)):
+            cell = (int(r["heads"]), r["max_model_len"], r["mode"], int(r["context"]),
+                    r["batch"])
+            settled.setdefault(cell, set()).add(r["kv"])
+    return {cell for cell, kvs_there in settled.items() if set(kvs) <= kvs_there}
 
 
 def keep_cells(engines: list[Engine], skipped: list[dict], chosen: set[tuple]
@@ -1286,6 +1303,9 @@ def main(argv=None) -> None:
                         help="only the selected cells whose recorded fp8_snapmla/BF16 ratio "
                              "in --out's matrix.csv is below RATIO (1.0: measure the cells "
                              "under 1.0x again, e.g. with --interleave --rounds 3)")
+    parser.add_argument("--unmeasured", action="store_true",
+                        help="only the selected cells that a format of --kv has no row for in "
+                             "--out's matrix.csv, or one skipped for time (--budget-s)")
     parser.add_argument("--timeout", type=float, default=1800,
                         help="seconds for an engine to start, and for it to start and measure "
                              "(an engine of a --concurrent-starts group also gets the time of "
@@ -1400,6 +1420,12 @@ def main(argv=None) -> None:
         if not any(e.cells for e in engines):
             parser.error(f"--below {args.below:g}: no selected cell in {out / 'matrix.csv'} has "
                          f"a fp8_snapmla/BF16 ratio below {args.below:g}")
+    if args.unmeasured:
+        settled = settled_cells(read_csv(out / "matrix.csv")[1], args.kv)
+        every = {(e.heads, e.max_model_len, e.mode, c, b) for e in engines for c, b in e.cells}
+        engines, skipped = keep_cells(engines, skipped, every - settled)
+        if not any(e.cells for e in engines):
+            parser.error(f"--unmeasured: every selected cell is settled in {out / 'matrix.csv'}")
     # The continuous-batching run (serve.csv keeps one row per format) runs once.
     engines = [replace(e, repeat=r, serve=e.serve and r == 1, rounds=args.rounds)
                for r in range(1, args.repeats + 1) for e in engines if e.cells or r == 1]

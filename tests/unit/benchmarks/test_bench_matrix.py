@@ -1380,6 +1380,36 @@ def test_below_selects_the_recorded_cells_under_the_ratio(tmp_path, capsys):
     assert "--below 0.6: no selected cell" in capsys.readouterr().err
 
 
+def test_unmeasured_selects_the_cells_a_format_has_not_settled(tmp_path, capsys):
+    budget = f"{bm.BUDGET_SKIP} engine start + first cell ~34 s, 0 s left"
+    cache = "batch 8 x 8211 pages > the 58253 pages of the KV cache"
+    rows = [_recorded(16, "wide", "eager", 512, "1", 1.02, kv=kv) for kv in ("auto",
+                                                                             "fp8_snapmla")]
+    rows += [_recorded(16, "wide", "eager", 512, "8", 1.0, kv="auto"),         # ours missing
+             _recorded(16, "wide", "eager", 2048, "1", "", kv="auto", status="failed"),
+             _recorded(16, "wide", "eager", 2048, "1", "", status="skipped"),  # for time
+             _recorded(16, "wide", "eager", 2048, "8", "", kv="auto", status="skipped"),
+             _recorded(16, "wide", "eager", 2048, "8", 1.5)]                   # BF16: cache
+    rows[-3]["reason"], rows[-2]["reason"] = budget, cache
+    vllm_engine.write_csv(rows, tmp_path / "matrix.csv", bm.MATRIX_FIELDS)
+    assert bm.settled_cells(rows, ["auto", "fp8_snapmla"]) == {
+        (16, "wide", "eager", 512, "1"), (16, "wide", "eager", 2048, "8")}
+    bm.main(["--out", str(tmp_path), "--dry-run", "--unmeasured", "--heads", "16", "--kv",
+             "auto", "fp8_snapmla", "--contexts", "512", "2048", "--batches", "1", "8",
+             "--max-model-len", "wide", "--modes", "eager"])
+    out = capsys.readouterr().out
+    # 512 x 8 (ours never ran) and 2048 x 1 (ours skipped for time), on both formats.
+    assert "2 engines (0 graph, 2 eager), 4 cells" in out, out
+    assert re.search(r"context 512: 8: ~[\d.]+ s\n", out) and "context 512: 1:" not in out, out
+    assert "context 2048: 8:" not in out, out
+    # BF16 alone has settled every cell it has a row for.
+    with pytest.raises(SystemExit):
+        bm.main(["--out", str(tmp_path), "--dry-run", "--unmeasured", "--heads", "16", "--kv",
+                 "auto", "--contexts", "512", "2048", "--batches", "1", "8",
+                 "--max-model-len", "wide", "--modes", "eager"])
+    assert "--unmeasured: every selected cell is settled" in capsys.readouterr().err
+
+
 def test_keep_cells_keeps_the_serve_engine_and_the_chosen_skips():
     settings = bm.Settings()
     engines, skipped = bm.plan_matrix(["auto", "fp8_snapmla"], [16], [512, 131072],
