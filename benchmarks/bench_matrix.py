@@ -138,12 +138,11 @@ from benchmarks.provenance import describe, run_info
 from benchmarks.vllm_engine import (
     BASELINE_KV, BLOCK_SIZE, BUDGET_SKIP, DEEPSEEK_V31_ATTENTION, ENGINE_OVERHEAD_GIB,
     KV_BYTES_PER_TOKEN, KV_SETTINGS, SETTLE_STEPS, apply_switch_interval, batch_to_fill,
-    build_llm, child_main,
-    concurrent_memory_problem, concurrent_start_spec, core_timestamp, enable_stall_dumps,
-    end_turn, engine_log_facts, estimated_kv_blocks, estimated_prefill_s, merge_by_key,
-    mla_projection_weights, model_config, not_lock_step, number, random_prompts, read_csv,
-    run_child, run_engines_together, stall_watchdog, summarize_windows, timed_decode_windows,
-    wait_for_turn, warm_tokens, warm_up, write_csv)
+    build_llm, child_main, concurrent_memory_problem, concurrent_start_spec, core_timestamp,
+    enable_stall_dumps, end_turn, engine_log_facts, estimated_kv_blocks, estimated_prefill_s,
+    merge_by_key, mla_projection_weights, model_config, not_lock_step, number, random_prompts,
+    read_csv, run_child, run_engines_together, skipped_for_time, stall_watchdog,
+    summarize_windows, timed_decode_windows, wait_for_turn, warm_tokens, warm_up, write_csv)
 from vllm_snapmla.testing import write_tiny_deepseek_v3
 
 KV_NAMES = {"auto": "BF16", "fp8_snapmla": "fp8_snapmla", "fp8": "fp8"}
@@ -427,8 +426,7 @@ def plan_matrix(kvs, heads, contexts, batches, max_model_lens, modes, settings: 
 def cells_below(rows: list[dict], ratio: float) -> set[tuple]:
     """(heads, max_model_len, mode, context, batch) of the recorded cells whose fp8_snapmla/BF16
     ratio is below ``ratio`` (cells without a ratio are not among them)."""
-    return {(int(r["heads"]), r["max_model_len"], r["mode"], int(r["context"]), r["batch"])
-            for r in rows if r["kv"] == "fp8_snapmla" and r.get("status") == "ok"
+    return {matrix_key(r)[:5] for r in rows if r["kv"] == "fp8_snapmla" and r.get("status") == "ok"
             and number(r.get("vs_bf16")) is not None and number(r["vs_bf16"]) < ratio}
 
 
@@ -438,12 +436,8 @@ def settled_cells(rows: list[dict], kvs: list[str]) -> set[tuple]:
     cache, the prefill limit), not for time."""
     settled: dict[tuple, set] = {}
     for r in rows:
-        status, reason = r.get("status"), str(r.get("reason") or "")
-        if status in ("ok", "failed") or (status == "skipped"
-                                          and not reason.startswith(BUDGET_SKIP)):
-            cell = (int(r["heads"]), r["max_model_len"], r["mode"], int(r["context"]),
-                    r["batch"])
-            settled.setdefault(cell, set()).add(r["kv"])
+        if r.get("status") in ("ok", "failed", "skipped") and not skipped_for_time(r):
+            settled.setdefault(matrix_key(r)[:5], set()).add(r["kv"])
     return {cell for cell, kvs_there in settled.items() if set(kvs) <= kvs_there}
 
 
@@ -458,8 +452,7 @@ def keep_cells(engines: list[Engine], skipped: list[dict], chosen: set[tuple]
                  if (engine.heads, engine.max_model_len, engine.mode, c, b) in chosen]
         if cells or engine.serve:
             kept.append(replace(engine, cells=cells))
-    return kept, [s for s in skipped if (s["heads"], s["max_model_len"], s["mode"],
-                                         s["context"], s["batch"]) in chosen]
+    return kept, [s for s in skipped if matrix_key(s)[:5] in chosen]
 
 
 def estimate_engine_s(engine: Engine, settings: Settings, workload=None) -> tuple[float, list]:
@@ -1414,14 +1407,15 @@ def main(argv=None) -> None:
     engines, skipped = plan_matrix(args.kv, args.heads, args.contexts, args.batches,
                                    args.max_model_lens, args.modes, settings, serve,
                                    args.serve_only)
+    recorded = (read_csv(out / "matrix.csv")[1]
+                if args.below is not None or args.unmeasured else [])
     if args.below is not None:
-        engines, skipped = keep_cells(engines, skipped,
-                                      cells_below(read_csv(out / "matrix.csv")[1], args.below))
+        engines, skipped = keep_cells(engines, skipped, cells_below(recorded, args.below))
         if not any(e.cells for e in engines):
             parser.error(f"--below {args.below:g}: no selected cell in {out / 'matrix.csv'} has "
                          f"a fp8_snapmla/BF16 ratio below {args.below:g}")
     if args.unmeasured:
-        settled = settled_cells(read_csv(out / "matrix.csv")[1], args.kv)
+        settled = settled_cells(recorded, args.kv)
         every = {(e.heads, e.max_model_len, e.mode, c, b) for e in engines for c, b in e.cells}
         engines, skipped = keep_cells(engines, skipped, every - settled)
         if not any(e.cells for e in engines):

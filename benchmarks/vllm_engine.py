@@ -230,6 +230,11 @@ def kernel_totals(launches) -> dict[str, list[float]]:
 BUDGET_SKIP = "--budget-s:"
 
 
+def skipped_for_time(row: dict) -> bool:
+    """A row its run did not get to (``BUDGET_SKIP``): it says nothing about the cell."""
+    return row.get("status") == "skipped" and str(row.get("reason") or "").startswith(BUDGET_SKIP)
+
+
 def merge_by_key(old: list[dict], new: list[dict], key, order=None) -> list[dict]:
     """``old`` with each row whose ``key(row)`` a row of ``new`` shares replaced by that row, the
     rest of ``new`` added; sorted by ``order(key)``, or in the order keys first appear without
@@ -241,8 +246,7 @@ def merge_by_key(old: list[dict], new: list[dict], key, order=None) -> list[dict
     merged = {key(r): r for r in old}
     for row in new:
         kept = merged.get(key(row))
-        if (row.get("status") == "skipped" and str(row.get("reason", "")).startswith(BUDGET_SKIP)
-                and kept is not None and kept.get("status") in ("ok", "failed")):
+        if skipped_for_time(row) and kept is not None and kept.get("status") in ("ok", "failed"):
             continue
         merged[key(row)] = row
     return [merged[k] for k in (merged if order is None else sorted(merged, key=order))]
