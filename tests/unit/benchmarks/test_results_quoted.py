@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import bench_decode
+from benchmarks.bench_matrix import matrix_key
 from benchmarks.vllm_engine import read_csv
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -137,21 +138,57 @@ def _matrix_range(heads: int, mode: str, tables: str, fill: bool,
     return f"{low}x" if low == high else f"{low}-{high}x"
 
 
-@pytest.mark.parametrize("prefix, heads, mode, tables", [
-    ("| workload matrix through vLLM on one H100, 16 heads", 16, "graph", "wide"),
-    ("| the same with `enforce_eager` (1-64 requests of 512-128k tokens", 16, "eager", "wide"),
-    ("| the same, default compilation, with tables as small", 16, "graph", "tight"),
-    ("| the same, tight tables and `enforce_eager`", 16, "eager", "tight"),
-    ("| that matrix at 128 heads", 128, "graph", "wide"),
-    ("| the same with `enforce_eager` | **0.69", 128, "eager", "wide"),
-    ("| 128 heads, default compilation, tight tables", 128, "graph", "tight"),
-    ("| the same with `enforce_eager`, 512 tokens", 128, "eager", "tight"),
-])
-def test_matrix_ranges_are_the_recorded_ones(prefix, heads, mode, tables):
-    line = _readme_line(prefix)
-    fixed = _matrix_range(heads, mode, tables, False)
-    fill = _matrix_range(heads, mode, tables, True)
-    assert f"{fixed} / {fill}" in line.replace("**", ""), (fixed, fill, line)
+def _matrix_cells(folder: str = "matrix-h100") -> tuple[list[dict], dict]:
+    """fp8_snapmla's rows with a ratio to BF16, and BF16's row of each cell."""
+    _, rows = read_csv(RESULTS / folder / "matrix.csv")
+    ours = [r for r in rows
+            if r["kv"] == "fp8_snapmla" and r["status"] == "ok" and r["vs_bf16"]]
+    bf16 = {matrix_key(r)[:5]: r for r in rows if r["kv"] == "auto"}
+    return ours, bf16
+
+
+def _runs(row: dict) -> list[float]:
+    """A cell's ratio per round (one value when it was measured once)."""
+    return [float(v) for v in (row["vs_bf16_runs"] or row["vs_bf16"]).split() if v != "-"]
+
+
+def test_readme_matrix_row_is_the_recorded_matrix():
+    ours, bf16 = _matrix_cells()
+    long_fill = [r["vs_bf16"] for r in ours if r["batch"] == "fill" and int(r["context"]) >= 8192]
+    fixed = [r["vs_bf16"] for r in ours if r["batch"] != "fill"]
+    under = [r for r in ours if float(r["vs_bf16"]) < 1.0]
+    noisy = [r for r in under if "False" in (r["timing_ok"], bf16[matrix_key(r)[:5]]["timing_ok"])]
+    line = _readme_line("| workload matrix through vLLM on one H100").replace("**", "")
+    assert f"({len(ours)} cells)" in line, (len(ours), line)
+    assert f"{_range(map(_ratio, long_fill))} / {_range(map(_ratio, fixed))}" in line, line
+    assert f"{len(under)} cells under 1.0x, {len(noisy)} of them" in line, (len(under), len(noisy))
+
+
+def test_results_matrix_panels_are_the_recorded_matrix():
+    """RESULTS.md's table of the H100 matrix, a line per heads, tables and mode, against
+    matrix.csv: the 1-64 request range, each filling batch, the cells under 1.0x and how many
+    of those ran in rounds and were under in every round."""
+    ours, _ = _matrix_cells()
+    table = _markdown_table(ROOT / "benchmarks" / "RESULTS.md",
+                            "| heads | tables | mode | 1, 8, 64 requests |")
+    assert len(table) == 8, table
+    panels = set()
+    for row in table:
+        panel = (row["heads"], row["tables"], row["mode"])
+        panels.add(panel)
+        cells = [r for r in ours if (r["heads"], r["max_model_len"], r["mode"]) == panel]
+        fixed = [_ratio(r["vs_bf16"]) for r in cells if r["batch"] != "fill"]
+        assert row["1, 8, 64 requests"] == _range(fixed), (panel, _range(fixed))
+        fill = {int(r["context"]): float(r["vs_bf16"]) for r in cells if r["batch"] == "fill"}
+        quoted = " / ".join(f"{fill[c]:.2f}" for c in (512, 2048, 8192, 32768, 131072)) + "x"
+        assert row["filling batch: 512 / 2k / 8k / 32k / 128k tokens"] == quoted, (panel, quoted)
+        under = [r for r in cells if float(r["vs_bf16"]) < 1.0]
+        in_rounds = [r for r in under if len(_runs(r)) > 1]
+        every = [r for r in in_rounds if max(_runs(r)) < 1.0]
+        assert row["cells under 1.0x"] == str(len(under)), (panel, len(under))
+        assert row["of those, in three rounds / under in every round"] == \
+            f"{len(in_rounds)} / {len(every)}", (panel, len(in_rounds), len(every))
+    assert len(panels) == 8 and len(ours) == 136, (panels, len(ours))
 
 
 def test_deeper_model_range_is_the_recorded_one():
