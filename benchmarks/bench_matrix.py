@@ -53,16 +53,19 @@ starts.  Each asks vLLM for 0.8/N of the GPU's memory to be free at its start.
 ``--interleave`` starts the engines of one comparison (each --kv format of the same heads,
 table and mode) together and lets them measure in turns, a cell at a time: cell 1 on each
 format, then cell 2 on each, so that the formats of a cell are measured seconds apart.  Steps
-of 1-64 requests at short contexts are host-bound, and the host's speed moves: on an H100 the
-same cell's ratio moved between two runs by a median 13% (benchmarks/RESULTS.md, "Workload
-matrix"), which a ratio of one measurement per format takes for a difference between the
-formats.
+of 1-64 requests at short contexts are host-bound, and the host's speed moves: on an H100, 31
+cells that one measurement had put under 1.0x came out at 0.71-1.91x that value as the median
+of three rounds (benchmarks/RESULTS.md, "Workload matrix"), which a ratio of one measurement
+per format takes for a difference between the formats.
 ``--rounds N`` (with ``--interleave``) measures each cell N times on the same engines, the
-formats in turn each round (cell 1 on each format, again N times, then cell 2), each round with
-fresh requests, so that the median of N rounds and the range of the rounds' ratios tell a
-difference from a spell.  Rows combine as with ``--repeats`` (a round is a run there).  On an
-H100 a 4-layer cell's highest round ratio was still a median 1.22x its lowest; with
-``--layers 16`` and CUDA graphs, within 9% in 8 of 9 cells.
+formats in turn: every cell once on each format (cell 1 on each, then cell 2, ...), then all of
+them again, N rounds in all, each with fresh requests, so that the median of N rounds and the
+range of the rounds' ratios tell a difference from a spell.  A cell's rounds lie a whole pass
+over the engine's cells apart, so that a spell as long as one cell (a few seconds) reaches one
+of its rounds, not all of them; a budget cut leaves every cell with the same number of rounds,
+give or take one.  Rows combine as with ``--repeats`` (a round is a run there).  On an H100 a
+4-layer cell's highest round ratio was still a median 1.31x its lowest (its rounds back to
+back); with ``--layers 16`` and CUDA graphs, within 9% in 8 of 9 cells.
 ``--below RATIO`` keeps of the selected cells those whose recorded ratio in ``--out``'s
 matrix.csv is below RATIO: ``--below 1.0 --interleave --rounds 3`` measures again, in rounds,
 the cells a single measurement put under 1.0x.  ``--unmeasured`` keeps those that some selected
@@ -230,9 +233,9 @@ class Engine:
 
     @property
     def turns(self) -> list:
-        """The cells in the order this engine measures them: each ``rounds`` times in a row (with
-        --interleave the other formats measure the same cell between two of its rounds)."""
-        return [cell for cell in self.cells for _ in range(self.rounds)]
+        """The cells in the order this engine measures them: all of them, ``rounds`` times over
+        (with --interleave the other formats measure each cell right after this one)."""
+        return [cell for _ in range(self.rounds) for cell in self.cells]
 
     def run_number(self, round_: int) -> int:
         """The ``repeat`` a row of this engine's ``round_`` carries: the round with --rounds,
@@ -1316,9 +1319,9 @@ def main(argv=None) -> None:
                              "each other; starts as many engines at once as there are --kv "
                              "formats (instead of --concurrent-starts)")
     parser.add_argument("--rounds", type=int, default=1, metavar="N",
-                        help="with --interleave: measure each cell N times on the same engines, "
-                             "the formats in turn each round; a cell's TPOT is the median of its "
-                             "rounds' (repeats.csv has each)")
+                        help="with --interleave: measure every cell N times on the same "
+                             "engines, the formats in turn, a pass over all cells per round; a "
+                             "cell's TPOT is the median of its rounds' (repeats.csv has each)")
     parser.add_argument("--repeats", type=int, default=1, metavar="N",
                         help="run the whole plan N times over, a fresh engine each time; a "
                              "cell's TPOT is the median of its runs' (repeats.csv has each)")

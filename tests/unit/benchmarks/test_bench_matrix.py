@@ -948,7 +948,13 @@ def test_rounds_multiply_the_estimate_and_each_round_gets_a_row():
                                 settings, False, False)
     once = bm.estimate_engine_s(engines[0], settings)[0]
     thrice = bm.replace(engines[0], rounds=3)
-    assert thrice.turns == [(512, "1")] * 3 + [(2048, "1")] * 3
+    # Round-major: every cell once, then again, so that a cell's rounds are a pass apart.
+    assert thrice.turns == [(512, "1"), (2048, "1")] * 3
+    # The child numbers each cell's rounds as they come in that order.
+    seen = [(r["context"], r["round"]) for r in bm.measure_in_turns(
+        {"cells": thrice.turns, "serve": None},
+        lambda context, label, round_: {"context": context, "batch": label})]
+    assert seen == [(512, 1), (2048, 1), (512, 2), (2048, 2), (512, 3), (2048, 3)]
     start = bm.ENGINE_START_S["eager"]
     assert bm.estimate_engine_s(thrice, settings)[0] - start == pytest.approx(3 * (once - start))
     # A round without a result is a row of its own, marked failed.
