@@ -54,8 +54,8 @@ starts.  Each asks vLLM for 0.8/N of the GPU's memory to be free at its start.
 table and mode) together and lets them measure in turns, a cell at a time: cell 1 on each
 format, then cell 2 on each, so that the formats of a cell are measured seconds apart.  Steps
 of 1-64 requests at short contexts are host-bound, and the host's speed moves: on an H100, 31
-cells that one measurement had put under 1.0x came out at 0.71-1.91x that value as the median
-of three rounds (benchmarks/RESULTS.md, "Workload matrix"), which a ratio of one measurement
+cells that one measurement had put under 1.0x came out at 0.71-1.91x that value when measured
+again in rounds (benchmarks/RESULTS.md, "Workload matrix"), which a ratio of one measurement
 per format takes for a difference between the formats.
 ``--rounds N`` (with ``--interleave``) measures each cell N times on the same engines, the
 formats in turn: every cell once on each format (cell 1 on each, then cell 2, ...), then all of
@@ -64,7 +64,7 @@ range of the rounds' ratios tell a difference from a spell.  A cell's rounds lie
 over the engine's cells apart, so that a spell as long as one cell (a few seconds) reaches one
 of its rounds, not all of them; a budget cut leaves every cell with the same number of rounds,
 give or take one.  Rows combine as with ``--repeats`` (a round is a run there).  On an H100 a
-4-layer cell's highest round ratio was still a median 1.31x its lowest (its rounds back to
+4-layer cell's highest round ratio was still a median 1.32x its lowest (its rounds back to
 back); with ``--layers 16`` and CUDA graphs, within 9% in 8 of 9 cells.
 ``--below RATIO`` keeps of the selected cells those whose recorded ratio in ``--out``'s
 matrix.csv is below RATIO: ``--below 1.0 --interleave --rounds 3`` measures again, in rounds,
