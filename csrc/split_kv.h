@@ -9,9 +9,9 @@
 // plan_decode_sm90, or one more block of a decode call's query quantization) writes
 // `pages_per_split` from the batch's lengths (a cost model that counts every request's runs,
 // below), and each request's pages are cut into runs of that many pages (more only where
-// `max_splits` runs would not cover it).  Splits past a
-// request's last run have nothing to do and return at once; a request with one run writes its
-// final output directly and the combine leaves it alone.
+// `max_splits` runs would not cover it).  Splits past a request's last run have nothing to do
+// and return at once; a request with one run writes its final output directly and the combine
+// leaves it alone.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -236,9 +236,9 @@ QueryRows contiguous_rows(const uint8_t* q8, const float* q_scale, const uint8_t
 
 // The decode and, where some request may take several runs, the combine, for `batch` requests of
 // `s_q` x `heads` query rows.  `plan` is the split plan, the call's own or a given one (null:
-// equal cut); `part_out` and
-// `part_lse` are set exactly when shape.max_splits > 1 (reserve_splits); `after_own_launch`: the
-// last kernel in the stream is our quantization or planner.
+// equal cut); `part_out` and `part_lse` are set exactly when shape.max_splits > 1
+// (reserve_splits); `after_own_launch`: the last kernel in the stream is our quantization or
+// planner.
 std::tuple<at::Tensor, at::Tensor> run_decode(const char* op, const QueryRows& query,
                                               int64_t batch, int64_t s_q, int64_t heads,
                                               const at::TensorOptions& opts,

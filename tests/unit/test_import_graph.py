@@ -8,8 +8,11 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "vllm_snapmla"
 # A module may import from its own layer and the layers after it, never from one before it.
-LAYERS = ["vllm_snapmla.integration", "vllm_snapmla.demo", "vllm_snapmla.ops",
-          "vllm_snapmla.kernels", "vllm_snapmla.reference", "vllm_snapmla.format"]
+# ``testing`` serves the tests, benchmarks and demo; ``_checks`` is the ops layer's argument
+# contract (the kernels check their own launch limits); ``_native`` loads the extension.
+LAYERS = ["vllm_snapmla.integration", "vllm_snapmla.demo", "vllm_snapmla.testing",
+          "vllm_snapmla.ops", "vllm_snapmla._checks", "vllm_snapmla.kernels",
+          "vllm_snapmla._native", "vllm_snapmla.reference", "vllm_snapmla.format"]
 
 
 def _module_name(path: Path) -> str:

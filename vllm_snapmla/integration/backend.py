@@ -74,7 +74,7 @@ class SnapMLABackend(MLACommonBackend):
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
                            head_size: int, cache_dtype_str: str = "auto") -> tuple[int, ...]:
-        # Always the 656-byte row: only fp8_snapmla layers select this backend, but the V2
+        # H6: always the 656-byte row: only fp8_snapmla layers select this backend, but the V2
         # model runner passes the model's dtype, not the layer's ("auto" for a drafter that
         # alone uses fp8_snapmla, attn_utils._reshape_kv_cache).
         return (num_blocks, block_size, fmt.BYTES_PER_TOKEN)
@@ -210,6 +210,7 @@ class SnapMLAImpl(MLACommonImpl[MLACommonMetadata]):
     def forward_mqa(self, q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                     kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: MLACommonMetadata,
                     layer: AttentionLayer) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # H8: decode attention over the fp8_snapmla cache.
         decode = attn_metadata.decode
         assert decode is not None
         if isinstance(q, tuple):

@@ -2,10 +2,9 @@
 
 ``decode_sm90`` is the path ``vllm_snapmla.ops.decode`` takes on sm_90 GPUs, and so vLLM's: one
 op call per decode that quantizes the query (with the split planner in the same launch, unless
-the step's plan from ``plan_decode_sm90`` is given), runs
-the decode kernel and, where a request is cut into several runs, the combine
-(``kernels/splits.py``).  ``snapmla_decode_sm90`` takes an already quantized query
-(``ops.quantize_q``), for tests and benchmarks of the kernels alone.
+the step's plan from ``plan_decode_sm90`` is given), runs the decode kernel and, where a request
+is cut into several runs, the combine (``kernels/splits.py``).  ``snapmla_decode_sm90`` takes an
+already quantized query (``ops.quantize_q``), for tests and benchmarks of the kernels alone.
 
 Two kernels, picked by query rows per request (``s_q x heads``): the narrow kernel up to
 ``NARROW_MAX_ROWS`` (a 16-row form up to 16 rows, a 32-row form above; S^T = K Q^T, so nothing is
@@ -24,8 +23,8 @@ import torch
 from vllm_snapmla._native import native, require_native
 from vllm_snapmla.kernels import splits
 
-SCHEDULES = {"free": 0, "split-roles": 1, "narrow": 2}
-NARROW_MAX_ROWS = 32
+SCHEDULES = {"free": 0, "split-roles": 1, "narrow": 2}   # csrc/sm90/config.h kSchedule*
+NARROW_MAX_ROWS = 32   # csrc/sm90/config.h kNarrowMaxRows
 BLOCK_ROWS = 64   # query rows per CTA of the 64-row kernel (csrc/sm90/config.h kBlockRows)
 
 
@@ -71,12 +70,13 @@ def decode_sm90(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
     """SnapMLA decode from the model's query on an sm_90 GPU.
 
     ``q_nope [B,s_q,H,512]``, ``q_pe [B,s_q,H,64]`` (bf16, fp16 or fp32; row-strided views are
-    read in place); ``kv_cache`` uint8 ``[num_blocks,64,656]``; ``block_table`` int32
-    ``[>=B, max_blocks]``; ``seq_lens`` int32 ``[>=B]``.  Returns ``out`` bf16 ``[B,s_q,H,512]``
-    and ``lse`` fp32 ``[B,H,s_q]`` (natural log; -inf and zero output for rows that see no
-    token).  ``num_splits`` None lets the planner choose on the GPU from the real lengths; an
-    int cuts every request into that many equal runs.  ``plan`` (int32 ``[1]``, from
-    ``plan_decode_sm90``; with ``num_splits`` None) replaces the call's own planner.
+    read in place); ``kv_cache`` uint8 ``[num_blocks,64,656]``; ``block_table`` int32 or int64
+    ``[>=B, max_blocks]``; ``seq_lens`` int32 or int64 ``[>=B]`` (int64 is copied to int32).
+    Returns ``out`` bf16 ``[B,s_q,H,512]`` and ``lse`` fp32 ``[B,H,s_q]`` (natural log; -inf and
+    zero output for rows that see no token).  ``num_splits`` None lets the planner choose on the
+    GPU from the real lengths; an int cuts every request into that many equal runs.  ``plan``
+    (int32 ``[1]``, from ``plan_decode_sm90``; with ``num_splits`` None) replaces the call's own
+    planner.
     """
     # softmax_scale goes to the op as given: its schema takes a float and refuses anything else.
     schedule_id = _schedule_id(schedule)

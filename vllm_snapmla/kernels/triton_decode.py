@@ -41,7 +41,6 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_snapmla import _checks
 from vllm_snapmla import format as fmt
 from vllm_snapmla.kernels import splits
 
@@ -298,7 +297,9 @@ def snapmla_decode(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: torch.T
     if block_table.dim() != 2:
         raise ValueError(f"block_table must be [>=B, max_blocks], got shape "
                          f"{tuple(block_table.shape)}")
-    _checks.unit_column_stride("block_table", block_table)
+    if block_table.shape[1] > 1 and block_table.stride(1) != 1:
+        raise ValueError(f"block_table must have unit column stride (each row's ids "
+                         f"consecutive), got strides {tuple(block_table.stride())}")
     seq_lens = _int32_lengths(seq_lens[:B])
     num_sms, shared_mem = _device_limits(q8.device.index if q8.device.index is not None
                                          else torch.cuda.current_device()) \
