@@ -36,21 +36,7 @@ namespace snapmla::sm90 {
 #ifdef SNAPMLA_SM90_DEVICE
 namespace device {
 
-// The V^T build (build_vt below; its per-lane map and the layout it writes: vt_map.h).
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t addr, uint32_t (&d)[4]) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-               : "r"(addr)
-               : "memory");
-}
-
-__device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&d)[4]) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr),
-               "r"(d[0]), "r"(d[1]), "r"(d[2]), "r"(d[3])
-               : "memory");
-}
-
-// V^T of one 256-column half of a page: `tile` the shared address of the half's first content
+// V^T of one 256-column half (its per-lane map and the layout it writes: vt_map.h) of a page: `tile` the shared address of the half's first content
 // tile in the stage, `vt` that of the half's V^T rows; `keep_lo`, `keep_hi` mask the 16-bit
 // token halves of the words of tokens a, a + 1 and a + 8, a + 9 (all-ones for full pages).  All
 // 8 loads are issued before the first store: the compiler cannot tell that the stores (V^T)
@@ -79,8 +65,7 @@ __device__ __forceinline__ void build_vt(uint32_t tile, uint32_t vt, const VtMap
 // from them) out of the caller's page loop, where they would hold registers across the QK and
 // softmax.
 __device__ __forceinline__ VtMap fresh_vt_map() {
-  uint32_t tid;
-  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  const uint32_t tid = fresh_thread_index();
   return make_vt_map(tid % 128 / 32, tid % 32);
 }
 
@@ -790,7 +775,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(full_bar + 8 * s, 1);
       mbar_init(empty_bar + 8 * s, 256);   // every thread of both consumers releases a page
     }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    fence_mbarrier_init();
   }
   __syncthreads();
 

@@ -91,15 +91,6 @@ __device__ __forceinline__ void load_v_fragments(const uint8_t* tile, int g, int
     }
 }
 
-// c ? a : b as one SELP: written as a conditional on two elements of a register array, nvcc
-// may turn it into a dynamically indexed load, which puts the array in local memory.
-__device__ __forceinline__ float select(bool c, float a, float b) {
-  float r;
-  asm("{\n .reg .pred p;\n setp.ne.u32 p, %1, 0;\n selp.f32 %0, %2, %3, p;\n}"
-      : "=f"(r) : "r"(static_cast<uint32_t>(c)), "f"(a), "f"(b));
-  return r;
-}
-
 // The K position (0..63) of token t in the PV operands (load_v_fragments's order).
 __device__ __forceinline__ int narrow_position(int t) {
   const int a = t >> 3, q = (t >> 1) & 3, i = 2 * (a & 1) + (t & 1);
@@ -426,7 +417,7 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
       mbar_init(full_bar + 8 * s, 1);
       mbar_init(empty_bar + 8 * s, 128);   // every thread of the page's consumer releases it
     }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    fence_mbarrier_init();
   }
   __syncthreads();
 
@@ -641,11 +632,8 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
 #pragma unroll
     for (int v = 0; v < kAcc; v += 2) {
       const int k = 2 * (v >> 2);
-      uint16_t pair;
-      // min(x, 448) of the reference is the conversion's saturation (.satfinite).
-      asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;"
-          : "=h"(pair)
-          : "f"((s[v + 1] * inv_amax[k + 1]) * kFp8Max), "f"((s[v] * inv_amax[k]) * kFp8Max));
+      const float hi = (s[v + 1] * inv_amax[k + 1]) * kFp8Max;   // first: nvcc's schedule
+      const uint16_t pair = pack_e4m3x2((s[v] * inv_amax[k]) * kFp8Max, hi);
       const uint32_t byte = 64 * (own & 1) + position[(v >> 1) & 1];
       smem[cs.pt_offset + sw128_offset(cs.row_of(k), byte)] = static_cast<uint8_t>(pair & 0xFF);
       smem[cs.pt_offset + sw128_offset(cs.row_of(k + 1), byte)] = static_cast<uint8_t>(pair >> 8);

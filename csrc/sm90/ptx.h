@@ -28,6 +28,11 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
 }
 
+// Makes the barriers' initialization visible to the other threads and to TMA, before any use.
+__device__ __forceinline__ void fence_mbarrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
                : "memory");
@@ -164,12 +169,50 @@ __device__ __forceinline__ float rcp_approx(float x) {
   return y;
 }
 
-// Four floats to four e4m3 bytes (round to nearest even, saturating), x0 in the lowest byte.
+// Two floats to two e4m3 bytes (round to nearest even, saturating: min(x, 448) of the
+// reference), x0 in the low byte.
+__device__ __forceinline__ uint16_t pack_e4m3x2(float x0, float x1) {
+  uint16_t pair;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(x1), "f"(x0));
+  return pair;
+}
+
+// Four floats to four e4m3 bytes, x0 in the lowest byte.
 __device__ __forceinline__ uint32_t pack_e4m3x4(float x0, float x1, float x2, float x3) {
-  uint16_t lo, hi;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(x1), "f"(x0));
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(x3), "f"(x2));
-  return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+  return static_cast<uint32_t>(pack_e4m3x2(x0, x1)) |
+         (static_cast<uint32_t>(pack_e4m3x2(x2, x3)) << 16);
+}
+
+// c ? a : b as one SELP: written as a conditional on two elements of a register array, nvcc
+// may turn it into a dynamically indexed load, which puts the array in local memory.
+__device__ __forceinline__ float select(bool c, float a, float b) {
+  float r;
+  asm("{\n .reg .pred p;\n setp.ne.u32 p, %1, 0;\n selp.f32 %0, %2, %3, p;\n}"
+      : "=f"(r) : "r"(static_cast<uint32_t>(c)), "f"(a), "f"(b));
+  return r;
+}
+
+// threadIdx.x by a volatile read: the compiler cannot hoist it, or registers derived from it,
+// out of the caller's loop.
+__device__ __forceinline__ uint32_t fresh_thread_index() {
+  uint32_t tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  return tid;
+}
+
+// Four 8x8 matrices of 16-bit elements from shared memory, transposed (ldmatrix .trans).
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t addr, uint32_t (&d)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+               : "r"(addr)
+               : "memory");
+}
+
+// Four 8x8 matrices of 16-bit elements to shared memory (stmatrix).
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&d)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr),
+               "r"(d[0]), "r"(d[1]), "r"(d[2]), "r"(d[3])
+               : "memory");
 }
 
 // op over the 16 accumulator values of row h (0, 1) of a thread's 64-column fragment, as a
