@@ -27,6 +27,7 @@
 #include "dependent_launch.h"
 #include "sm90/config.h"
 #include "sm90/decode.h"
+#include "sm90/pipeline.cuh"
 #include "sm90/ptx.h"
 #include "sm90/vt_map.h"
 #include "split_kv.h"
@@ -81,102 +82,6 @@ __device__ __forceinline__ void build_page_vt(uint32_t tile, uint32_t vt, const 
       return (t < live ? 0x0000FFFFu : 0u) | (t + 1 < live ? 0xFFFF0000u : 0u);
     };
     build_vt(tile, vt, map, buf, keep(a), keep(a + 8));
-  }
-}
-
-// The pages a CTA decodes, [first_page, first_page + num_iters) of request b (split_kv.h), and
-// whether they are the request's only run, whose result is then final (`direct`).  An invalid
-// request (its length does not fit its table row) reads nothing and comes out NaN.
-struct SplitPages {
-  int seq_len, first_page, num_iters;
-  bool direct, valid;
-};
-
-__device__ __forceinline__ SplitPages split_pages(const DecodeParams& p, int b, int split) {
-  const int seq_len = p.seq_lens[b];
-  const int chunk = p.pages_per_split != nullptr ? *p.pages_per_split : 0;
-  const SplitRange r = split_range(seq_len, p.table_pages, chunk, p.max_splits, split);
-  return {seq_len, r.first_page, r.num_pages, r.num_splits == 1, r.valid};
-}
-
-// The row sum a row starts from: 0, or NaN for an invalid request, which the epilogue's
-// out = O / l and lse = m + log(l) carry into every output of the request.
-__device__ __forceinline__ float initial_row_sum(bool valid) {
-  return valid ? 0.f : __int_as_float(0x7fc00000);
-}
-
-// A live token's scale as the softmax uses it.  Every scale the cache format writes is positive
-// (at least format.h's kScaleFloor).  A zero is a zero-filled row, such as vLLM's never-written
-// null block 0 that dummy and padded requests point at: it reads as a zero token (logit 0,
-// value 0), as in a BF16 cache.  NaN (what TMA fills in for a block id outside the cache) or a
-// negative scale is not a cache row: NaN, so that the output shows it.
-__device__ __forceinline__ float checked_scale(float s) {
-  return s >= 0.f ? s : __int_as_float(0x7fc00000);
-}
-
-// The producer thread: the split's pages (`pages`, block numbers) in order into a ring of kRing
-// stages (stage s at `stages` + s kStageBytes), each once the consumers have released its stage:
-// four 64x128 e4m3 content boxes, one 64x64 bf16 RoPE box and the scales, on the stage's full
-// barrier.  A fresh barrier counts as having completed the phase before phase 0: the first pass
-// over the ring does not wait.
-template <int kRing>
-__device__ __forceinline__ void produce_pages(const CUtensorMap* content_map,
-                                              const CUtensorMap* rope_map,
-                                              const CUtensorMap* scale_map, const int32_t* pages,
-                                              int num_iters, uint32_t stages, uint32_t full_bar,
-                                              uint32_t empty_bar) {
-  prefetch_tensor_map(content_map);
-  prefetch_tensor_map(rope_map);
-  prefetch_tensor_map(scale_map);
-  for (int i = 0; i < num_iters; ++i) {
-    const int stage = i % kRing;
-    mbar_wait(empty_bar + 8 * stage, ((i / kRing) & 1) ^ 1);
-    const int32_t block = pages[i];
-    const uint32_t dst = stages + stage * kStageBytes;
-    const uint32_t bar = full_bar + 8 * stage;
-    mbar_arrive_expect_tx(bar, kStageTxBytes);
-#pragma unroll
-    for (int t = 0; t < kContentTiles; ++t) {
-      tma_load_page(dst + kStageContent + t * kContentTileBytes, content_map, bar,
-                    t * kSwizzleRowBytes, block);
-    }
-    tma_load_page(dst + kStageRope, rope_map, bar, 0, block);
-    tma_load_page(dst + kStageScale, scale_map, bar, 0, block);
-  }
-}
-
-// Query rows row0 .. row0 + kRows - 1 of request b (zeros past num_rows) into swizzled WGMMA
-// tiles of 128-byte rows: q8 as four [kRows][128] tiles `q8_tile_bytes` apart, q_pe as one.
-// Threads tid, tid + nthreads, ... share the 16-byte chunks.
-template <int kRows>
-__device__ __forceinline__ void stage_query(uint8_t* q8_tiles, int q8_tile_bytes, uint8_t* qpe_tile,
-                                            const DecodeParams& p, int b, int row0, int tid,
-                                            int nthreads) {
-  for (int idx = tid; idx < kRows * (kKvLoraRank / 16); idx += nthreads) {
-    const int r = idx / (kKvLoraRank / 16);
-    const int chunk = idx % (kKvLoraRank / 16);
-    const int g = row0 + r;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (g < p.num_rows) {
-      const int qi = g / p.num_heads, qh = g % p.num_heads;
-      v = *reinterpret_cast<const uint4*>(p.q8 + b * p.q8_stride[0] + qi * p.q8_stride[1] +
-                                          qh * p.q8_stride[2] + chunk * 16);
-    }
-    const int tile = chunk / (kSwizzleRowBytes / 16);
-    *reinterpret_cast<uint4*>(q8_tiles + tile * q8_tile_bytes +
-                              sw128_offset(r, (chunk * 16) % kSwizzleRowBytes)) = v;
-  }
-  for (int idx = tid; idx < kRows * (kSwizzleRowBytes / 16); idx += nthreads) {
-    const int r = idx / (kSwizzleRowBytes / 16);
-    const int chunk = idx % (kSwizzleRowBytes / 16);
-    const int g = row0 + r;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (g < p.num_rows) {
-      const int qi = g / p.num_heads, qh = g % p.num_heads;
-      v = *reinterpret_cast<const uint4*>(p.q_pe + b * p.q_pe_stride[0] + qi * p.q_pe_stride[1] +
-                                          qh * p.q_pe_stride[2] + chunk * 16);
-    }
-    *reinterpret_cast<uint4*>(qpe_tile + sw128_offset(r, chunk * 16)) = v;
   }
 }
 

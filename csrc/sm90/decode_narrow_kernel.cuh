@@ -28,7 +28,18 @@
 // most kRows rows per request.
 #pragma once
 
-#include "sm90/decode_kernel.cuh"
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "dependent_launch.h"
+#include "sm90/config.h"
+#include "sm90/decode.h"
+#include "sm90/pipeline.cuh"
+#include "sm90/ptx.h"
+#include "split_kv.h"
 
 namespace snapmla::sm90 {
 
@@ -361,6 +372,34 @@ struct NarrowConsumer {
     wgmma_commit();
   }
 
+  // The thread's rows' softmax state at the split's start, and (warp 0 of consumer 0, g = 0)
+  // each row's q * kQk scale and visible length into row_scale and row_visible.  Returns the
+  // smallest visible length of the thread's rows: pages below it need no mask.
+  __device__ __forceinline__ int init_rows(float (&m)[kSlots], float (&peak)[kSlots],
+                                           float (&amax_prev)[kSlots], float* row_scale,
+                                           int* row_visible, float* l, int b, int seq_len,
+                                           bool valid) const {
+    int min_visible = seq_len;
+#pragma unroll
+    for (int k = 0; k < kSlots; ++k) {
+      const int r = row_of(k);
+      const bool row_ok = r < p.num_rows;
+      const int qi = row_ok ? r / p.num_heads : 0, qh = row_ok ? r % p.num_heads : 0;
+      min_visible = min(min_visible, visible_of(k, seq_len));
+      if (threadIdx.x < 4) {
+        row_scale[k] = row_ok ? p.q_scale[b * p.q_scale_stride[0] + qi * p.q_scale_stride[1] +
+                                          qh * p.q_scale_stride[2]] * p.qk_scale_log2
+                              : 0.f;
+        row_visible[k] = visible_of(k, seq_len);
+      }
+      m[k] = -INFINITY;              // running max logit (log2 units)
+      peak[k] = 0.f;                 // largest P' so far, at the current m
+      amax_prev[k] = kPScaleFloor;   // 448 * sigma_P of the last page
+      l[k * 128] = initial_row_sum(valid);   // sum of exp (sigma_P * L), this thread's tokens
+    }
+    return min_visible;
+  }
+
   // Quantity j / kSlots of slot j % kSlots in a reduction buffer ([2][kRows][4 warps]).
   __device__ __forceinline__ int red_offset(int j) const {
     return ((j / kSlots) * kRows + row_of(j % kSlots)) * 4;
@@ -375,6 +414,21 @@ struct NarrowConsumer {
     return r < p.num_rows ? seq_len - p.causal * (p.s_q - 1 - r / p.num_heads) : 0;
   }
 };
+
+// WG2, the producer: its first thread streams the split's pages into the kNarrowStages ring.
+__device__ __forceinline__ void run_narrow_producer(const CUtensorMap& content_map,
+                                                    const CUtensorMap& rope_map,
+                                                    const CUtensorMap& scale_map,
+                                                    const DecodeParams& p, int b, int first_page,
+                                                    int num_iters, uint32_t smem_base,
+                                                    uint32_t full_bar, uint32_t empty_bar) {
+  setmaxnreg_dec<kProducerRegs>();
+  if (threadIdx.x == 128 * kNarrowConsumers && num_iters > 0) {
+    produce_pages<kNarrowStages>(&content_map, &rope_map, &scale_map,
+                                 p.block_table + b * p.block_table_stride + first_page,
+                                 num_iters, smem_base, full_bar, empty_bar);
+  }
+}
 
 }  // namespace device
 #endif  // SNAPMLA_SM90_DEVICE
@@ -422,13 +476,8 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
   __syncthreads();
 
   if (threadIdx.x >= 128 * kNarrowConsumers) {
-    // ---------------------------------------------------------------- producer
-    setmaxnreg_dec<kProducerRegs>();
-    if (threadIdx.x == 128 * kNarrowConsumers && num_iters > 0) {
-      produce_pages<kNarrowStages>(&content_map, &rope_map, &scale_map,
-                                   p.block_table + b * p.block_table_stride + first_page,
-                                   num_iters, smem_base, full_bar, empty_bar);
-    }
+    run_narrow_producer(content_map, rope_map, scale_map, p, b, first_page, num_iters, smem_base,
+                        full_bar, empty_bar);
     return;
   }
 
@@ -449,24 +498,8 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
   int* const row_visible = reinterpret_cast<int*>(smem + C::kRowVisible) + cs.q * kSlots;
   float* const l = reinterpret_cast<float*>(smem + C::kRowSums + cs.consumer * C::kRowSumsBytes) +
                    cs.wg_tid;   // l[k * 128]: this thread's share of row k's sum of exp
-  int min_visible = seq_len;
-#pragma unroll
-  for (int k = 0; k < kSlots; ++k) {
-    const int r = row0 + cs.row_of(k);
-    const bool row_ok = r < p.num_rows;
-    const int qi = row_ok ? r / p.num_heads : 0, qh = row_ok ? r % p.num_heads : 0;
-    min_visible = min(min_visible, cs.visible_of(k, seq_len));
-    if (threadIdx.x < 4) {   // warp 0 of consumer 0, g = 0: the row's q * kQk scale
-      row_scale[k] = row_ok ? p.q_scale[b * p.q_scale_stride[0] + qi * p.q_scale_stride[1] +
-                                        qh * p.q_scale_stride[2]] * p.qk_scale_log2
-                            : 0.f;
-      row_visible[k] = cs.visible_of(k, seq_len);
-    }
-    m[k] = -INFINITY;              // running max logit (log2 units)
-    peak[k] = 0.f;                 // largest P' so far, at the current m
-    amax_prev[k] = kPScaleFloor;   // 448 * sigma_P of the last page
-    l[k * 128] = initial_row_sum(valid);   // sum of exp (sigma_P * L), this thread's tokens
-  }
+  const int min_visible =
+      cs.init_rows(m, peak, amax_prev, row_scale, row_visible, l, b, seq_len, valid);
   named_barrier_sync(1, 256);   // the query tiles and row_scale are written
 
   // This thread's two tokens of every page (S^T rows) and their K positions in P8^T.
@@ -560,7 +593,8 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
       }
     }
 
-    // The SnapMLA P pipeline of the page, per query row (the 64-row kernel's softmax).
+    // The SnapMLA P pipeline of the page, per query row (the 64-row kernel's softmax).  It stays
+    // in the body, as the PV and the merge below do: as a function it compiles to another order.
     float scale[kSlots];
 #pragma unroll
     for (int k = 0; k < kSlots; k += 4) {

@@ -20,7 +20,7 @@ reaches our decode with this metadata (paths relative to vLLM's package):
 Block 0 is vLLM's null block: allocated with ``torch.zeros`` (``gpu_model_runner.py:7264``) and
 never written.  A zero-filled row has per-token scale 0.0, which the format never writes
 (scales are floored at 2^-126); the decode reads it as a zero token (logit 0, value 0), as a
-BF16 cache holds there (``checked_scale`` in ``csrc/sm90/decode_kernel.cuh``).  vLLM discards
+BF16 cache holds there (``checked_scale`` in ``csrc/sm90/pipeline.cuh``).  vLLM discards
 dummy outputs, but under expert parallelism they share the MoE all-gather with real tokens, so
 they must stay finite.  What these tests require of both decode kernels:
 
