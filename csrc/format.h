@@ -18,6 +18,10 @@ constexpr float kFp8Max = 448.0f;
 constexpr float kRopePrescaledMax = 0x1p24f;  // bound on |k_pe / s|
 constexpr float kScaleFloor = 0x1p-126f;      // smallest normal float32
 
+// The decode's P pipeline (docs/format.md "Decode").
+constexpr float kPScaleFloor = 0x1p-126f;   // floor on a page's amax(P') before dividing by 448
+constexpr float kPScaleRange = 0x1p-32f;    // sigma_P never drops below this fraction of the peak
+
 static_assert(kContentOffset + kKvLoraRank == kScaleOffset, "content must end at the scale");
 static_assert(kScaleOffset + 4 == kPadOffset, "scale is one float32");
 static_assert(kRopeOffset + 2 * kRopeDim == kBytesPerToken, "rope must end the row");

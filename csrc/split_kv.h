@@ -96,6 +96,9 @@ __host__ __device__ __forceinline__ bool combine_is_wide(int max_splits) {
 // A fixed part counts what merging costs at all (the partials written and read back; a
 // combine launch over 64 x 128 rows that merged nothing took 2.6 µs, eager).
 constexpr int kCombineFixedPages = 2;
+// A split's fixed cost in pages of streaming (query load, partial write): the planner's
+// `overhead_pages` (SplitPlanParams) for every kernel; the value it was tuned with on the H200.
+constexpr int kSplitOverheadPages = 2;
 constexpr int kCombineWideRoundPages = 3;
 constexpr int kCombineNarrowSplitsPerPage = 2;
 

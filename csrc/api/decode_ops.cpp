@@ -30,9 +30,7 @@
 namespace snapmla::api {
 namespace {
 
-// A split's fixed cost in pages of streaming (query load, partial write), for the
-// planner's cost model; the value the split heuristic was tuned with on the H200.
-constexpr int kSplitOverheadPages = 2;
+constexpr double kLog2E = 1.4426950408889634;
 
 // The kernels copy query rows and store outputs with 16-byte vectors.
 void check_rows_aligned(const char* op, const char* name, const at::Tensor& t) {
@@ -146,7 +144,7 @@ std::tuple<at::Tensor, at::Tensor> check_decode_inputs(const char* op, const at:
   // The kernels fold the scale into an exponent FFMA and take a row's largest scaled logit from
   // its largest unscaled one: both need a positive scale, and softmax_scale * log2(e) is a
   // float that must neither overflow (NaN outputs) nor flush to 0 (uniform attention).
-  const double scale_log2 = softmax_scale * 1.4426950408889634;
+  const double scale_log2 = softmax_scale * kLog2E;
   TORCH_CHECK_VALUE(softmax_scale > 0 && std::isfinite(softmax_scale) && scale_log2 >= FLT_MIN &&
                         scale_log2 <= FLT_MAX,
                     op, ": softmax_scale must be positive, with softmax_scale * log2(e) a normal "
@@ -154,8 +152,9 @@ std::tuple<at::Tensor, at::Tensor> check_decode_inputs(const char* op, const at:
   check_cache(op, kv_cache, device);
   // The Hopper kernels' tensor maps need at least one block.
   TORCH_CHECK_VALUE(kv_cache.stride(0) > 0 && kv_cache.size(0) > 0 &&
-                        kv_cache.size(0) <= 2147483647,
-                    op, ": kv_cache must have positive block stride and 1 to 2^31 - 1 blocks");
+                        kv_cache.size(0) <= kInt32Max,
+                    op, ": kv_cache must have a positive block stride and 1 to 2^31 - 1 blocks, "
+                    "got ", kv_cache.size(0), " blocks of stride ", kv_cache.stride(0));
   TORCH_CHECK_VALUE(num_splits >= 0 && num_splits <= 65535, op,
                     ": num_splits must be 0 (planned on the GPU) or in [1, 65535], got ",
                     num_splits);
@@ -275,7 +274,7 @@ std::tuple<at::Tensor, at::Tensor> run_decode(const char* op, const QueryRows& q
   p.num_rows = static_cast<int>(rows);
   p.max_splits = shape.max_splits;
   p.causal = causal ? 1 : 0;
-  p.qk_scale_log2 = static_cast<float>(softmax_scale * 1.4426950408889634);
+  p.qk_scale_log2 = static_cast<float>(softmax_scale * kLog2E);
   p.schedule = static_cast<int>(schedule);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const char* err = sm90::launch_decode_sm90(
@@ -327,16 +326,17 @@ DecodeSetup setup_decode(const char* op, const at::Device& device, int64_t batch
                          const at::Tensor& kv_cache, const at::Tensor& block_table,
                          const at::Tensor& seq_lens, double softmax_scale, int64_t num_splits,
                          int64_t schedule) {
-  TORCH_CHECK_VALUE(rows <= 65535 * 64 && batch <= 2147483647, op,
-                    ": batch or query rows exceed the launch limits");
+  TORCH_CHECK_VALUE(rows <= 65535 * 64 && batch <= kInt32Max, op, ": batch ", batch,
+                    " (at most 2^31 - 1) or query rows per request ", rows,
+                    " (at most 65535 x 64) exceed the launch limits");
   check_sm90_device(op, device);
   auto [table, lens] = check_decode_inputs(op, device, batch, kv_cache, block_table, seq_lens,
                                            softmax_scale, num_splits);
   schedule = resolve_schedule(op, schedule, rows);
   const LaunchShape shape =
       launch_shape(op, device, batch, rows, schedule, table.size(1), num_splits);
-  // The combine's grid holds the requests in y.  Planned splits give more than 264 programs one
-  // split, so only a fixed count reaches this.
+  // The combine's grid holds the requests in y.  Planned splits give more programs than two
+  // waves of the GPU one split (max_splits_for), so only a fixed count reaches this.
   TORCH_CHECK_VALUE(shape.max_splits == 1 || batch <= 65535, op, ": ", batch,
                     " requests cut into ", shape.max_splits, " splits each: more than 65535 "
                     "requests take num_splits 1 or 0 (planned)");
@@ -484,7 +484,7 @@ void plan_decode_sm90(const at::Tensor& seq_lens, const at::Tensor& block_table,
                       int64_t s_q, int64_t heads, at::Tensor& plan) {
   constexpr const char* op = "plan_decode_sm90";
   const at::Device device = seq_lens.device();
-  TORCH_CHECK_VALUE(batch >= 0 && batch <= 2147483647 && s_q >= 1 && heads >= 1 &&
+  TORCH_CHECK_VALUE(batch >= 0 && batch <= kInt32Max && s_q >= 1 && heads >= 1 &&
                         s_q <= 65535 * 64 && heads <= 65535 * 64 && s_q * heads <= 65535 * 64,
                     op, ": batch, s_q or heads out of range (batch ", batch, ", s_q ", s_q,
                     ", heads ", heads, ")");
@@ -517,9 +517,12 @@ void split_plan(const at::Tensor& seq_lens, at::Tensor& pages_per_split, int64_t
   check_cuda(op, "pages_per_split", pages_per_split, device);
   check_shape(op, "pages_per_split", pages_per_split, at::kInt, {1});
   TORCH_CHECK_VALUE(batch >= 0 && programs >= 1 && slots >= 1 && max_splits >= 1 &&
-                        max_splits <= 65535 && programs <= 2147483647 && table_pages >= 1 &&
-                        table_pages <= 2147483647 / kPageSize,
-                    op, ": table_pages, batch, programs, slots or max_splits out of range");
+                        max_splits <= 65535 && programs <= kInt32Max && table_pages >= 1 &&
+                        table_pages <= kInt32Max / kPageSize,
+                    op, ": out of range: table_pages ", table_pages, " (1 to (2^31 - 1) / ",
+                    kPageSize, "), batch ", batch, " (>= 0), programs ", programs,
+                    " (1 to 2^31 - 1), slots ", slots, " (>= 1) or max_splits ", max_splits,
+                    " (1 to 65535)");
   const c10::cuda::CUDAGuard guard(device);
   const LaunchShape shape{static_cast<int>(programs), static_cast<int>(slots),
                           static_cast<int>(max_splits)};
@@ -565,7 +568,7 @@ void combine_splits(const at::Tensor& part_out, const at::Tensor& part_lse,
   check_cuda(op, "lse", lse, device);
   check_shape(op, "lse", lse, at::kFloat, {batch, out.size(2), out.size(1)});
   TORCH_CHECK_VALUE(lse.is_contiguous(), op, ": lse must be contiguous");
-  TORCH_CHECK_VALUE(table_pages >= 1 && table_pages <= 2147483647 / kPageSize, op,
+  TORCH_CHECK_VALUE(table_pages >= 1 && table_pages <= kInt32Max / kPageSize, op,
                     ": table_pages must be in [1, 2^31 / 64), got ", table_pages);
   const c10::cuda::CUDAGuard guard(device);
   CombineParams c{};

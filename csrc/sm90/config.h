@@ -1,4 +1,5 @@
-// Tile constants of the sm_90a SnapMLA decode kernel (decode_kernel.cuh).
+// Constants of the sm_90a SnapMLA decode kernels (decode_kernel.cuh, decode_narrow_kernel.cuh):
+// tile shapes, shared-memory layouts, barrier ids, register budgets, the P pipeline's shift.
 #pragma once
 
 #include "format.h"
@@ -62,9 +63,6 @@ static_assert(kPageSize == 4 * 16, "the V^T build maps 16 tokens to each warp of
 constexpr int kWgmmaK8 = 32;             // K of one e4m3 WGMMA (32 bytes of a 128-byte row)
 constexpr int kWgmmaK16 = 16;            // K of one bf16 WGMMA (also 32 bytes)
 
-// The P pipeline's constants (vllm_snapmla/format.py P_SCALE_FLOOR, P_SCALE_RANGE).
-constexpr float kPScaleFloor = 0x1p-126f;   // floor on a page's amax(P') before dividing by 448
-constexpr float kPScaleRange = 0x1p-32f;    // sigma_P never drops below this fraction of the peak
 constexpr float kLn2 = 0.6931471805599453f;
 // The 64-row kernel carries P' scaled by kPShift (decode_kernel.cuh, softmax): the
 // quantization multiplier 448 / amax then stays finite down to the floor.

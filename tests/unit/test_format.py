@@ -1,5 +1,5 @@
-"""``csrc/format.h`` and ``csrc/sm90/config.h`` state the row format and the P pipeline's
-constants in C++; ``vllm_snapmla/format.py`` is the authoritative copy.  They must agree."""
+"""``csrc/format.h`` states the row format and the P pipeline's constants in C++;
+``vllm_snapmla/format.py`` is the authoritative copy.  They must agree."""
 
 import re
 from pathlib import Path
@@ -36,6 +36,6 @@ def test_row_format_matches_format_py():
 
 
 def test_p_pipeline_constants_match_format_py():
-    c = _constants(CSRC / "sm90" / "config.h")
+    c = _constants(CSRC / "format.h")
     assert c["kPScaleFloor"] == fmt.P_SCALE_FLOOR
     assert c["kPScaleRange"] == fmt.P_SCALE_RANGE

@@ -52,7 +52,7 @@ def split_range(seq_len: int, table_pages: int, pages_per_split: int, max_splits
 
 
 # A split's fixed cost (query load, partial write) in pages of streaming, for the planner's cost
-# model (csrc/api/decode_ops.cpp kSplitOverheadPages).
+# model (csrc/split_kv.h kSplitOverheadPages).
 SPLIT_OVERHEAD_PAGES = 2
 # The combine's cost for the longest request's runs, in the same units (split_kv.h
 # combine_cost_pages, which says where the values come from): a fixed part, and 3 pages per 32
