@@ -141,7 +141,8 @@ __device__ __forceinline__ typename Bytes<2 * N>::type pack_pairs(const float (&
 
 template <>
 __device__ __forceinline__ uint4 pack<__nv_bfloat16, 8>(const float (&in)[8]) {
-  return pack_pairs<__nv_bfloat162>(in, [](float a, float b) { return __floats2bfloat162_rn(a, b); });
+  return pack_pairs<__nv_bfloat162>(in,
+                                    [](float a, float b) { return __floats2bfloat162_rn(a, b); });
 }
 template <>
 __device__ __forceinline__ uint4 pack<__half, 8>(const float (&in)[8]) {
@@ -221,7 +222,8 @@ struct ScaleDivider {
 template <typename T>
 struct RowQuantizer {
   static constexpr int kVec = 16 / sizeof(T);                          // values per 16-byte load
-  static constexpr int kContentVecs = kKvLoraRank / (kWarp * kVec);   // per lane: 2 (16-bit), 4 (fp32)
+  // per lane: 2 (16-bit inputs), 4 (fp32)
+  static constexpr int kContentVecs = kKvLoraRank / (kWarp * kVec);
   static constexpr int kRopePerLane = kRopeDim / kWarp;
   static_assert(kContentVecs * kWarp * kVec == kKvLoraRank && kRopePerLane == 2, "row split");
   using RopeRaw = typename Bytes<kRopePerLane * sizeof(T)>::type;
@@ -450,12 +452,14 @@ cudaError_t launch_quantize_kv(FloatType dtype, StridedRows kv_c, StridedRows k_
   if (num_tokens <= 0) return cudaSuccess;
   switch (dtype) {
     case FloatType::kFloat32:
-      return quantize_kv_typed<float>(kv_c, k_pe, cache, slot_mapping, slot_type, num_tokens, stream);
+      return quantize_kv_typed<float>(kv_c, k_pe, cache, slot_mapping, slot_type, num_tokens,
+                                      stream);
     case FloatType::kFloat16:
-      return quantize_kv_typed<__half>(kv_c, k_pe, cache, slot_mapping, slot_type, num_tokens, stream);
+      return quantize_kv_typed<__half>(kv_c, k_pe, cache, slot_mapping, slot_type, num_tokens,
+                                       stream);
     case FloatType::kBFloat16:
-      return quantize_kv_typed<__nv_bfloat16>(kv_c, k_pe, cache, slot_mapping, slot_type, num_tokens,
-                                              stream);
+      return quantize_kv_typed<__nv_bfloat16>(kv_c, k_pe, cache, slot_mapping, slot_type,
+                                              num_tokens, stream);
   }
   return cudaErrorInvalidValue;
 }

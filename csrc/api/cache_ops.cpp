@@ -59,8 +59,9 @@ void append_kv(const at::Tensor& kv_c, const at::Tensor& k_pe, at::Tensor& kv_ca
   auto [content, rope] = kv_inputs(op, kv_c, k_pe);
   check_cache(op, kv_cache, kv_c.device());
   check_cuda(op, "slot_mapping", slot_mapping, kv_c.device());
-  TORCH_CHECK_TYPE(slot_mapping.scalar_type() == at::kInt || slot_mapping.scalar_type() == at::kLong,
-                   op, ": slot_mapping must be int32 or int64, got ", slot_mapping.scalar_type());
+  TORCH_CHECK_TYPE(
+      slot_mapping.scalar_type() == at::kInt || slot_mapping.scalar_type() == at::kLong, op,
+      ": slot_mapping must be int32 or int64, got ", slot_mapping.scalar_type());
   TORCH_CHECK_VALUE(slot_mapping.dim() == 1, op, ": slot_mapping must be 1-D, got ",
                     shape_of(slot_mapping));
   // Rows past len(slot_mapping) are CUDA-graph padding and are ignored.

@@ -112,6 +112,7 @@ TORCH_LIBRARY_IMPL(_snapmla_C, Meta, m) {
 // A Python extension module with no members: importing it runs the registrations above.
 PyMODINIT_FUNC PyInit__C(void) {
   static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C",
-                               "SnapMLA kernels; the ops live in torch.ops._snapmla_C", -1, nullptr};
+                               "SnapMLA kernels; the ops live in torch.ops._snapmla_C", -1,
+                               nullptr};
   return PyModule_Create(&module);
 }

@@ -10,8 +10,9 @@
 //            shared memory, WG2 transposes every page's V, and the columns are split 192 / 320;
 //            the other schedules split the columns 256 / 256 and share the S and V^T work
 //            differently (identical, deterministic results).
-// Per page and row the math is exactly the Triton kernel's (vllm_snapmla/kernels/triton_decode.py) and
-// reference.decode_quantized's: see docs/format.md "Decode".
+// Per page and row the math is exactly the Triton kernel's
+// (vllm_snapmla/kernels/triton_decode.py) and reference.decode_quantized's: see docs/format.md
+// "Decode".
 //
 // Device code exists only for sm_90a (WGMMA, TMA and setmaxnreg); other targets compile a stub
 // that traps, and the host launcher refuses them.
@@ -37,11 +38,11 @@ namespace snapmla::sm90 {
 #ifdef SNAPMLA_SM90_DEVICE
 namespace device {
 
-// V^T of one 256-column half (its per-lane map and the layout it writes: vt_map.h) of a page: `tile` the shared address of the half's first content
-// tile in the stage, `vt` that of the half's V^T rows; `keep_lo`, `keep_hi` mask the 16-bit
-// token halves of the words of tokens a, a + 1 and a + 8, a + 9 (all-ones for full pages).  All
-// 8 loads are issued before the first store: the compiler cannot tell that the stores (V^T)
-// never alias the loads (the stage).
+// V^T of one 256-column half of a page (its per-lane map and the layout it writes: vt_map.h):
+// `tile` the shared address of the half's first content tile in the stage, `vt` that of the
+// half's V^T rows; `keep_lo`, `keep_hi` mask the 16-bit token halves of the words of tokens a,
+// a + 1 and a + 8, a + 9 (all-ones for full pages).  All 8 loads are issued before the first
+// store: the compiler cannot tell that the stores (V^T) never alias the loads (the stage).
 __device__ __forceinline__ void build_vt(uint32_t tile, uint32_t vt, const VtMap& map, int buf,
                                          uint32_t keep_lo, uint32_t keep_hi) {
   constexpr int kSteps = kOutColsPerWarpgroup / 32;   // 8

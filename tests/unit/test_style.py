@@ -1,5 +1,5 @@
-"""The Python source stays at most 100 columns wide, so that it reads in a side-by-side diff: a
-longer line fails here with its place."""
+"""The Python and C++/CUDA sources stay at most 100 columns wide, so that they read in a
+side-by-side diff: a longer line fails here with its place."""
 
 import subprocess
 from pathlib import Path
@@ -20,8 +20,9 @@ def _tracked(*patterns: str) -> list[Path]:
 
 
 def test_no_line_is_wider_than_100_columns():
-    files = _tracked("*.py")
+    files = _tracked("*.py", "*.h", "*.cuh", "*.cu", "*.cpp")
     assert len(files) > 50   # the listing found the source
+    assert any(path.suffix == ".cuh" for path in files), files
     wide = [f"{path.relative_to(ROOT)}:{number}: {len(line)} columns"
             for path in files
             for number, line in enumerate(path.read_text().splitlines(), 1)
