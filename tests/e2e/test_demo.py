@@ -1,6 +1,6 @@
 """The README's demo command on a GPU: ``python -m vllm_snapmla.demo`` runs both KV formats
 through ``LLM.generate`` and reports vLLM's cache capacity (the CPU branch is tested in
-tests/unit/integration/test_registration.py)."""
+tests/unit/test_demo.py)."""
 
 import os
 import pathlib

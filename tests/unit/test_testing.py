@@ -142,3 +142,24 @@ def test_run_generation_runs_rpcs_between_rounds(monkeypatch):
         for p in (3, 4)]
     assert (result["tensor_parallel_size"], result["cudagraph_mode"]) == (2, "NONE")
     assert result["kv_cache_tokens"] == 640
+
+
+def test_tiny_deepseek_v3_checkpoint_loads_in_transformers(tmp_path):
+    # The e2e tests load this checkpoint in vLLM; transformers reads the same DeepSeek-V3
+    # layout (per-expert MoE tensors), so a missing or misnamed tensor shows up here.
+    import torch
+    from transformers import DeepseekV3ForCausalLM
+
+    from vllm_snapmla.testing import write_tiny_deepseek_v3
+
+    path = write_tiny_deepseek_v3(tmp_path, random_weights=True, seed=3)
+    model, info = DeepseekV3ForCausalLM.from_pretrained(str(path), output_loading_info=True,
+                                                        dtype=torch.bfloat16)
+    assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
+    assert info["mismatched_keys"] == set()
+    config = model.config
+    assert (config.kv_lora_rank, config.qk_rope_head_dim) == (512, 64)
+    assert not hasattr(config, "index_topk")
+    with torch.no_grad():
+        logits = model(torch.randint(2, 4096, (1, 9))).logits.float()
+    assert torch.isfinite(logits).all() and logits.std() > 0.1   # not dummy-weight flat

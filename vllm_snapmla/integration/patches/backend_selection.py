@@ -7,8 +7,8 @@ wraps ``CudaPlatformBase.get_attn_backend_cls`` so that ``fp8_snapmla`` layers s
 Why: vLLM's priority lists never contain ``CUSTOM`` and every built-in backend rejects the
 dtype, so without the wrapper no backend would be found; the start-up hook refuses unsupported
 configurations before any worker starts (instead of failing mid-load).
-Checked by: tests/unit/integration/test_registration.py and test_startup_checks.py (selection,
-refusals, the CUSTOM slot owned by another plugin).
+Checked by: tests/unit/integration/patches/test_backend_selection.py (selection, the CUSTOM slot
+owned by another plugin) and tests/unit/integration/test_startup_checks.py (refusals).
 Remove when: vLLM lets a backend declare the KV-cache dtypes it serves.
 """
 

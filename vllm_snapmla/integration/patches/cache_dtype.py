@@ -6,7 +6,7 @@ selector's own imported copy (H3) and ``SpeculativeConfig.kv_cache_dtype`` (H14)
 Why: vLLM 0.26.0 has no registry for KV-cache dtypes; the set is a closed ``Literal`` that
 pydantic validates and several modules import by name.
 Checked by: ``patches.self_check`` at every start-up (a ``CacheConfig`` and the speculative
-field accept the string); tests/unit/integration/test_registration.py.
+field accept the string); tests/unit/integration/patches/test_cache_dtype.py.
 Remove when: vLLM offers a public way to register a KV-cache dtype.
 """
 

@@ -7,8 +7,8 @@ metadata vLLM builds, applied by our builder only.
 Why: vLLM 0.26.0 assumes the prefills with context come first; the V2 model runner orders them
 by query length, and a chunked prompt's cached context is then dropped (its first token comes
 out wrong).
-Checked by: tests/unit/integration/test_context_merge_bound.py (metadata as both runners order
-it) and the MRv2 e2e test (chunked prefill equals BF16).
+Checked by: tests/unit/integration/patches/test_context_merge_bound.py (metadata as both runners
+order it) and the MRv2 e2e test (chunked prefill equals BF16).
 Remove when: vLLM computes the bound from the prefills that have context (upstream fix).
 """
 

@@ -8,7 +8,7 @@ Why: vLLM sizes the cache from ``head_size x dtype size`` (576 x 1 byte for FP8)
 our row (512 FP8 + 4-byte scale + 128 bytes of BF16 RoPE + pad).  It must hold in the engine
 core, which plans the cache: the plugin entry point runs there too.
 Checked by: ``patches.self_check`` (a spec's ``page_size_bytes`` is 64 x 656);
-tests/unit/integration/test_registration.py.
+tests/unit/integration/patches/test_page_size.py.
 Remove when: vLLM lets a backend state its page size.
 """
 

@@ -7,7 +7,8 @@ Why: vLLM's MLA prefill (``MLACommonBaseImpl._compute_prefill_context``) gathers
 cached context with that C++ op, which rejects unknown dtypes.  The module attribute is looked
 up at call time, so one wrapper covers every caller.
 Checked by: the e2e tests with prefix caching and chunked prefill (outputs equal BF16's up to
-near-ties); tests/unit/integration/test_registration.py checks the wrapper is installed once.
+near-ties); tests/unit/integration/patches/test_prefill_gather.py (the rows it writes) and
+test_registration.py (the wrapper is installed once).
 Remove when: vLLM lets a backend supply its context gather.
 """
 

@@ -5,7 +5,7 @@ STR_DTYPE_TO_TORCH_DTYPE`` (one shared dict, so every importer sees it).
 Why: vLLM allocates each layer's cache with the torch dtype this dict maps the string to; our
 rows are raw 656-byte records (FP8 content, FP32 scale, BF16 RoPE).
 Checked by: ``patches.self_check`` (reads the dtype back and computes the page size with it),
-``tests/unit/integration/test_registration.py`` and the e2e tests.
+``tests/unit/integration/patches/test_page_size.py`` and the e2e tests.
 Remove when: vLLM offers a public way to register a KV-cache dtype.
 """
 
