@@ -820,17 +820,45 @@ def baseline_of(rows: list[dict], key=None, width: int = 5):
 def add_ratios(rows: list[dict]) -> list[dict]:
     """``vs_bf16`` (decode tok/s over BF16's) and ``tpot_vs_bf16`` (TPOT over BF16's) against the
     ``auto`` row of the same cell and run; empty where either is not ``ok`` or was not lock-step
-    (its B / step would overstate the throughput)."""
+    (its B / step would overstate the throughput).  A cell of several runs (``--repeats``,
+    ``--rounds``) compares the median TPOTs of the runs both formats measured
+    (``unpaired_runs_medians``), so that a run one format lost to the budget does not weigh on
+    one side only."""
     reference = baseline_of(rows)
     for row in rows:
         ref = reference(row) if row.get("status") == "ok" else None
         if ref and (not_lock_step(row) or not_lock_step(ref)):
             ref = None
+        paired = unpaired_runs_medians(row, ref) if ref else None
+        values = {"decode_tok_s": (number(row.get("decode_tok_s")),
+                                   number(ref.get("decode_tok_s")) if ref else None),
+                  "tpot_ms": (number(row.get("tpot_ms")),
+                              number(ref.get("tpot_ms")) if ref else None)}
+        if paired is not None:   # the medians of the runs both measured
+            ours_tpot, theirs_tpot = paired
+            values = {"decode_tok_s": (number(row["batch_size"]) / ours_tpot if ours_tpot else None,
+                                       number(ref["batch_size"]) / theirs_tpot
+                                       if theirs_tpot else None),
+                      "tpot_ms": (ours_tpot, theirs_tpot)}
         for column, value in (("vs_bf16", "decode_tok_s"), ("tpot_vs_bf16", "tpot_ms")):
-            ours, theirs = number(row.get(value)), number(ref.get(value)) if ref else None
+            ours, theirs = values[value]
             row[column] = round(ours / theirs, 3) if ours and theirs else ""
         row["vs_bf16_runs"] = _ratios_per_run(row, ref) if ref else ""
     return rows
+
+
+def unpaired_runs_medians(row: dict, ref: dict) -> tuple[float | None, float | None] | None:
+    """Where a cell's runs (``--repeats``, ``--rounds``) were not all measured by both formats:
+    each format's median TPOT over the runs both measured ((None, None) if they share none);
+    else None (each row's own median is the one to compare)."""
+    ours, theirs = _per_run(row, "repeat_tpot_ms"), _per_run(ref, "repeat_tpot_ms")
+    if len(ours) < 2 or len(ours) != len(theirs) or \
+            [o is None for o in ours] == [t is None for t in theirs]:
+        return None
+    pairs = [(o, t) for o, t in zip(ours, theirs) if o and t]
+    if not pairs:
+        return None, None
+    return statistics.median(o for o, _ in pairs), statistics.median(t for _, t in pairs)
 
 
 def _ratios_per_run(row: dict, ref: dict) -> str:
@@ -938,7 +966,8 @@ def format_matrix(rows: list[dict], runs: list[str]) -> str:
               "which format is faster).  B: batch per format (BF16 / fp8_snapmla / "
               "fp8).  Where a note lists the runs' TPOTs, the cell ran that many times on each "
               "format (`--repeats`: a fresh engine each time; `--rounds`: the same engines, the "
-              "formats in turn each round) and TPOT is their median; `(runs a-b)` after a "
+              "formats in turn each round) and TPOT is their median; the ratio compares the "
+              "medians of the runs both formats measured; `(runs a-b)` after a "
               "ratio: the lowest and highest ratio of one run to BF16's of the same run.", ""]
     by_key = {matrix_key(r): r for r in rows}
     for heads, mml, mode in matrix_panels(rows):

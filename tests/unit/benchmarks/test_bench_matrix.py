@@ -442,6 +442,32 @@ def test_ratios_only_within_one_run():
     assert bm.add_serve_ratios(serve)[1]["tpot_p50_vs_bf16"] == 1.5
 
 
+def test_a_cell_of_several_runs_compares_the_runs_both_formats_measured():
+    """A round one format lost to the budget weighs on neither side: the ratio takes the medians
+    of the runs both measured, while each row keeps its own median TPOT."""
+    def combined(kv, tpots):   # a cell's rows of three rounds (None: skipped for time)
+        runs = [_cell(kv, 64000 / (t or 1.0), batch="fill", repeat=k)
+                for k, t in enumerate(tpots, 1)]
+        for run, t in zip(runs, tpots):
+            if t is None:
+                run.update(status="skipped", reason="--budget-s: needs ~3 s, 0 s left")
+        return bm.combine_repeats(runs)
+
+    bf16 = combined("auto", [16.0, None, None])
+    ours = combined("fp8_snapmla", [15.8, 13.6, None])
+    assert ours["tpot_ms"] == 14.7   # its own two rounds
+    rows = bm.add_ratios([bf16, ours])
+    assert rows[1]["vs_bf16"] == round(16.0 / 15.8, 3)   # round 1 against round 1
+    assert rows[1]["tpot_vs_bf16"] == round(15.8 / 16.0, 3)
+    assert rows[1]["vs_bf16_runs"] == "1.013 - -"
+    # Runs measured by both alike: the rows' own medians, as with a single run.
+    bf16, ours = combined("auto", [16.0, 12.0, 14.0]), combined("fp8_snapmla", [15.0, 13.0, 9.0])
+    assert bm.add_ratios([bf16, ours])[1]["vs_bf16"] == round(14.0 / 13.0, 3)
+    # No run in common: no ratio.
+    bf16, ours = combined("auto", [16.0, None]), combined("fp8_snapmla", [None, 13.0])
+    assert bm.add_ratios([bf16, ours])[1]["vs_bf16"] == ""
+
+
 def test_repeats_combine_into_the_median_tpot_with_the_runs_listed():
     runs = [_cell("fp8_snapmla", 64000 / t, repeat=k, spread_pct=s)
             for k, (t, s) in enumerate([(5.0, 1.0), (4.0, 7.0), (6.0, 2.0)], 1)]
