@@ -161,7 +161,11 @@ def test_readme_matrix_row_is_the_recorded_matrix():
     line = _readme_line("| workload matrix through vLLM on one H100").replace("**", "")
     assert f"({len(ours)} cells)" in line, (len(ours), line)
     assert f"{_range(map(_ratio, long_fill))} / {_range(map(_ratio, fixed))}" in line, line
-    assert f"{len(under)} cells under 1.0x, {len(noisy)} of them" in line, (len(under), len(noisy))
+    fill_under = [r for r in under if r["batch"] == "fill"]
+    contexts = {int(r["context"]) for r in fill_under}
+    assert contexts == {2048}, contexts
+    assert (f"{len(under)} cells under 1.0x ({len(under) - len(fill_under)} of 1-64 requests, "
+            f"{len(fill_under)} filling batches at 2k tokens), {len(noisy)} of them") in line, line
 
 
 def test_results_matrix_panels_are_the_recorded_matrix():
