@@ -231,6 +231,10 @@ class Engine:
     def table_width(self) -> int:
         return math.ceil(self.max_model_len_tokens / BLOCK_SIZE)
 
+    def cell_key(self, context: int, batch: str) -> tuple:
+        """(heads, max_model_len, mode, context, batch): ``matrix_key(row)[:5]`` of its row."""
+        return self.heads, self.max_model_len, self.mode, context, batch
+
     @property
     def turns(self) -> list:
         """The cells in the order this engine measures them: all of them, ``rounds`` times over
@@ -451,8 +455,7 @@ def keep_cells(engines: list[Engine], skipped: list[dict], chosen: set[tuple]
     max_model_len of the whole selection, so a cell runs as it was recorded."""
     kept = []
     for engine in engines:
-        cells = [(c, b) for c, b in engine.cells
-                 if (engine.heads, engine.max_model_len, engine.mode, c, b) in chosen]
+        cells = [(c, b) for c, b in engine.cells if engine.cell_key(c, b) in chosen]
         if cells or engine.serve:
             kept.append(replace(engine, cells=cells))
     return kept, [s for s in skipped if matrix_key(s)[:5] in chosen]
@@ -830,18 +833,13 @@ def add_ratios(rows: list[dict]) -> list[dict]:
         if ref and (not_lock_step(row) or not_lock_step(ref)):
             ref = None
         paired = unpaired_runs_medians(row, ref) if ref else None
-        values = {"decode_tok_s": (number(row.get("decode_tok_s")),
-                                   number(ref.get("decode_tok_s")) if ref else None),
-                  "tpot_ms": (number(row.get("tpot_ms")),
-                              number(ref.get("tpot_ms")) if ref else None)}
-        if paired is not None:   # the medians of the runs both measured
-            ours_tpot, theirs_tpot = paired
-            values = {"decode_tok_s": (number(row["batch_size"]) / ours_tpot if ours_tpot else None,
-                                       number(ref["batch_size"]) / theirs_tpot
-                                       if theirs_tpot else None),
-                      "tpot_ms": (ours_tpot, theirs_tpot)}
-        for column, value in (("vs_bf16", "decode_tok_s"), ("tpot_vs_bf16", "tpot_ms")):
-            ours, theirs = values[value]
+        if paired is None:   # each row's own median (or its one run)
+            rates = [number(r.get("decode_tok_s")) if r else None for r in (row, ref)]
+            tpots = [number(r.get("tpot_ms")) if r else None for r in (row, ref)]
+        else:                # the medians of the runs both formats measured
+            tpots = list(paired)
+            rates = [number(r["batch_size"]) / t if t else None for r, t in zip((row, ref), tpots)]
+        for column, (ours, theirs) in (("vs_bf16", rates), ("tpot_vs_bf16", tpots)):
             row[column] = round(ours / theirs, 3) if ours and theirs else ""
         row["vs_bf16_runs"] = _ratios_per_run(row, ref) if ref else ""
     return rows
@@ -1448,7 +1446,7 @@ def main(argv=None) -> None:
                          f"a fp8_snapmla/BF16 ratio below {args.below:g}")
     if args.unmeasured:
         settled = settled_cells(recorded, args.kv)
-        every = {(e.heads, e.max_model_len, e.mode, c, b) for e in engines for c, b in e.cells}
+        every = {e.cell_key(c, b) for e in engines for c, b in e.cells}
         engines, skipped = keep_cells(engines, skipped, every - settled)
         if not any(e.cells for e in engines):
             parser.error(f"--unmeasured: every selected cell is settled in {out / 'matrix.csv'}")
