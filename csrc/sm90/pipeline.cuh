@@ -80,6 +80,29 @@ __device__ __forceinline__ void produce_pages(const CUtensorMap* content_map,
   }
 }
 
+// One operand of the query: rows row0 .. row0 + kRows - 1 of request b, each kChunks 16-byte
+// chunks of `src` (byte strides over (b, s_q, h)), zeros past num_rows, into the 128-byte-row
+// swizzled tiles at `tiles`, `tile_bytes` apart.  Threads tid, tid + nthreads, ... share them.
+template <int kRows, int kChunks>
+__device__ __forceinline__ void stage_rows(uint8_t* tiles, int tile_bytes, const uint8_t* src,
+                                           const int64_t (&stride)[3], const DecodeParams& p,
+                                           int b, int row0, int tid, int nthreads) {
+  constexpr int kRowChunks = kSwizzleRowBytes / 16;   // 16-byte chunks per tile row
+  for (int idx = tid; idx < kRows * kChunks; idx += nthreads) {
+    const int r = idx / kChunks;
+    const int chunk = idx % kChunks;
+    const int g = row0 + r;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (g < p.num_rows) {
+      const int qi = g / p.num_heads, qh = g % p.num_heads;
+      v = *reinterpret_cast<const uint4*>(src + b * stride[0] + qi * stride[1] +
+                                          qh * stride[2] + chunk * 16);
+    }
+    *reinterpret_cast<uint4*>(tiles + chunk / kRowChunks * tile_bytes +
+                              sw128_offset(r, (chunk % kRowChunks) * 16)) = v;
+  }
+}
+
 // Query rows row0 .. row0 + kRows - 1 of request b (zeros past num_rows) into swizzled WGMMA
 // tiles of 128-byte rows: q8 as four [kRows][128] tiles `q8_tile_bytes` apart, q_pe as one.
 // Threads tid, tid + nthreads, ... share the 16-byte chunks.
@@ -87,32 +110,10 @@ template <int kRows>
 __device__ __forceinline__ void stage_query(uint8_t* q8_tiles, int q8_tile_bytes, uint8_t* qpe_tile,
                                             const DecodeParams& p, int b, int row0, int tid,
                                             int nthreads) {
-  for (int idx = tid; idx < kRows * (kKvLoraRank / 16); idx += nthreads) {
-    const int r = idx / (kKvLoraRank / 16);
-    const int chunk = idx % (kKvLoraRank / 16);
-    const int g = row0 + r;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (g < p.num_rows) {
-      const int qi = g / p.num_heads, qh = g % p.num_heads;
-      v = *reinterpret_cast<const uint4*>(p.q8 + b * p.q8_stride[0] + qi * p.q8_stride[1] +
-                                          qh * p.q8_stride[2] + chunk * 16);
-    }
-    const int tile = chunk / (kSwizzleRowBytes / 16);
-    *reinterpret_cast<uint4*>(q8_tiles + tile * q8_tile_bytes +
-                              sw128_offset(r, (chunk * 16) % kSwizzleRowBytes)) = v;
-  }
-  for (int idx = tid; idx < kRows * (kSwizzleRowBytes / 16); idx += nthreads) {
-    const int r = idx / (kSwizzleRowBytes / 16);
-    const int chunk = idx % (kSwizzleRowBytes / 16);
-    const int g = row0 + r;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (g < p.num_rows) {
-      const int qi = g / p.num_heads, qh = g % p.num_heads;
-      v = *reinterpret_cast<const uint4*>(p.q_pe + b * p.q_pe_stride[0] + qi * p.q_pe_stride[1] +
-                                          qh * p.q_pe_stride[2] + chunk * 16);
-    }
-    *reinterpret_cast<uint4*>(qpe_tile + sw128_offset(r, chunk * 16)) = v;
-  }
+  stage_rows<kRows, kKvLoraRank / 16>(q8_tiles, q8_tile_bytes, p.q8, p.q8_stride, p, b, row0,
+                                      tid, nthreads);
+  stage_rows<kRows, kSwizzleRowBytes / 16>(qpe_tile, 0, p.q_pe, p.q_pe_stride, p, b, row0, tid,
+                                           nthreads);
 }
 
 }  // namespace device
