@@ -127,10 +127,8 @@ def test_flashattention_kernel_ratios_are_the_recorded_ones():
 
 def _matrix_range(heads: int, mode: str, tables: str, fill: bool,
                   folder: str = "matrix-h100") -> str:
-    _, rows = read_csv(RESULTS / folder / "matrix.csv")
-    values = [float(r["vs_bf16"]) for r in rows
-              if r["kv"] == "fp8_snapmla" and r["status"] == "ok" and r["vs_bf16"]
-              and int(r["heads"]) == heads and r["mode"] == mode
+    values = [float(r["vs_bf16"]) for r in _matrix_cells(folder)[0]
+              if int(r["heads"]) == heads and r["mode"] == mode
               and r["max_model_len"] == tables and (r["batch"] == "fill") == fill
               and (not fill or tables == "tight" or int(r["context"]) >= 8192)]
     assert values, (heads, mode, fill)
