@@ -561,26 +561,11 @@ __device__ __forceinline__ void apply_page_to(float (&o_pieces)[kPieces][kVals],
 }
 
 // ---------------------------------------------------------------------------------- the roles
-// The producer, and a page of each split-roles warpgroup.  The page loops stay in the kernel
+// A page of each split-roles warpgroup (the producer is pipeline.cuh's
+// run_producer_warpgroup).  The page loops stay in the kernel
 // body, and the free schedule's page too: in functions of their own they change the generated
 // code (a loop there makes the split-roles kernel keep `direct` in a general register instead
 // of a predicate, and spill; the free page gets another instruction schedule).
-
-// WG0: gives its registers to the consumers (setmaxnreg), and one thread streams the split's
-// pages into the ring.
-__device__ __forceinline__ void run_producer(const CUtensorMap& content_map,
-                                             const CUtensorMap& rope_map,
-                                             const CUtensorMap& scale_map, const DecodeParams& p,
-                                             int b, int first_page, int num_iters,
-                                             uint32_t smem_base, uint32_t full_bar,
-                                             uint32_t empty_bar) {
-  setmaxnreg_dec<kProducerRegs>();
-  if (threadIdx.x == 0 && num_iters > 0) {
-    produce_pages<kStages>(&content_map, &rope_map, &scale_map,
-                           p.block_table + b * p.block_table_stride + first_page, num_iters,
-                           smem_base + kSmemStages, full_bar, empty_bar);
-  }
-}
 
 // kScheduleSplitRoles.  Page i: WG1 (qk_softmax_page) computes S(i), the softmax and P8(i),
 // puts P8(i) and gamma in hand-over buffer i % 2 and applies the page to output columns
@@ -649,8 +634,8 @@ __device__ __forceinline__ void vt_pv_page(const ConsumerState<kScheduleSplitRol
 }  // namespace device
 #endif  // SNAPMLA_SM90_DEVICE
 
-// One CTA per (request, 64-row block, KV split): WG0 the producer (run_producer), WG1 and WG2
-// the consumers, by kSchedule.
+// One CTA per (request, 64-row block, KV split): WG0 the producer (run_producer_warpgroup), WG1
+// and WG2 the consumers, by kSchedule.
 template <int kSchedule>
 __global__ void __launch_bounds__(kThreads, 1)
     decode_kernel(const __grid_constant__ CUtensorMap content_map,
@@ -686,8 +671,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
 
   if (warpgroup == 0) {
-    run_producer(content_map, rope_map, scale_map, p, b, first_page, num_iters, smem_base,
-                 full_bar, empty_bar);
+    run_producer_warpgroup<kStages>(content_map, rope_map, scale_map, p, b, first_page,
+                                    num_iters, smem_base + kSmemStages, full_bar, empty_bar, 0);
     return;
   }
 

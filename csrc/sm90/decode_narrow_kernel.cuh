@@ -415,21 +415,6 @@ struct NarrowConsumer {
   }
 };
 
-// WG2, the producer: its first thread streams the split's pages into the kNarrowStages ring.
-__device__ __forceinline__ void run_narrow_producer(const CUtensorMap& content_map,
-                                                    const CUtensorMap& rope_map,
-                                                    const CUtensorMap& scale_map,
-                                                    const DecodeParams& p, int b, int first_page,
-                                                    int num_iters, uint32_t smem_base,
-                                                    uint32_t full_bar, uint32_t empty_bar) {
-  setmaxnreg_dec<kProducerRegs>();
-  if (threadIdx.x == 128 * kNarrowConsumers && num_iters > 0) {
-    produce_pages<kNarrowStages>(&content_map, &rope_map, &scale_map,
-                                 p.block_table + b * p.block_table_stride + first_page,
-                                 num_iters, smem_base, full_bar, empty_bar);
-  }
-}
-
 }  // namespace device
 #endif  // SNAPMLA_SM90_DEVICE
 
@@ -476,8 +461,10 @@ __global__ void __launch_bounds__(kNarrowThreads, 1)
   __syncthreads();
 
   if (threadIdx.x >= 128 * kNarrowConsumers) {
-    run_narrow_producer(content_map, rope_map, scale_map, p, b, first_page, num_iters, smem_base,
-                        full_bar, empty_bar);
+    // WG2, the producer: its first thread streams the pages into the kNarrowStages ring.
+    run_producer_warpgroup<kNarrowStages>(content_map, rope_map, scale_map, p, b, first_page,
+                                          num_iters, smem_base, full_bar, empty_bar,
+                                          128 * kNarrowConsumers);
     return;
   }
 

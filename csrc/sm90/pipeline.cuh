@@ -80,6 +80,25 @@ __device__ __forceinline__ void produce_pages(const CUtensorMap* content_map,
   }
 }
 
+// The producer warpgroup of either kernel: it gives its registers to the consumers
+// (setmaxnreg), and its thread `producer` streams the split's pages into the kRing-stage ring
+// at `stages`.
+template <int kRing>
+__device__ __forceinline__ void run_producer_warpgroup(const CUtensorMap& content_map,
+                                                       const CUtensorMap& rope_map,
+                                                       const CUtensorMap& scale_map,
+                                                       const DecodeParams& p, int b,
+                                                       int first_page, int num_iters,
+                                                       uint32_t stages, uint32_t full_bar,
+                                                       uint32_t empty_bar, int producer) {
+  setmaxnreg_dec<kProducerRegs>();
+  if (threadIdx.x == producer && num_iters > 0) {
+    produce_pages<kRing>(&content_map, &rope_map, &scale_map,
+                         p.block_table + b * p.block_table_stride + first_page, num_iters,
+                         stages, full_bar, empty_bar);
+  }
+}
+
 // One operand of the query: rows row0 .. row0 + kRows - 1 of request b, each kChunks 16-byte
 // chunks of `src` (byte strides over (b, s_q, h)), zeros past num_rows, into the 128-byte-row
 // swizzled tiles at `tiles`, `tile_bytes` apart.  Threads tid, tid + nthreads, ... share them.
