@@ -22,16 +22,17 @@ after another.  ``--in-process`` runs vLLM's engine core in the engine's own pro
 graphs): every op of every step is launched from Python (with the default compilation only the
 attention of steps that mix prefill and decode runs so).
 
-``--profile`` (with ``--in-process``, so that the kernels run in the profiled process) profiles
-two more calls with torch's profiler: one of ``max_tokens=1`` (the prefill) and one of 1 + S
-(``--profile-steps``).  Their difference is S decode steps: GPU time per step by kernel and by
-group (attention with the KV-cache write and the query quantization; GEMMs; the rest), the time
-the GPU was busy per step and the step's wall time; and the host side of a step: CPU time per
-step of each op and CUDA runtime call the profiler saw (its own time on the host thread,
-children excluded, time blocked in a call included), with the calls that make the host wait for
-the GPU (synchronizations, synchronous copies) counted apart.  The profiler adds its own cost to
-every op it records, which host-bound eager steps feel: the host figures compare formats, they
-are not what an unprofiled step costs.  Profiled calls are not timed.
+``--profile`` (with ``--in-process``, so that the kernels run in the profiled process) then
+adds B fresh prompts of P tokens, steps the engine until every request has its first token and
+a few steps more, and profiles the next S engine steps (``--profile-steps``) with torch's
+profiler: decode steps of the whole batch, with no prefill in them.  Per step: GPU time by
+kernel and by group (attention with the KV-cache write and the query quantization; GEMMs; the
+rest), the time the GPU was busy and the step's wall time; and the host side: CPU time of each
+op and CUDA runtime call the profiler saw (its own time on the host thread, children excluded,
+time blocked in a call included), with the calls that make the host wait for the GPU
+(synchronizations, synchronous copies) counted apart.  The profiler adds its own cost to every
+op it records, which host-bound eager steps feel: the host figures compare formats, they are
+not what an unprofiled step costs.  Profiled steps are not timed.
 
 ``--switch-interval MS`` sets Python's GIL switch interval in the process that runs the engine
 core, as ``bench_matrix``'s option does, for the question of the engine core's threads waiting
@@ -56,12 +57,13 @@ from pathlib import Path
 
 from benchmarks.bench_matrix import switch_interval_arg_problem
 from benchmarks.provenance import describe, run_info
-from benchmarks.step_profile import (busy_us, group_names, host_wait, kernel_group, per_step,
-                                     profiled, step_summary)
+from benchmarks.step_profile import (group_names, host_wait, kernel_group, profiled,
+                                     window_profile)
 from benchmarks.vllm_engine import (
     BASELINE_KV,
     DEEPSEEK_V31_ATTENTION,
     KV_SETTINGS,
+    SETTLE_STEPS,
     apply_switch_interval,
     build_llm,
     child_main,
@@ -69,6 +71,8 @@ from benchmarks.vllm_engine import (
     model_config,
     random_prompts,
     run_child,
+    timed_decode_windows,
+    warm_tokens,
     write_csv,
 )
 from vllm_snapmla.testing import write_tiny_deepseek_v3
@@ -83,24 +87,6 @@ CALL_FIELDS = ["run", "layers", "heads", "kv", "mode", "engine_core", "switch_in
 KERNEL_FIELDS = ["layers", "kv", "kernel", "group", "us_per_step", "launches_per_step"]
 HOST_FIELDS = ["layers", "kv", "op", "waits", "us_per_step", "calls_per_step"]
 TOP_HOST_OPS = 12
-
-
-# --- profile arithmetic (no GPU) ----------------------------------------------------------------
-
-def decode_profile(prefill: tuple, full: tuple, steps: int) -> dict:
-    """Per decode step, from two profiled calls on the same prompts' shapes: ``prefill`` =
-    (wall µs, kernels, host ops) of a call with one output token, ``full`` the same with 1 +
-    ``steps``; kernels are ``(name, start µs, end µs)``, host ops ``(name, own CPU µs)``.  What
-    ran no more in the longer call (the prefill's own) drops out."""
-    (wall_p, kernels_p, host_p), (wall_f, kernels_f, host_f) = prefill, full
-    kernels = per_step([(name, end - start) for name, start, end in kernels_f], steps,
-                       before=[(name, end - start) for name, start, end in kernels_p])
-    # Host rows that were not called more often in the longer call are the prefill's own, or the
-    # profiled call's fixed costs, whatever their time did.
-    host = [h for h in per_step(host_f, steps, before=host_p) if h[2] > 0]
-    return step_summary(steps, (wall_f - wall_p) / steps,
-                        (busy_us(k[1:] for k in kernels_f)
-                         - busy_us(k[1:] for k in kernels_p)) / steps, kernels, host)
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -131,7 +117,7 @@ def format_report(header: str, rows: list[dict], profiles: dict, failures: list[
         lines.append(f"| {s['layers']} | {s['kv']} | {s['calls']} | {s['median']:,.0f} | "
                      f"{s['low']:,.0f} | {s['high']:,.0f} | {ratio} |")
     if profiles:
-        lines += ["", "GPU time per decode step (µs; profiled, not timed, calls):", "",
+        lines += ["", "GPU time per decode step (µs; the profiled decode steps, not timed):", "",
                   "| layers | kv | wall | GPU busy | " + " | ".join(GROUP_NAMES) + " |",
                   "|---|---|---|---|" + "---|" * len(GROUP_NAMES)]
         for (layers, kv), p in profiles.items():
@@ -237,12 +223,33 @@ def write_outputs(out: Path, header: str, rows: list[dict], profiles: dict,
 
 # --- one engine in a child process --------------------------------------------------------------
 
-def _profiled_call(llm, prompts, max_tokens: int):
-    from vllm import SamplingParams
+def profile_tokens(steps: int, prefill_tokens: int = 0) -> int:
+    """Tokens a request generates in ``profile_decode_steps``: ``prefill_tokens`` while the
+    batch's chunked prefill runs (``warm_tokens``; the first requests decode meanwhile), the
+    settling steps, one untimed window step, the profiled steps, and one more so that none
+    finishes inside them."""
+    return max(prefill_tokens, 1) + SETTLE_STEPS + 1 + steps + 1
 
-    return profiled(lambda: llm.generate(prompts, SamplingParams(max_tokens=max_tokens,
-                                                                 ignore_eos=True),
-                                         use_tqdm=False))
+
+def profile_decode_steps(engine, prompts: list, steps: int, prefill_tokens: int) -> dict:
+    """Per step of ``steps`` engine steps of ``engine`` (vLLM's ``LLMEngine``, its engine core in
+    this process) in which every request of ``prompts`` decodes: the requests are added, stepped
+    until each has its first token and SETTLE_STEPS (and one) steps more, then the profiled
+    steps run (``step_profile.window_profile``), and the requests are aborted.  Each request may
+    generate ``profile_tokens(steps, prefill_tokens)`` tokens."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(max_tokens=profile_tokens(steps, prefill_tokens), ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
+    profile: dict = {}
+
+    def window(step) -> None:
+        profile.update(window_profile(profiled(lambda: [step() for _ in range(steps)]), steps))
+
+    timed_decode_windows(engine, prompts, params, 1, 1, id_prefix="profile",
+                         after_windows=window)
+    return profile
 
 
 def run_engine(spec: dict):
@@ -278,10 +285,18 @@ def run_engine(spec: dict):
                "output_tokens": tokens, "tok_s": round(tokens / seconds, 1)}
     if spec.get("profile"):
         steps = spec["profile_steps"]
-        prefill = _profiled_call(llm, random_prompts(generator, batch, prompt_len, vocab), 1)
-        full = _profiled_call(llm, random_prompts(generator, batch, prompt_len, vocab),
-                              1 + steps)
-        yield {"kind": "profile", **decode_profile(prefill, full, steps)}
+        config = llm.llm_engine.vllm_config
+        prefill = warm_tokens(batch, prompt_len, config.scheduler_config.max_num_batched_tokens)
+        needed = prompt_len + profile_tokens(steps, prefill)
+        if needed > config.model_config.max_model_len:
+            raise ValueError(f"--profile: {prompt_len} prompt tokens + {needed - prompt_len} "
+                             f"generated while the batch's prefill runs and {steps} steps are "
+                             f"profiled is more than --max-model-len "
+                             f"{config.model_config.max_model_len}")
+        profile = profile_decode_steps(llm.llm_engine,
+                                       random_prompts(generator, batch, prompt_len, vocab),
+                                       steps, prefill)
+        yield {"kind": "profile", **profile}
 
 
 def child_command() -> list[str]:
@@ -332,6 +347,11 @@ def main(argv=None) -> None:
     if args.prompt_len + args.output_len > args.max_model_len:
         parser.error(f"--prompt-len + --output-len ({args.prompt_len + args.output_len}) is "
                      f"more than --max-model-len {args.max_model_len}")
+    # At least this (the engine adds the tokens generated while the batch's prefill runs).
+    profile_len = args.prompt_len + profile_tokens(args.profile_steps)
+    if args.profile and profile_len > args.max_model_len:
+        parser.error(f"--profile: --prompt-len + the profiled steps and those before them "
+                     f"({profile_len}) is more than --max-model-len {args.max_model_len}")
 
     out = Path(args.out)
     header = describe(run_info("benchmarks.bench_generate", argv))

@@ -1,8 +1,8 @@
 """Where an engine step's time goes: torch's profiler around engine work, and the arithmetic that
 turns what it saw into time per step by kernel, by group of kernels, and on the host.
 
-Shared by ``bench_generate --profile`` (the difference of two ``LLM.generate`` calls) and
-``bench_deployment --profile-steps`` (a window of decode steps after the timed ones).  The
+Shared by ``bench_generate --profile``, ``bench_e2e`` and ``bench_deployment --profile-steps``:
+each profiles a window of engine steps in which every request decodes.  The
 profiler sees kernels only in its own process, so the engine core must run there
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 """
@@ -84,17 +84,11 @@ def profiled(work) -> tuple[float, list, list]:
     return wall_us, kernels, host
 
 
-def per_step(entries: list, steps: int, before: list | None = None
-             ) -> list[tuple[str, float, float]]:
+def per_step(entries: list, steps: int) -> list[tuple[str, float, float]]:
     """``(name, µs, count)`` per step of ``(name, µs)`` entries (kernel launches or host calls)
-    seen over ``steps`` steps, largest first.  With ``before`` (entries of a shorter run of the
-    same work): of what ran more often or longer than there, only the names whose time grew."""
-    totals_before = kernel_totals(before or [])
-    rows = []
-    for name, (us, count) in kernel_totals(entries).items():
-        us_before, count_before = totals_before.get(name, (0.0, 0))
-        if before is None or us - us_before > 0:
-            rows.append((name, (us - us_before) / steps, (count - count_before) / steps))
+    seen over ``steps`` steps, largest first."""
+    rows = [(name, us / steps, count / steps)
+            for name, (us, count) in kernel_totals(entries).items()]
     rows.sort(key=lambda r: -r[1])
     return rows
 

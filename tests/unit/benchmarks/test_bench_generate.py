@@ -7,6 +7,7 @@ import types
 import pytest
 
 from benchmarks import bench_generate as bench
+from benchmarks import step_profile
 
 # Kernel names as torch's profiler reported them for the two formats' decode steps (H100).
 SNAPMLA = "void snapmla::sm90::decode_narrow_kernel<16>(CUtensorMap_st, CUtensorMap_st)"
@@ -64,26 +65,70 @@ def test_kernels_fall_into_the_group_their_name_says(name, group):
 
 
 def test_busy_time_counts_overlapping_kernels_once():
-    assert bench.busy_us([]) == 0
-    assert bench.busy_us([(0, 10)]) == 10
-    assert bench.busy_us([(20, 30), (0, 10)]) == 20              # apart, out of order
-    assert bench.busy_us([(0, 10), (5, 15), (2, 3)]) == 15        # overlapping and nested
-    assert bench.busy_us([(0, 10), (10, 12)]) == 12               # touching
+    assert step_profile.busy_us([]) == 0
+    assert step_profile.busy_us([(0, 10)]) == 10
+    assert step_profile.busy_us([(20, 30), (0, 10)]) == 20              # apart, out of order
+    assert step_profile.busy_us([(0, 10), (5, 15), (2, 3)]) == 15        # overlapping and nested
+    assert step_profile.busy_us([(0, 10), (10, 12)]) == 12               # touching
 
 
-def test_decode_profile_is_the_longer_call_less_the_prefill_per_step():
-    prefill = (1000.0, [("prefill_gemm", 0, 400), (GEMM, 400, 410), (SNAPMLA, 410, 415)], [])
-    decode = [(GEMM, 2000 + 100 * s, 2030 + 100 * s) for s in range(4)]
-    decode += [(SNAPMLA, 2030 + 100 * s, 2050 + 100 * s) for s in range(4)]
-    decode += [("triton_red_fused_4", 2040 + 100 * s, 2045 + 100 * s) for s in range(4)]
-    full = (1800.0, prefill[1] + decode, [])
-    profile = bench.decode_profile(prefill, full, steps=4)
-    assert profile["wall_us"] == pytest.approx(200.0)
-    assert profile["busy_us"] == pytest.approx(50.0)             # the norm overlaps the decode
-    kernels = {name: (us, launches) for name, us, launches in profile["kernels"]}
-    assert kernels == {GEMM: (30.0, 1.0), SNAPMLA: (20.0, 1.0), "triton_red_fused_4": (5.0, 1.0)}
-    assert [name for name, _, _ in profile["kernels"]] == [GEMM, SNAPMLA, "triton_red_fused_4"]
-    assert profile["groups_us"] == {"attention": 20.0, "GEMMs": 30.0, "other": 5.0}
+class _ChunkedPrefillEngine:
+    """vLLM's ``LLMEngine`` as ``profile_decode_steps`` drives it: request i gets its first
+    token at step ``first_token[i]`` (chunked prefill, the later requests' prefill running in
+    the earlier ones' decode steps), then one token a step up to ``max_tokens``; DELTA outputs.
+    Records which requests were still in prefill at each step."""
+
+    def __init__(self, first_token):
+        self.first_token, self.steps, self.requests = first_token, 0, {}
+        self.prefilling, self.max_tokens, self.aborted = [], None, []
+
+    def add_request(self, request_id, prompt, params):
+        self.requests[request_id] = 0
+        self.max_tokens = params.max_tokens
+
+    def has_unfinished_requests(self):
+        return any(n < self.max_tokens for n in self.requests.values())
+
+    def step(self):
+        outputs = []
+        self.prefilling.append(sum(self.steps < f for f in self.first_token))
+        for i, r in enumerate(self.requests):
+            if self.steps >= self.first_token[i] and self.requests[r] < self.max_tokens:
+                self.requests[r] += 1
+                outputs.append(types.SimpleNamespace(
+                    request_id=r, outputs=[types.SimpleNamespace(token_ids=[0])], metrics=None))
+        self.steps += 1
+        return outputs
+
+    def abort_request(self, ids):
+        self.aborted += ids
+
+
+def test_profile_holds_only_decode_steps_of_the_whole_batch(monkeypatch):
+    pytest.importorskip("vllm")   # SamplingParams
+    engine = _ChunkedPrefillEngine(first_token=[0, 3, 9])
+    windows = []
+
+    def profiled(work):
+        first = engine.steps
+        work()
+        windows.append((first, engine.steps))
+        kernels = [(SNAPMLA, 10.0 * s, 10.0 * s + 4) for s in range(first, engine.steps)]
+        return 50.0 * (engine.steps - first), kernels, [("cudaGraphLaunch", 3.0)] * 2
+
+    monkeypatch.setattr(bench, "profiled", profiled)
+    prefill = bench.warm_tokens(3, 8, 4)   # 3 prompts of 8 tokens, 4 tokens a step
+    profile = bench.profile_decode_steps(engine, [[1], [2], [3]], steps=6, prefill_tokens=prefill)
+    (first, last), = windows
+    assert last - first == 6
+    # Every request had its first token and the settling steps before the window: no prefill
+    # in it, and none finished inside it.
+    assert first >= 9 + bench.SETTLE_STEPS and not any(engine.prefilling[first:last])
+    assert all(n < engine.max_tokens for n in engine.requests.values())
+    assert engine.max_tokens == bench.profile_tokens(6, prefill)
+    assert profile["wall_us"] == 50.0 and profile["kernels"] == [(SNAPMLA, 4.0, 1.0)]
+    assert profile["host"] == [("cudaGraphLaunch", 1.0, 1 / 3)]
+    assert sorted(engine.aborted) == sorted(engine.requests)
 
 
 @pytest.mark.parametrize("name, wait", [
@@ -95,25 +140,6 @@ def test_decode_profile_is_the_longer_call_less_the_prefill_per_step():
 ])
 def test_host_waits_are_the_runtime_calls_that_can_block(name, wait):
     assert bench.host_wait(name) is wait
-
-
-def test_host_side_per_step_counts_ops_and_waits_of_the_decode_steps_only():
-    prefill_host = [("aten::mm", 50.0), ("cudaLaunchKernel", 4.0), ("cudaMemcpyAsync", 9.0)]
-    decode_host = [("cudaLaunchKernel", 3.0)] * 8 + [("cudaStreamSynchronize", 100.0)] * 4
-    decode_host += [("aten::mm", 10.0)] * 4 + [("cudaMemcpyAsync", 2.0)] * 4
-    # Called as often in both calls but longer in the longer one (the profiled call's own
-    # synchronization): not a decode step's.
-    prefill = (1000.0, [(GEMM, 0, 10)], prefill_host + [("cudaDeviceSynchronize", 5.0)])
-    full = (1800.0, [(GEMM, 0, 10)] + [(GEMM, 100 * s, 100 * s + 30) for s in range(1, 5)],
-            prefill_host + decode_host + [("cudaDeviceSynchronize", 80.0)])
-    profile = bench.decode_profile(prefill, full, steps=4)
-    host = {name: (us, calls) for name, us, calls in profile["host"]}
-    assert host == {"cudaStreamSynchronize": (100.0, 1.0), "cudaLaunchKernel": (6.0, 2.0),
-                    "aten::mm": (10.0, 1.0), "cudaMemcpyAsync": (2.0, 1.0)}
-    assert [name for name, _, _ in profile["host"]][0] == "cudaStreamSynchronize"
-    assert profile["host_us"] == pytest.approx(118.0)
-    # The asynchronous copy is no wait: one synchronization per step.
-    assert profile["waits_per_step"] == 1.0 and profile["waits_us"] == pytest.approx(100.0)
 
 
 def test_summary_compares_medians_with_auto_of_the_same_layer_count():
@@ -133,7 +159,10 @@ def test_summary_compares_medians_with_auto_of_the_same_layer_count():
 def test_options_are_checked_before_any_engine_starts(capsys):
     for argv in (["--profile"], ["--calls", "0"], ["--layers", "4", "0"],
                  ["--switch-interval", "0"], ["--switch-interval", "0.0025"],
-                 ["--prompt-len", "2048", "--output-len", "512", "--max-model-len", "2048"]):
+                 ["--prompt-len", "2048", "--output-len", "512", "--max-model-len", "2048"],
+                 # The profiled steps need room beside the prompt too.
+                 ["--prompt-len", "2048", "--output-len", "16", "--max-model-len", "2100",
+                  "--in-process", "--profile", "--profile-steps", "64"]):
         with pytest.raises(SystemExit) as exc:
             bench.main(argv)
         assert exc.value.code == 2, argv
@@ -275,21 +304,32 @@ def test_enforce_eager_reaches_the_engine_and_the_rows(monkeypatch, tmp_path):
     assert [k["enforce_eager"] for k in built] == [True, False]
 
 
-def test_profiled_call_returns_the_ops_own_cpu_time(monkeypatch):
+def test_engine_profiles_after_the_prefill_of_its_own_batch(monkeypatch):
     torch = pytest.importorskip("torch")
     pytest.importorskip("vllm")   # SamplingParams
+    engine = _ChunkedPrefillEngine(first_token=[0, 2])
+
+    def vllm_config(max_model_len):
+        return types.SimpleNamespace(
+            scheduler_config=types.SimpleNamespace(max_num_batched_tokens=64),
+            model_config=types.SimpleNamespace(max_model_len=max_model_len))
+
+    llm = OneTokenLLM()
+    llm.llm_engine = engine
+    monkeypatch.setattr(bench, "build_llm", lambda *a, **k: llm)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-
-    class FakeLLM:
-        def generate(self, prompts, params, use_tqdm):
-            a = torch.randn(128, 128)
-            for _ in range(3):
-                a = a @ a
-            return []
-
-    wall_us, kernels, host = bench._profiled_call(FakeLLM(), [], 1)
-    assert wall_us > 0 and kernels == []                        # no GPU here
-    mm = [us for name, us in host if name == "aten::mm"]
-    assert len(mm) == 3 and all(us > 0 for us in mm)
-    matmul = sum(us for name, us in host if name == "aten::matmul")
-    assert matmul < sum(mm)   # own time: the mm inside each matmul is not counted twice
+    monkeypatch.setattr(bench, "profiled", lambda work: (work(), (10.0, [], []))[1])
+    _unset_until_teardown(monkeypatch, "VLLM_ENABLE_V1_MULTIPROCESSING")
+    spec = {"model": "m", "kv": "fp8_snapmla", "batch": 2, "prompt_len": 100, "output_len": 1,
+            "calls": 1, "max_model_len": 4096, "kv_cache_gib": 1.0, "vocab": 1000,
+            "profile": True, "profile_steps": 5}
+    prefill = bench.warm_tokens(2, 100, 64)
+    engine.vllm_config = vllm_config(100 + bench.profile_tokens(5, prefill))
+    results = list(bench.run_engine(spec))
+    assert [r["kind"] for r in results] == ["engine", "call", "profile"]
+    assert results[-1]["steps"] == 5 and engine.max_tokens == bench.profile_tokens(5, prefill)
+    # One token short of room: a clear error, before any request is added.
+    engine.vllm_config, engine.requests = vllm_config(99 + bench.profile_tokens(5, prefill)), {}
+    with pytest.raises(ValueError, match="--max-model-len"):
+        list(bench.run_engine(spec))
+    assert engine.requests == {}

@@ -48,3 +48,20 @@ def test_window_profile_is_per_step_of_everything_the_window_ran():
                                                      "triton_red_fused_rms_norm_2"]
     assert p["host_us"] == pytest.approx(22.5)
     assert p["waits_per_step"] == 0.5 and p["waits_us"] == pytest.approx(2.5)
+
+
+def test_profiled_returns_the_ops_own_cpu_time(monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+    def work():
+        a = torch.randn(128, 128)
+        for _ in range(3):
+            a = a @ a
+
+    wall_us, kernels, host = sp.profiled(work)
+    assert wall_us > 0 and kernels == []                        # no GPU here
+    mm = [us for name, us in host if name == "aten::mm"]
+    assert len(mm) == 3 and all(us > 0 for us in mm)
+    matmul = sum(us for name, us in host if name == "aten::matmul")
+    assert matmul < sum(mm)   # own time: the mm inside each matmul is not counted twice
