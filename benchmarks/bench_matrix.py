@@ -4,7 +4,7 @@
         [--kv auto fp8_snapmla fp8] [--heads 16 128] [--contexts 512 2048 8192 32768 131072]
         [--batches 1 8 64 fill] [--max-model-len wide tight] [--modes graph eager]
         [--serve | --serve-only] [--concurrent-starts N | --interleave [--rounds N]]
-        [--repeats N] [--below RATIO] [--unmeasured]
+        [--repeats N] [--below RATIO] [--unmeasured] [--twin]
         [--layers N] [--switch-interval MS]
     python -m benchmarks.bench_matrix --out out/matrix --replot      # no GPU: redraw md/png
 
@@ -66,6 +66,10 @@ of its rounds, not all of them; a budget cut leaves every cell with the same num
 give or take one.  Rows combine as with ``--repeats`` (a round is a run there).  On an H100 a
 4-layer cell's highest round ratio was still a median 1.32x its lowest (its rounds back to
 back); with ``--layers 16`` and CUDA graphs, within 9% in 8 of 9 cells.
+``--twin`` (with ``--interleave``) adds a second BF16 engine, ``auto_twin``, to each
+comparison, measured in turn with the others: its ratio to BF16's engine is an A/A control,
+what the method reads between two engines of one format in the same rounds.  A cell whose twin
+ratio is as far from 1.0x as a format's is does not tell that format from BF16.
 ``--below RATIO`` keeps of the selected cells those whose recorded ratio in ``--out``'s
 matrix.csv is below RATIO: ``--below 1.0 --interleave --rounds 3`` measures again, in rounds,
 the cells a single measurement put under 1.0x.  ``--unmeasured`` keeps those that some selected
@@ -140,7 +144,8 @@ from pathlib import Path
 from benchmarks.provenance import describe, run_info
 from benchmarks.vllm_engine import (
     BASELINE_KV, BLOCK_SIZE, BUDGET_SKIP, DEEPSEEK_V31_ATTENTION, ENGINE_OVERHEAD_GIB,
-    KV_BYTES_PER_TOKEN, KV_SETTINGS, SETTLE_STEPS, apply_switch_interval, batch_to_fill,
+    KV_BYTES_PER_TOKEN, KV_SETTINGS, SETTLE_STEPS, TWIN_KV, apply_switch_interval, batch_to_fill,
+    cache_dtype,
     build_llm, child_main, concurrent_memory_problem, concurrent_start_spec, core_timestamp,
     enable_stall_dumps, end_turn, engine_log_facts, estimated_kv_blocks, estimated_prefill_s,
     merge_by_key, mla_projection_weights, model_config, not_lock_step, number, random_prompts,
@@ -148,7 +153,7 @@ from benchmarks.vllm_engine import (
     summarize_windows, timed_decode_windows, wait_for_turn, warm_tokens, warm_up, write_csv)
 from vllm_snapmla.testing import write_tiny_deepseek_v3
 
-KV_NAMES = {"auto": "BF16", "fp8_snapmla": "fp8_snapmla", "fp8": "fp8"}
+KV_NAMES = {"auto": "BF16", "fp8_snapmla": "fp8_snapmla", "fp8": "fp8", TWIN_KV: "BF16 twin"}
 HEADS = (16, 128)
 CONTEXTS = (512, 2048, 8192, 32768, 131072)
 BATCHES = ("1", "8", "64", "fill")
@@ -344,7 +349,7 @@ def estimate_cell_s(heads: int, mode: str, kv: str, context: int, batch: int,
     (a step's fixed time grows with the layers beyond 4)."""
     prefill = estimated_prefill_s(batch, context, heads, layers,
                                   prefill_weights_per_token(heads, layers))
-    kv_read = batch * context * KV_BYTES_PER_TOKEN[kv] * layers / HBM_BYTES_PER_S
+    kv_read = batch * context * KV_BYTES_PER_TOKEN[cache_dtype(kv)] * layers / HBM_BYTES_PER_S
     return CELL_OVERHEAD_S + prefill + max_tokens * (step_s(mode, layers) + kv_read)
 
 
@@ -968,6 +973,11 @@ def format_matrix(rows: list[dict], runs: list[str]) -> str:
               "medians of the runs both formats measured; `(runs a-b)` after a "
               "ratio: the lowest and highest ratio of one run to BF16's of the same run.", ""]
     by_key = {matrix_key(r): r for r in rows}
+    # The A/A twin's columns only where a run had one (--twin).
+    twin = any(r["kv"] == TWIN_KV for r in rows)
+    shown = (*KV_SETTINGS, TWIN_KV) if twin else KV_SETTINGS
+    twin_head = "BF16 twin tok/s | " if twin else ""
+    twin_ratio = " | BF16 twin / BF16 (A/A)" if twin else ""
     for heads, mml, mode in matrix_panels(rows):
         cells = sorted({matrix_key(r)[3:5] for r in rows
                         if matrix_key(r)[:3] == (heads, mml, mode)},
@@ -975,13 +985,13 @@ def format_matrix(rows: list[dict], runs: list[str]) -> str:
         tag = " (one TP8 rank of DeepSeek-V3.1)" if heads == 16 else ""
         lines += [f"## H={heads}{tag}, max_model_len {mml}, {mode}", "",
                   "| context | batch | max_model_len (table pages per format) | B | BF16 tok/s | "
-                  "fp8_snapmla tok/s "
-                  "| fp8 tok/s | TPOT ms (BF16 / snap / fp8) | fp8_snapmla / BF16 | fp8 / BF16 "
-                  "| notes |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  f"fp8_snapmla tok/s | fp8 tok/s | {twin_head}TPOT ms (BF16 / snap / fp8"
+                  f"{' / twin' if twin else ''}) | fp8_snapmla / BF16 | fp8 / BF16"
+                  f"{twin_ratio} | notes |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * (2 * twin)]
         for context, batch in cells:
             per_kv = {kv: by_key.get((heads, mml, mode, context, batch, kv)) or {}
-                      for kv in KV_SETTINGS}
+                      for kv in shown}
             present = [r for r in per_kv.values() if r]
             tokens = next((r.get("max_model_len_tokens") for r in present
                            if r.get("max_model_len_tokens")), "")
@@ -1009,13 +1019,13 @@ def format_matrix(rows: list[dict], runs: list[str]) -> str:
             if repeated:
                 notes.append("runs' TPOT ms: " + ", ".join(repeated))
             ok = {kv: r if r.get("status") == "ok" else {} for kv, r in per_kv.items()}
-            ratios = {kv: _ratio_with_runs(ok[kv]) for kv in ("fp8_snapmla", "fp8")}
+            ratios = {kv: _ratio_with_runs(ok[kv]) for kv in shown if kv != BASELINE_KV}
             lines.append(
                 f"| {context} | {batch} | {tokens} ({width}) | "
                 + " / ".join(_fmt(r.get("batch_size")) for r in per_kv.values()) + " | "
-                + " | ".join(_fmt(ok[kv].get("decode_tok_s")) for kv in KV_SETTINGS) + " | "
-                + " / ".join(_fmt(ok[kv].get("tpot_ms"), 2) for kv in KV_SETTINGS) + " | "
-                + f"{ratios['fp8_snapmla']} | {ratios['fp8']}"
+                + " | ".join(_fmt(ok[kv].get("decode_tok_s")) for kv in shown) + " | "
+                + " / ".join(_fmt(ok[kv].get("tpot_ms"), 2) for kv in shown) + " | "
+                + " | ".join(ratios.values())
                 + f" | {'; '.join(notes)} |")
         lines.append("")
     return "\n".join(lines)
@@ -1352,6 +1362,10 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=1, metavar="N",
                         help="run the whole plan N times over, a fresh engine each time; a "
                              "cell's TPOT is the median of its runs' (repeats.csv has each)")
+    parser.add_argument("--twin", action="store_true",
+                        help="with --interleave: a second BF16 engine (auto_twin) in each "
+                             "comparison, measured in turn with the others; its ratio to BF16 "
+                             "is an A/A control of the method")
     parser.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
     parser.add_argument("--switch-interval", type=float, metavar="MS",
                         help="Python's GIL switch interval in each engine-core process, in ms "
@@ -1378,6 +1392,11 @@ def main(argv=None) -> None:
     if not 1 <= args.concurrent_starts <= 8:
         parser.error("--concurrent-starts must be 1 to 8")
     args.kv = list(dict.fromkeys(args.kv))
+    if args.twin:
+        if not args.interleave or BASELINE_KV not in args.kv:
+            parser.error("--twin measures a second BF16 engine in turn with the first: it needs "
+                         f"--interleave and {BASELINE_KV} among --kv")
+        args.kv.append(TWIN_KV)
     if args.interleave and args.concurrent_starts not in (1, len(args.kv)):
         parser.error(f"--interleave starts the {len(args.kv)} --kv formats of a comparison "
                      f"together: leave out --concurrent-starts (or give {len(args.kv)})")

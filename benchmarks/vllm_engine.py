@@ -80,6 +80,9 @@ KV_BYTES_PER_TOKEN = {"auto": 1152, "fp8": 576, "fp8_snapmla": 656}
 # against (vLLM's BF16 default).
 KV_SETTINGS = ("auto", "fp8_snapmla", "fp8")
 BASELINE_KV = "auto"
+# A second BF16 engine in a comparison (``bench_matrix --twin``): an A/A control.  Its ratio to
+# BF16's engine is what the method reads between two engines of one format.
+TWIN_KV = "auto_twin"
 
 RESULT_TAG = "BENCH_ENGINE_RESULT "
 _KV_TOKENS_LOG = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
@@ -88,6 +91,11 @@ _ROUTING_LOG = re.compile(r"Simulating MoE routing using a (\w+) strategy")
 
 
 # --- pure helpers (unit-tested on CPU) -----------------------------------------------------
+
+def cache_dtype(kv: str) -> str:
+    """vLLM's ``kv_cache_dtype`` of a benchmark format (the A/A twin's is BF16's)."""
+    return BASELINE_KV if kv == TWIN_KV else kv
+
 
 def model_config(heads: int, layers: int | None = None) -> dict:
     """Overrides of the tiny DeepSeek-V3 config that give DeepSeek-V3.1's attention shapes;
@@ -119,7 +127,7 @@ def estimated_kv_blocks(kv: str, kv_cache_gib: float, num_layers: int) -> int:
     """KV pages vLLM allocates for ``kv_cache_gib`` GiB over ``num_layers`` layers (its null
     block included), as vLLM divides ``kv_cache_memory_bytes``: for planning before an engine
     exists; the engine reports the real number."""
-    page_bytes = BLOCK_SIZE * KV_BYTES_PER_TOKEN[kv] * num_layers
+    page_bytes = BLOCK_SIZE * KV_BYTES_PER_TOKEN[cache_dtype(kv)] * num_layers
     return int(kv_cache_gib * 2**30) // page_bytes
 
 
@@ -324,10 +332,10 @@ def build_llm(model: str, kv: str, max_model_len: int, kv_cache_gib: float, max_
         memory["speculative_config"] = speculative_config
     if tensor_parallel_size > 1:
         memory["tensor_parallel_size"] = tensor_parallel_size
-    return LLM(model=model, kv_cache_dtype=kv, load_format="dummy", skip_tokenizer_init=True,
-               dtype="bfloat16", max_model_len=max_model_len, enable_prefix_caching=False,
-               max_num_seqs=max_batch, seed=0, disable_log_stats=False,
-               enforce_eager=enforce_eager, **memory)
+    return LLM(model=model, kv_cache_dtype=cache_dtype(kv), load_format="dummy",
+               skip_tokenizer_init=True, dtype="bfloat16", max_model_len=max_model_len,
+               enable_prefix_caching=False, max_num_seqs=max_batch, seed=0,
+               disable_log_stats=False, enforce_eager=enforce_eager, **memory)
 
 
 def random_prompts(generator, batch: int, length: int,

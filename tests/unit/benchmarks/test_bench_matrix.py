@@ -968,6 +968,60 @@ def test_main_rounds_alternate_the_formats_of_a_cell_and_combine_like_repeats(tm
         assert error in capsys.readouterr().err
 
 
+def test_twin_is_a_second_bf16_engine_measured_in_turn_as_an_a_a_control(tmp_path,
+                                                                          monkeypatch, capsys):
+    import threading
+
+    order, specs = [], []
+    lock = threading.Lock()
+    # The twin runs BF16's format; here its engine is 10% slower than the first one.
+    tpot = {"auto": 10.0, "fp8_snapmla": 9.0, vllm_engine.TWIN_KV: 11.0}
+
+    def fake_run_child(command, spec, timeout, on_result, startup_timeout=None):
+        with lock:
+            specs.append(spec)
+        on_result(ENGINE_UP)
+
+        def measure_cell(context, label, round_):
+            with lock:
+                order.append((spec["kv"], round_))
+            t = tpot[spec["kv"]]
+            return {**_cell_result(1000 / t, t), "context": context, "batch": label}
+
+        results = []
+        for result in bm.measure_in_turns({**spec, "serve": None}, measure_cell):
+            on_result(result)
+            results.append(result)
+        return results, "", None
+
+    monkeypatch.setattr(bm, "run_child", fake_run_child)
+    bm.main(["--out", str(tmp_path), "--kv", "auto", "fp8_snapmla", "--twin", "--heads", "16",
+             "--contexts", "512", "--batches", "1", "--max-model-len", "wide", "--modes",
+             "eager", "--interleave", "--rounds", "2"])
+    twin = vllm_engine.TWIN_KV
+    assert order == [("auto", 1), ("fp8_snapmla", 1), (twin, 1),
+                     ("auto", 2), ("fp8_snapmla", 2), (twin, 2)]
+    assert {s["kv"]: s["turn_engines"] for s in specs} == {"auto": 3, "fp8_snapmla": 2, twin: 1}
+    # The twin's engine is vLLM's BF16 cache, and plans like BF16's.
+    assert vllm_engine.cache_dtype(twin) == "auto"
+    assert vllm_engine.cache_dtype("fp8_snapmla") == "fp8_snapmla"
+    assert vllm_engine.estimated_kv_blocks(twin, 4.0, 4) == \
+        vllm_engine.estimated_kv_blocks("auto", 4.0, 4)
+    _, rows = vllm_engine.read_csv(tmp_path / "matrix.csv")
+    ratio = {r["kv"]: float(r["vs_bf16"]) for r in rows if r["kv"] != "auto"}
+    assert ratio == {"fp8_snapmla": pytest.approx(10 / 9, abs=1e-3),
+                     twin: pytest.approx(10 / 11, abs=1e-3)}
+    table = (tmp_path / "matrix.md").read_text()
+    assert "| BF16 twin tok/s |" in table and "| BF16 twin / BF16 (A/A) |" in table
+    line = next(ln for ln in table.splitlines() if ln.startswith("| 512 | 1 |"))
+    assert "| 10.00 / 9.00 / - / 11.00 |" in line and line.count("|") == 14
+    assert "**0.91x**" in line                                  # the A/A ratio, under 1.0x
+    for wrong in (["--twin"], ["--twin", "--interleave", "--kv", "fp8_snapmla", "fp8"]):
+        with pytest.raises(SystemExit):
+            bm.main(["--out", str(tmp_path), *wrong])
+        assert "--twin measures a second BF16 engine" in capsys.readouterr().err
+
+
 def test_rounds_multiply_the_estimate_and_each_round_gets_a_row():
     settings = bm.Settings()
     engines, _ = bm.plan_matrix(["auto"], [16], [512, 2048], ["1"], ["wide"], ["eager"],
