@@ -192,7 +192,7 @@ def plot(rows: list[dict], profiles: dict, path: Path) -> bool:
                       fontsize=8)
         ax.set_ylabel("µs per decode step")
         ax.set_ylim(top=1.2 * max(profiles[k]["wall_us"] for k in pkeys))
-        ax.set_title("GPU time per decode step (profiled calls)")
+        ax.set_title("GPU time per decode step (profiled decode steps)")
         ax.legend(fontsize=8, loc="upper center", ncols=4)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -236,20 +236,56 @@ def profile_decode_steps(engine, prompts: list, steps: int, prefill_tokens: int)
     this process) in which every request of ``prompts`` decodes: the requests are added, stepped
     until each has its first token and SETTLE_STEPS (and one) steps more, then the profiled
     steps run (``step_profile.window_profile``), and the requests are aborted.  Each request may
-    generate ``profile_tokens(steps, prefill_tokens)`` tokens."""
+    generate ``profile_tokens(steps, prefill_tokens)`` tokens.  Raises ``RuntimeError`` where
+    the profiled steps were not all decode steps of the whole batch (a prefill longer than
+    ``prefill_tokens`` steps, or requests pre-empted for lack of KV cache)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     params = SamplingParams(max_tokens=profile_tokens(steps, prefill_tokens), ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA)
+    counted = _TokenCounter(engine)
     profile: dict = {}
+    gained: list[int] = []
 
     def window(step) -> None:
+        before = dict(counted.tokens)
         profile.update(window_profile(profiled(lambda: [step() for _ in range(steps)]), steps))
+        gained.extend(counted.tokens[r] - before.get(r, 0) for r in before)
 
-    timed_decode_windows(engine, prompts, params, 1, 1, id_prefix="profile",
-                         after_windows=window)
+    _, _, prefill_steps, _ = timed_decode_windows(counted, prompts, params, 1, 1,
+                                                  id_prefix="profile", after_windows=window)
+    if prefill_steps > prefill_tokens or set(gained) != {steps}:
+        raise RuntimeError(
+            f"the {steps} profiled steps were not all decode steps of the whole batch (prefill "
+            f"took {prefill_steps} steps, {prefill_tokens} allowed; tokens per request in the "
+            f"window: {min(gained, default=0)}-{max(gained, default=0)}): a larger "
+            "--kv-cache-gib or a smaller --batch")
     return profile
+
+
+class _TokenCounter:
+    """``engine`` (vLLM's ``LLMEngine``) counting each request's new tokens as ``step`` returns
+    them (DELTA outputs)."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.tokens = engine, {}
+
+    def add_request(self, request_id, prompt, params) -> None:
+        self.tokens[request_id] = 0
+        self.engine.add_request(request_id, prompt, params)
+
+    def step(self) -> list:
+        outputs = self.engine.step()
+        for output in outputs:
+            self.tokens[output.request_id] += len(output.outputs[0].token_ids)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def abort_request(self, ids) -> None:
+        self.engine.abort_request(ids)
 
 
 def run_engine(spec: dict):
@@ -267,6 +303,16 @@ def run_engine(spec: dict):
     batch, prompt_len, vocab = spec["batch"], spec["prompt_len"], spec["vocab"]
     llm = build_llm(spec["model"], spec["kv"], spec["max_model_len"], spec["kv_cache_gib"],
                     batch, enforce_eager=bool(spec.get("enforce_eager")))
+    if spec.get("profile"):   # before the warm-up and the timed calls, which it would waste
+        steps = spec["profile_steps"]
+        config = llm.llm_engine.vllm_config
+        prefill = warm_tokens(batch, prompt_len, config.scheduler_config.max_num_batched_tokens)
+        needed = prompt_len + profile_tokens(steps, prefill)
+        if needed > config.model_config.max_model_len:
+            raise ValueError(f"--profile: {prompt_len} prompt tokens + {needed - prompt_len} "
+                             f"generated while the batch's prefill runs and {steps} steps are "
+                             f"profiled is more than --max-model-len "
+                             f"{config.model_config.max_model_len}")
     if switch_interval:
         apply_switch_interval(llm, switch_interval)
     generator = torch.Generator().manual_seed(0)
@@ -284,15 +330,6 @@ def run_engine(spec: dict):
         yield {"kind": "call", "call": call, "seconds": round(seconds, 4),
                "output_tokens": tokens, "tok_s": round(tokens / seconds, 1)}
     if spec.get("profile"):
-        steps = spec["profile_steps"]
-        config = llm.llm_engine.vllm_config
-        prefill = warm_tokens(batch, prompt_len, config.scheduler_config.max_num_batched_tokens)
-        needed = prompt_len + profile_tokens(steps, prefill)
-        if needed > config.model_config.max_model_len:
-            raise ValueError(f"--profile: {prompt_len} prompt tokens + {needed - prompt_len} "
-                             f"generated while the batch's prefill runs and {steps} steps are "
-                             f"profiled is more than --max-model-len "
-                             f"{config.model_config.max_model_len}")
         profile = profile_decode_steps(llm.llm_engine,
                                        random_prompts(generator, batch, prompt_len, vocab),
                                        steps, prefill)

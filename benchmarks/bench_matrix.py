@@ -67,9 +67,10 @@ give or take one.  Rows combine as with ``--repeats`` (a round is a run there). 
 4-layer cell's highest round ratio was still a median 1.32x its lowest (its rounds back to
 back); with ``--layers 16`` and CUDA graphs, within 9% in 8 of 9 cells.
 ``--twin`` (with ``--interleave``) adds a second BF16 engine, ``auto_twin``, to each
-comparison, measured in turn with the others: its ratio to BF16's engine is an A/A control,
-what the method reads between two engines of one format in the same rounds.  A cell whose twin
-ratio is as far from 1.0x as a format's is does not tell that format from BF16.
+comparison, measured in turn with the others (last in each turn): its ratio to BF16's engine is
+an A/A control, what the method reads between two engines of one format in the same rounds.  A
+cell whose twin ratio is as far from 1.0x as a format's is does not tell that format from BF16.
+The twin is one more engine on the GPU (on an 80 GB GPU: BF16 and one other format).
 ``--below RATIO`` keeps of the selected cells those whose recorded ratio in ``--out``'s
 matrix.csv is below RATIO: ``--below 1.0 --interleave --rounds 3`` measures again, in rounds,
 the cells a single measurement put under 1.0x.  ``--unmeasured`` keeps those that some selected
@@ -967,7 +968,8 @@ def format_matrix(rows: list[dict], runs: list[str]) -> str:
               "**bold** marks those below 1.0x, with ▼ where every run was below (or the cell "
               "ran once) and ≈ where the runs lie on both sides of 1.0x (they do not agree on "
               "which format is faster).  B: batch per format (BF16 / fp8_snapmla / "
-              "fp8).  Where a note lists the runs' TPOTs, the cell ran that many times on each "
+              f"fp8{' / BF16 twin' if any(r['kv'] == TWIN_KV for r in rows) else ''}).  "
+              "Where a note lists the runs' TPOTs, the cell ran that many times on each "
               "format (`--repeats`: a fresh engine each time; `--rounds`: the same engines, the "
               "formats in turn each round) and TPOT is their median; the ratio compares the "
               "medians of the runs both formats measured; `(runs a-b)` after a "
@@ -1423,7 +1425,8 @@ def main(argv=None) -> None:
         check_one=args.layers > NUM_LAYERS)
     if problem and args.interleave:
         # e.g. three formats on an 80 GB GPU: 3 x (4 + 20) GiB is just over 90% of it.
-        problem = (problem.replace(f"--concurrent-starts {at_once}", "--interleave")
+        problem = (problem.replace(f"--concurrent-starts {at_once}", "--interleave"
+                                   + (" (--twin is one of the engines)" if args.twin else ""))
                    .replace("start fewer at once", "compare fewer --kv formats, or give each "
                             "a smaller --kv-cache-gib"))
     if problem:

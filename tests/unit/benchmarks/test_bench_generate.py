@@ -81,6 +81,7 @@ class _ChunkedPrefillEngine:
     def __init__(self, first_token):
         self.first_token, self.steps, self.requests = first_token, 0, {}
         self.prefilling, self.max_tokens, self.aborted = [], None, []
+        self.stalled = None   # a request that stops producing after 12 steps (pre-empted)
 
     def add_request(self, request_id, prompt, params):
         self.requests[request_id] = 0
@@ -93,6 +94,8 @@ class _ChunkedPrefillEngine:
         outputs = []
         self.prefilling.append(sum(self.steps < f for f in self.first_token))
         for i, r in enumerate(self.requests):
+            if i == self.stalled and self.steps >= 12:
+                continue
             if self.steps >= self.first_token[i] and self.requests[r] < self.max_tokens:
                 self.requests[r] += 1
                 outputs.append(types.SimpleNamespace(
@@ -117,7 +120,9 @@ def test_profile_holds_only_decode_steps_of_the_whole_batch(monkeypatch):
         return 50.0 * (engine.steps - first), kernels, [("cudaGraphLaunch", 3.0)] * 2
 
     monkeypatch.setattr(bench, "profiled", profiled)
-    prefill = bench.warm_tokens(3, 8, 4)   # 3 prompts of 8 tokens, 4 tokens a step
+    # The prefill takes 10 steps, and the first request decodes in all of them: a budget of
+    # exactly that, so that any step the budget missed would end a request inside the window.
+    prefill = 10
     profile = bench.profile_decode_steps(engine, [[1], [2], [3]], steps=6, prefill_tokens=prefill)
     (first, last), = windows
     assert last - first == 6
@@ -129,6 +134,15 @@ def test_profile_holds_only_decode_steps_of_the_whole_batch(monkeypatch):
     assert profile["wall_us"] == 50.0 and profile["kernels"] == [(SNAPMLA, 4.0, 1.0)]
     assert profile["host"] == [("cudaGraphLaunch", 1.0, 1 / 3)]
     assert sorted(engine.aborted) == sorted(engine.requests)
+    # A prefill longer than the budget (or a batch the cache cannot hold: requests that stop
+    # producing) makes the window hold other steps than decode steps of the whole batch.
+    with pytest.raises(RuntimeError, match="not all decode steps of the whole batch"):
+        bench.profile_decode_steps(_ChunkedPrefillEngine(first_token=[0, 3, 9]), [[1], [2], [3]],
+                                   steps=6, prefill_tokens=9)
+    preempted = _ChunkedPrefillEngine(first_token=[0, 1])
+    preempted.stalled = 1                       # request 1 stops producing after 12 steps
+    with pytest.raises(RuntimeError, match="tokens per request in the window: [0-9]+-6"):
+        bench.profile_decode_steps(preempted, [[1], [2]], steps=6, prefill_tokens=4)
 
 
 @pytest.mark.parametrize("name, wait", [
@@ -316,6 +330,9 @@ def test_engine_profiles_after_the_prefill_of_its_own_batch(monkeypatch):
 
     llm = OneTokenLLM()
     llm.llm_engine = engine
+    calls = []
+    generate = llm.generate
+    llm.generate = lambda *a, **k: (calls.append(1), generate(*a, **k))[1]
     monkeypatch.setattr(bench, "build_llm", lambda *a, **k: llm)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(bench, "profiled", lambda work: (work(), (10.0, [], []))[1])
@@ -330,6 +347,7 @@ def test_engine_profiles_after_the_prefill_of_its_own_batch(monkeypatch):
     assert results[-1]["steps"] == 5 and engine.max_tokens == bench.profile_tokens(5, prefill)
     # One token short of room: a clear error, before any request is added.
     engine.vllm_config, engine.requests = vllm_config(99 + bench.profile_tokens(5, prefill)), {}
+    calls.clear()
     with pytest.raises(ValueError, match="--max-model-len"):
         list(bench.run_engine(spec))
-    assert engine.requests == {}
+    assert engine.requests == {} and calls == []     # before the warm-up and the timed calls

@@ -1007,6 +1007,17 @@ def test_twin_is_a_second_bf16_engine_measured_in_turn_as_an_a_a_control(tmp_pat
     assert vllm_engine.cache_dtype("fp8_snapmla") == "fp8_snapmla"
     assert vllm_engine.estimated_kv_blocks(twin, 4.0, 4) == \
         vllm_engine.estimated_kv_blocks("auto", 4.0, 4)
+    assert bm.estimate_cell_s(16, "graph", twin, 8192, 64, 100) == \
+        bm.estimate_cell_s(16, "graph", "auto", 8192, 64, 100)
+    import sys
+    from types import ModuleType
+
+    made = []
+    fake = ModuleType("vllm")
+    fake.LLM = lambda **kwargs: made.append(kwargs)
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    vllm_engine.build_llm("m", twin, 4096, 1.0, 8)
+    assert made[0]["kv_cache_dtype"] == "auto"                  # what vLLM is asked for
     _, rows = vllm_engine.read_csv(tmp_path / "matrix.csv")
     ratio = {r["kv"]: float(r["vs_bf16"]) for r in rows if r["kv"] != "auto"}
     assert ratio == {"fp8_snapmla": pytest.approx(10 / 9, abs=1e-3),
@@ -1016,6 +1027,7 @@ def test_twin_is_a_second_bf16_engine_measured_in_turn_as_an_a_a_control(tmp_pat
     line = next(ln for ln in table.splitlines() if ln.startswith("| 512 | 1 |"))
     assert "| 10.00 / 9.00 / - / 11.00 |" in line and line.count("|") == 14
     assert "**0.91x**" in line                                  # the A/A ratio, under 1.0x
+    assert "B: batch per format (BF16 / fp8_snapmla / fp8 / BF16 twin)" in table
     for wrong in (["--twin"], ["--twin", "--interleave", "--kv", "fp8_snapmla", "fp8"]):
         with pytest.raises(SystemExit):
             bm.main(["--out", str(tmp_path), *wrong])
