@@ -59,18 +59,21 @@ again in rounds (benchmarks/RESULTS.md, "Workload matrix"), which a ratio of one
 per format takes for a difference between the formats.
 ``--rounds N`` (with ``--interleave``) measures each cell N times on the same engines, the
 formats in turn: every cell once on each format (cell 1 on each, then cell 2, ...), then all of
-them again, N rounds in all, each with fresh requests, so that the median of N rounds and the
-range of the rounds' ratios tell a difference from a spell.  A cell's rounds lie a whole pass
+them again, N rounds in all, each with fresh requests, the format that measures first moving
+on by one each round (BF16 first in round 1, the next format in round 2, ...), so that the
+median of N rounds and the range of the rounds' ratios tell a difference from a spell, and no
+format always measures right after another.  A cell's rounds lie a whole pass
 over the engine's cells apart, so that a spell as long as one cell (a few seconds) reaches one
 of its rounds, not all of them; a budget cut leaves every cell with the same number of rounds,
 give or take one.  Rows combine as with ``--repeats`` (a round is a run there).  On an H100 a
 4-layer cell's highest round ratio was still a median 1.32x its lowest (its rounds back to
 back); with ``--layers 16`` and CUDA graphs, within 9% in 8 of 9 cells.
 ``--twin`` (with ``--interleave``) adds a second BF16 engine, ``auto_twin``, to each
-comparison, measured in turn with the others (last in each turn): its ratio to BF16's engine is
-an A/A control, what the method reads between two engines of one format in the same rounds.  A
-cell whose twin ratio is as far from 1.0x as a format's is does not tell that format from BF16.
-The twin is one more engine on the GPU (on an 80 GB GPU: BF16 and one other format).
+comparison, measured in turn with the others (last in each turn of round 1): its ratio to
+BF16's engine is an A/A control, what the method reads between two engines of one format in
+the same rounds.  A cell whose twin ratio is as far from 1.0x as a format's is does not tell
+that format from BF16.  The twin is one more engine on the GPU (on an 80 GB GPU: BF16 and one
+other format).
 ``--below RATIO`` keeps of the selected cells those whose recorded ratio in ``--out``'s
 matrix.csv is below RATIO: ``--below 1.0 --interleave --rounds 3`` measures again, in rounds,
 the cells a single measurement put under 1.0x.  ``--unmeasured`` keeps those that some selected
@@ -244,7 +247,8 @@ class Engine:
     @property
     def turns(self) -> list:
         """The cells in the order this engine measures them: all of them, ``rounds`` times over
-        (with --interleave the other formats measure each cell right after this one)."""
+        (with --interleave the other formats measure each cell in the same turn, in an order
+        that moves on by one engine each round)."""
         return [cell for _ in range(self.rounds) for cell in self.cells]
 
     def run_number(self, round_: int) -> int:
@@ -1557,7 +1561,9 @@ def main(argv=None) -> None:
                               if engine.serve else None)}
             spec.update(concurrent_start_spec(go_file, group_size, in_turns=args.interleave))
             if args.interleave:
-                spec["turn_engines"] = group_size - position
+                # The engines measuring after this one in a turn; with --rounds the order moves
+                # each round, so any of them may be first.
+                spec["turn_engines"] = group_size if args.rounds > 1 else group_size - position
             # An engine waits for the ones before it in its group (with --interleave, for all of
             # them); past the budget each gets its grace after the one before it, time to
             # record its cells as skipped.
@@ -1606,7 +1612,9 @@ def main(argv=None) -> None:
                 continue
             outcomes = run_engines_together(
                 [launch(i, engine, models, k, len(group)) for k, (i, engine) in enumerate(group)],
-                Path(tmp), in_turns=args.interleave, turn_limit_s=args.timeout)
+                Path(tmp), in_turns=args.interleave, turn_limit_s=args.timeout,
+                # --rounds: the format that measures first moves on by one every round.
+                rotate_every=len(engines[indices[0]].cells) if args.rounds > 1 else None)
             for (i, engine), (results, log, failure) in zip(group, outcomes):
                 matrix, serve_rows = engine_rows(engine, results, failure, engine_log_facts(log))
                 for row in serve_rows:

@@ -460,7 +460,8 @@ def child_main(run) -> None:
 
 
 def run_engines_together(launches: list, go_dir: Path, in_turns: bool = False,
-                         turn_limit_s: float | None = None) -> list:
+                         turn_limit_s: float | None = None,
+                         rotate_every: int | None = None) -> list:
     """Run several engines with overlapping start-ups but one measurement at a time.
 
     ``launches[k](go_file, on_up)`` runs engine k to the end and returns its outcome; its child
@@ -475,6 +476,9 @@ def run_engines_together(launches: list, go_dir: Path, in_turns: bool = False,
       process), so that the same measurement on every engine lies within seconds, under the
       same state of the host.  An engine whose turn takes more than ``turn_limit_s`` is left
       out of the rounds (the others go on) and measures the rest of its turns after them.
+      ``rotate_every`` N: after every N turns the order moves on by one engine (engine 1
+      first, then 2, ...), so that with N = the turns of a round no engine always measures
+      first or right after another one.
 
     Returns the outcomes in order; an exception in a launch is raised after all have ended."""
     go_dir.mkdir(parents=True, exist_ok=True)
@@ -498,7 +502,7 @@ def run_engines_together(launches: list, go_dir: Path, in_turns: bool = False,
     for up in ups:
         up.wait()
     if in_turns:
-        _give_turns(group, threads, turn_limit_s)
+        _give_turns(group, threads, turn_limit_s, rotate_every)
     for k, thread in enumerate(threads):
         Path(group, str(k)).touch()
         thread.join()
@@ -509,9 +513,10 @@ def run_engines_together(launches: list, go_dir: Path, in_turns: bool = False,
 
 
 def _give_turns(folder: str, threads: list, turn_limit_s: float | None = None,
-                poll_s: float = 0.005) -> None:
+                rotate_every: int | None = None, poll_s: float = 0.005) -> None:
     """``run_engines_together(in_turns=True)``: turn 0 to every engine still running, one after
-    the other, then turn 1, ..., until every engine has ended.  An engine whose turn overruns
+    the other, then turn 1, ..., until every engine has ended; with ``rotate_every`` N the
+    engine that goes first moves on by one every N turns.  An engine whose turn overruns
     ``turn_limit_s`` is left out of the rounds and gets its remaining turns after them."""
     next_turn = [0] * len(threads)
 
@@ -527,11 +532,14 @@ def _give_turns(folder: str, threads: list, turn_limit_s: float | None = None,
         return True
 
     overran: set[int] = set()
+    passes = 0
     while live := [k for k, thread in enumerate(threads)
                    if thread.is_alive() and k not in overran]:
-        for k in live:
+        first = passes // rotate_every % len(threads) if rotate_every else 0
+        for k in sorted(live, key=lambda k: (k - first) % len(threads)):
             if not give_turn(k, turn_limit_s):
                 overran.add(k)
+        passes += 1
     for k in sorted(overran):
         while threads[k].is_alive():
             give_turn(k, None)

@@ -725,6 +725,19 @@ def test_engines_in_turns_measure_each_cell_on_every_engine_before_the_next(tmp_
                 assert end <= start2 or end2 <= start, (k, k2)
 
 
+def test_turn_order_moves_on_by_one_engine_every_rotate_every_turns(tmp_path):
+    log: list = []
+    # Rounds of two turns; engine 2 has one turn fewer.
+    launches = [_fake_turns_engine(0, 4, log), _fake_turns_engine(1, 4, log),
+                _fake_turns_engine(2, 3, log)]
+    outcomes = vllm_engine.run_engines_together(launches, tmp_path, in_turns=True,
+                                                rotate_every=2)
+    assert outcomes == [("ok", 0), ("ok", 1), ("ok", 2)]
+    measures = [(k, name) for e, k, name, _ in log if e == "measure"]
+    assert measures == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1),
+                        (1, 2), (2, 2), (0, 2), (1, 3), (0, 3)]
+
+
 def test_an_engine_that_overruns_its_turn_gets_no_more_turns(tmp_path):
     import time
 
@@ -942,7 +955,8 @@ def test_main_rounds_alternate_the_formats_of_a_cell_and_combine_like_repeats(tm
              "--contexts", "512", "--batches", "1", "--max-model-len", "wide", "--modes",
              "eager", "--interleave", "--rounds", "3"])
     assert all(s["cells"] == [(512, "1")] * 3 for s in specs)
-    assert order == [("auto", 1), ("fp8_snapmla", 1), ("auto", 2), ("fp8_snapmla", 2),
+    # The format that measures first moves on by one each round.
+    assert order == [("auto", 1), ("fp8_snapmla", 1), ("fp8_snapmla", 2), ("auto", 2),
                      ("auto", 3), ("fp8_snapmla", 3)]
     _, every = vllm_engine.read_csv(tmp_path / "repeats.csv")
     assert sorted((r["kv"], r["repeat"], r["tpot_ms"]) for r in every) == [
@@ -958,8 +972,9 @@ def test_main_rounds_alternate_the_formats_of_a_cell_and_combine_like_repeats(tm
     assert "(runs 0.92-1.11)" in (tmp_path / "matrix.md").read_text()
     out = capsys.readouterr().out
     assert "3 rounds a cell" in out
-    # A round's progress line compares it with BF16's of the same round.
-    assert "fp8_snapmla ctx    512 x    1 round 2 (B=1): 56 tok/s, TPOT 18.00 ms, 1.11x BF16" in out
+    # A round's progress line compares it with BF16's of the same round, where BF16 measured
+    # first.
+    assert "fp8_snapmla ctx    512 x    1 round 3 (B=1): 83 tok/s, TPOT 12.00 ms, 0.92x BF16" in out
     for wrong, error in ((["--rounds", "2"], "it needs --interleave"),
                          (["--rounds", "2", "--interleave", "--repeats", "2"], "give one of them"),
                          (["--rounds", "11", "--interleave"], "--rounds must be 1 to 10")):
@@ -1000,8 +1015,9 @@ def test_twin_is_a_second_bf16_engine_measured_in_turn_as_an_a_a_control(tmp_pat
              "eager", "--interleave", "--rounds", "2"])
     twin = vllm_engine.TWIN_KV
     assert order == [("auto", 1), ("fp8_snapmla", 1), (twin, 1),
-                     ("auto", 2), ("fp8_snapmla", 2), (twin, 2)]
-    assert {s["kv"]: s["turn_engines"] for s in specs} == {"auto": 3, "fp8_snapmla": 2, twin: 1}
+                     ("fp8_snapmla", 2), (twin, 2), ("auto", 2)]
+    # With rounds any engine may measure first in a turn: each budgets for all three.
+    assert {s["kv"]: s["turn_engines"] for s in specs} == {"auto": 3, "fp8_snapmla": 3, twin: 3}
     # The twin's engine is vLLM's BF16 cache, and plans like BF16's.
     assert vllm_engine.cache_dtype(twin) == "auto"
     assert vllm_engine.cache_dtype("fp8_snapmla") == "fp8_snapmla"
