@@ -1371,7 +1371,8 @@ def main(argv=None) -> None:
     parser.add_argument("--twin", action="store_true",
                         help="with --interleave: a second BF16 engine (auto_twin) in each "
                              "comparison, measured in turn with the others; its ratio to BF16 "
-                             "is an A/A control of the method")
+                             "is an A/A control of the method (with --unmeasured, a cell "
+                             "without a twin row is measured again on every format)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
     parser.add_argument("--switch-interval", type=float, metavar="MS",
                         help="Python's GIL switch interval in each engine-core process, in ms "
