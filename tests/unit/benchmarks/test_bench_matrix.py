@@ -920,6 +920,21 @@ def test_main_interleave_measures_each_cell_on_every_format_in_turn(tmp_path, mo
         bm.main(["--out", str(tmp_path), "--kv", "auto", "--interleave"])
 
 
+def _run_child_in_turns(specs: list, lock, measure_for):
+    """A run_child stand-in whose child runs the real turn loop (``measure_in_turns``), with
+    ``measure_for(spec)`` as the cell measurement that stands in for the engine."""
+    def fake_run_child(command, spec, timeout, on_result, startup_timeout=None):
+        with lock:
+            specs.append(spec)
+        on_result(ENGINE_UP)
+        results = []
+        for result in bm.measure_in_turns({**spec, "serve": None}, measure_for(spec)):
+            on_result(result)
+            results.append(result)
+        return results, "", None
+    return fake_run_child
+
+
 def test_main_rounds_alternate_the_formats_of_a_cell_and_combine_like_repeats(tmp_path,
                                                                              monkeypatch,
                                                                              capsys):
@@ -930,11 +945,7 @@ def test_main_rounds_alternate_the_formats_of_a_cell_and_combine_like_repeats(tm
     # Step times by round: round 2 is a slow spell for both formats.
     tpot_by_round = {"auto": [10.0, 20.0, 11.0], "fp8_snapmla": [9.0, 18.0, 12.0]}
 
-    def fake_run_child(command, spec, timeout, on_result, startup_timeout=None):
-        # The child's real turn loop; measure_cell stands in for the engine.
-        with lock:
-            specs.append(spec)
-        on_result(ENGINE_UP)
+    def measure_for(spec):
         done = {}
 
         def measure_cell(context, label, _round):
@@ -943,14 +954,9 @@ def test_main_rounds_alternate_the_formats_of_a_cell_and_combine_like_repeats(tm
             with lock:
                 order.append((spec["kv"], done[context, label]))
             return {**_cell_result(1000 / tpot, tpot), "context": context, "batch": label}
+        return measure_cell
 
-        results = []
-        for result in bm.measure_in_turns({**spec, "serve": None}, measure_cell):
-            on_result(result)
-            results.append(result)
-        return results, "", None
-
-    monkeypatch.setattr(bm, "run_child", fake_run_child)
+    monkeypatch.setattr(bm, "run_child", _run_child_in_turns(specs, lock, measure_for))
     bm.main(["--out", str(tmp_path), "--kv", "auto", "fp8_snapmla", "--heads", "16",
              "--contexts", "512", "--batches", "1", "--max-model-len", "wide", "--modes",
              "eager", "--interleave", "--rounds", "3"])
@@ -992,24 +998,15 @@ def test_twin_is_a_second_bf16_engine_measured_in_turn_as_an_a_a_control(tmp_pat
     # The twin runs BF16's format; here its engine is 10% slower than the first one.
     tpot = {"auto": 10.0, "fp8_snapmla": 9.0, vllm_engine.TWIN_KV: 11.0}
 
-    def fake_run_child(command, spec, timeout, on_result, startup_timeout=None):
-        with lock:
-            specs.append(spec)
-        on_result(ENGINE_UP)
-
+    def measure_for(spec):
         def measure_cell(context, label, round_):
             with lock:
                 order.append((spec["kv"], round_))
             t = tpot[spec["kv"]]
             return {**_cell_result(1000 / t, t), "context": context, "batch": label}
+        return measure_cell
 
-        results = []
-        for result in bm.measure_in_turns({**spec, "serve": None}, measure_cell):
-            on_result(result)
-            results.append(result)
-        return results, "", None
-
-    monkeypatch.setattr(bm, "run_child", fake_run_child)
+    monkeypatch.setattr(bm, "run_child", _run_child_in_turns(specs, lock, measure_for))
     bm.main(["--out", str(tmp_path), "--kv", "auto", "fp8_snapmla", "--twin", "--heads", "16",
              "--contexts", "512", "--batches", "1", "--max-model-len", "wide", "--modes",
              "eager", "--interleave", "--rounds", "2"])
