@@ -283,7 +283,7 @@ def run_engine(spec: dict):
             gained: list[int] = []
             profile: dict = {}
 
-            def profile_window(step):
+            def profile_window(step, _tokens):
                 profile.update(window_profile(
                     profiled(lambda: [step() for _ in range(profile_steps)]), profile_steps,
                     MOE_GROUPS))

@@ -244,16 +244,15 @@ def profile_decode_steps(engine, prompts: list, steps: int, prefill_tokens: int)
 
     params = SamplingParams(max_tokens=profile_tokens(steps, prefill_tokens), ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA)
-    counted = _TokenCounter(engine)
     profile: dict = {}
     gained: list[int] = []
 
-    def window(step) -> None:
-        before = dict(counted.tokens)
+    def window(step, tokens: dict) -> None:
+        before = dict(tokens)
         profile.update(window_profile(profiled(lambda: [step() for _ in range(steps)]), steps))
-        gained.extend(counted.tokens[r] - before.get(r, 0) for r in before)
+        gained.extend(tokens[r] - before[r] for r in before)
 
-    _, _, prefill_steps, _ = timed_decode_windows(counted, prompts, params, 1, 1,
+    _, _, prefill_steps, _ = timed_decode_windows(engine, prompts, params, 1, 1,
                                                   id_prefix="profile", after_windows=window)
     if prefill_steps > prefill_tokens or set(gained) != {steps}:
         raise RuntimeError(
@@ -262,30 +261,6 @@ def profile_decode_steps(engine, prompts: list, steps: int, prefill_tokens: int)
             f"window: {min(gained, default=0)}-{max(gained, default=0)}): a larger "
             "--kv-cache-gib or a smaller --batch")
     return profile
-
-
-class _TokenCounter:
-    """``engine`` (vLLM's ``LLMEngine``) counting each request's new tokens as ``step`` returns
-    them (DELTA outputs)."""
-
-    def __init__(self, engine) -> None:
-        self.engine, self.tokens = engine, {}
-
-    def add_request(self, request_id, prompt, params) -> None:
-        self.tokens[request_id] = 0
-        self.engine.add_request(request_id, prompt, params)
-
-    def step(self) -> list:
-        outputs = self.engine.step()
-        for output in outputs:
-            self.tokens[output.request_id] += len(output.outputs[0].token_ids)
-        return outputs
-
-    def has_unfinished_requests(self) -> bool:
-        return self.engine.has_unfinished_requests()
-
-    def abort_request(self, ids) -> None:
-        self.engine.abort_request(ids)
 
 
 def run_engine(spec: dict):

@@ -149,12 +149,12 @@ from benchmarks.provenance import describe, run_info
 from benchmarks.vllm_engine import (
     BASELINE_KV, BLOCK_SIZE, BUDGET_SKIP, DEEPSEEK_V31_ATTENTION, ENGINE_OVERHEAD_GIB,
     KV_BYTES_PER_TOKEN, KV_SETTINGS, SETTLE_STEPS, TWIN_KV, apply_switch_interval, batch_to_fill,
-    cache_dtype,
-    build_llm, child_main, concurrent_memory_problem, concurrent_start_spec, core_timestamp,
-    enable_stall_dumps, end_turn, engine_log_facts, estimated_kv_blocks, estimated_prefill_s,
-    merge_by_key, mla_projection_weights, model_config, not_lock_step, number, random_prompts,
-    read_csv, run_child, run_engines_together, skipped_for_time, stall_watchdog,
-    summarize_windows, timed_decode_windows, wait_for_turn, warm_tokens, warm_up, write_csv)
+    build_llm, cache_dtype, child_main, concurrent_memory_problem, concurrent_start_spec,
+    core_timestamp, enable_stall_dumps, end_turn, engine_log_facts, estimated_kv_blocks,
+    estimated_prefill_s, merge_by_key, mla_projection_weights, model_config, not_lock_step,
+    number, random_prompts, read_csv, run_child, run_engines_together, skipped_for_time,
+    stall_watchdog, summarize_windows, timed_decode_windows, wait_for_turn, warm_tokens, warm_up,
+    write_csv)
 from vllm_snapmla.testing import write_tiny_deepseek_v3
 
 KV_NAMES = {"auto": "BF16", "fp8_snapmla": "fp8_snapmla", "fp8": "fp8", TWIN_KV: "BF16 twin"}

@@ -155,7 +155,8 @@ def timed_decode_windows(engine, prompts: list, params, steps: int, windows: int
     the ``step()`` calls.  ``window_tokens``, if given, receives the tokens all requests gained
     in each window (more than one per step with speculative decoding).  ``after_windows``, if
     given, is called after the last window with a function that runs one more engine step (the
-    requests still decode: ``params`` must leave room for those steps too).  The requests are
+    requests still decode: ``params`` must leave room for those steps too) and the tokens each
+    request has gained so far, a dict that those steps keep up to date.  The requests are
     aborted after that."""
     ids = [f"{id_prefix}-{i}" for i in range(len(prompts))]
     for request_id, prompt in zip(ids, prompts):
@@ -198,7 +199,7 @@ def timed_decode_windows(engine, prompts: list, params, steps: int, windows: int
             if window_tokens is not None:
                 window_tokens.append(sum(tokens[i] - before[i] for i in ids))
         if after_windows is not None:
-            after_windows(step)
+            after_windows(step, tokens)
     finally:
         engine.abort_request(ids)   # the front end forgets them at once; nothing to step
     return seconds, lock_step, prefill_steps, " + ".join(sorted(timers))

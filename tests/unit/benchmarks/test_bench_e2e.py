@@ -471,7 +471,7 @@ def test_run_engine_profiles_extra_decode_steps_after_the_windows(monkeypatch):
                 after_windows=None):
         max_tokens.append(params.max_tokens)
         window_tokens += [len(prompts) * gen] * count
-        after_windows(lambda: steps_run.append("step"))
+        after_windows(lambda: steps_run.append("step"), {})
         return [0.002] * count, True, 7, "engine core"
 
     def fake_profiled(work):
