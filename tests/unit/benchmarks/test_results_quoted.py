@@ -117,7 +117,7 @@ def test_flashattention_kernel_ratios_are_the_recorded_ones():
     ours = [_ratio(r["speedup_vs_fa3"]) for r in rows if r["backend"] == "snapmla"]
     fa3 = [_ratio(r["speedup_vs_bf16"]) for r in rows if r["backend"] == "fa3-mla-bf16"]
     assert len(ours) == len(fa3) == 10, (ours, fa3)
-    item = _readme_item("- The decode kernel against FlashAttention-3 MLA")
+    item = _readme_item("- **The decode kernel against FlashAttention-3 MLA**")
     # the item's three groups: far below, just below and above FlashAttention-3
     for low, high in ((0, 0.9), (0.9, 1.0), (1.0, 99)):
         group = [v for v in ours if low <= float(v[:-1]) < high]
