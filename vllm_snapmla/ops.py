@@ -135,7 +135,7 @@ def gather_kv(kv_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tens
     For ``t < num_tokens``: ``b = token_to_seq[t]``,
     ``pos = seq_starts[b] + (t - cu_seq_lens[b])`` (``seq_starts`` defaults to 0; neither term
     negative, as vLLM builds them), and ``dst[t] = [kv_c ; k_pe]`` of the token at ``pos`` of
-    request ``b``, found through ``block_table[b, pos // 64]`` (1 to 2^31 / 64 columns).
+    request ``b``, found through ``block_table[b, pos // 64]`` (1 to (2^31 - 1) / 64 columns).
     ``num_tokens`` is an int or a one-element integer tensor; ``dst`` is
     ``[>=num_tokens, 576]`` (float, rows not overlapping).  A token whose request, position or
     block falls outside the inputs raises ``ValueError`` when the data checks run, and gets a

@@ -198,7 +198,8 @@ def decode_quantized(q8: torch.Tensor, q_scale: torch.Tensor, q_pe_scaled: torch
 
     Per query row, per 64-token page ``k`` in increasing order (paper Appendix D, eqs. 12-13):
     ``logit = (q8.k8 + qpe'.kpe') * sq * sk * softmax_scale``; ``m' = max(m, rowmax)``;
-    ``e = exp(logit - m')``; ``P' = e * sk`` (scale fusion); ``sigma = max(amax(P'), floor) / 448``;
+    ``e = exp(logit - m')``; ``P' = e * sk`` (scale fusion);
+    ``sigma = max(amax(P'), peak * P_SCALE_RANGE, P_SCALE_FLOOR) / 448``;
     ``P8 = e4m3(P' / sigma)``; ``g = exp(m - m') * sigma_prev / sigma``;
     ``O = g O + P8 V8``; ``L = g L + sum(e) / sigma``.  Output ``O / L``, ``lse = m + ln(sigma L)``.
     Returns float64 ``out[B,s_q,H,512]`` and ``lse[B,H,s_q]``.

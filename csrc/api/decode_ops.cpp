@@ -39,7 +39,7 @@ void check_rows_aligned(const char* op, const char* name, const at::Tensor& t) {
                     t.strides());
 }
 
-// [B, s_q, H, width] of a float type.
+// [B, s_q, H, width]; the caller checks the dtype.
 void check_query(const char* op, const char* name, const at::Tensor& t, int64_t width) {
   TORCH_CHECK_VALUE(t.dim() == 4 && t.size(3) == width, op, ": ", name,
                     " must be [batch, s_q, heads, ", width, "], got ", shape_of(t));

@@ -1,5 +1,6 @@
-// Host-side interface of the sm_90a SnapMLA decode kernel (decode_kernel.cuh): plain C++,
-// included by the torch-facing layer (csrc/api/decode_ops.cpp).
+// Host-side interface of the sm_90a SnapMLA decode kernels (decode_kernel.cuh and
+// decode_narrow_kernel.cuh): plain C++, included by the torch-facing layer
+// (csrc/api/decode_ops.cpp).
 #pragma once
 
 #include <cuda_runtime.h>

@@ -11,6 +11,8 @@
 
 #include <cstdint>
 
+#include "sm90/config.h"
+
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define SNAPMLA_SM90_DEVICE 1
 #endif
@@ -248,13 +250,7 @@ __device__ __forceinline__ float quad_sum(float x) {
   SNAPMLA_ACC16(d), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),          \
       "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]),           \
       "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-#define SNAPMLA_ACC64(d)                                                                      \
-  SNAPMLA_ACC32(d), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),          \
-      "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]),           \
-      "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),           \
-      "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]),           \
-      "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]),           \
-      "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+
 
 // The narrow kernel's (decode_narrow_kernel.cuh) N = 16 tiles, 8 accumulators per thread.
 #define SNAPMLA_ACC8(d)                                                                       \
@@ -368,7 +364,6 @@ __device__ __forceinline__ void wgmma_m64n64k32_e4m3_rs(float (&d)[32], const ui
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
 }
 
-#undef SNAPMLA_ACC64
 #undef SNAPMLA_ACC8
 #undef SNAPMLA_ACC32
 #undef SNAPMLA_ACC16

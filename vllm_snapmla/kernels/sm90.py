@@ -45,7 +45,7 @@ def available(device: torch.device | int | None = None) -> bool:
     """True when ``device`` (default: current) is an sm_90 GPU and the extension was built with
     sm_90a code for it (``SNAPMLA_ARCHS`` containing ``90a``)."""
     ops = native()
-    if ops is None or not hasattr(ops, "has_sm90a_code") or not torch.cuda.is_available():
+    if ops is None or not torch.cuda.is_available():
         return False
     if torch.cuda.get_device_capability(device) != (9, 0):
         return False
@@ -78,7 +78,8 @@ def decode_sm90(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
     (int32 ``[1]``, from ``plan_decode_sm90``; with ``num_splits`` None) replaces the call's own
     planner.
     """
-    # softmax_scale goes to the op as given: its schema takes a float and refuses anything else.
+    # The op's float argument would also take an int, a bool or a one-element tensor (read on
+    # the host): ops.decode checks the scale before this call.
     schedule_id = _schedule_id(schedule)
     return require_native("decode_sm90").decode_sm90(
         q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, bool(causal),

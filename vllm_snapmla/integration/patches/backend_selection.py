@@ -21,7 +21,6 @@ from vllm_snapmla.integration.patches._common import (
     is_ours,
     mark_wrapper,
 )
-from vllm_snapmla.integration.startup_checks import SNAPMLA_BACKEND_PATH
 
 
 def apply() -> None:
@@ -34,14 +33,14 @@ def _register_custom_backend() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     custom = AttentionBackendEnum.CUSTOM
-    if custom.is_overridden() and custom.get_path() != SNAPMLA_BACKEND_PATH:
+    if custom.is_overridden() and custom.get_path() != startup_checks.SNAPMLA_BACKEND_PATH:
         # Another plugin owns the single CUSTOM slot; fp8_snapmla still gets SnapMLA
         # through the selection wrapper, only `--attention-backend CUSTOM` is lost.
         init_logger(LOGGER_NAME).warning(
             "Attention backend CUSTOM is already registered to %s; vllm-snapmla leaves it. "
             "fp8_snapmla still selects SnapMLA automatically.", custom.get_path())
         return
-    register_backend(custom, SNAPMLA_BACKEND_PATH)
+    register_backend(custom, startup_checks.SNAPMLA_BACKEND_PATH)
 
 
 def _patch_cuda_platform() -> None:
@@ -118,4 +117,4 @@ def _select_snapmla(platform_cls, selected_backend, attn_selector_config) -> str
     # Once per process in practice: vLLM caches the selection per layer configuration.
     init_logger(LOGGER_NAME).info("Using SNAPMLA attention backend for the %s KV cache.",
                                   KV_CACHE_DTYPE)
-    return SNAPMLA_BACKEND_PATH
+    return startup_checks.SNAPMLA_BACKEND_PATH
