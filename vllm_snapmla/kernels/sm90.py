@@ -65,9 +65,10 @@ def _schedule_id(schedule: str | None) -> int:
 
 def decode_sm90(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                 block_table: torch.Tensor, seq_lens: torch.Tensor, softmax_scale: float,
-                causal: bool = True, num_splits: int | None = None, schedule: str | None = None,
+                causal: bool = True, num_splits: int | None = None,
                 plan: torch.Tensor | None = None):
-    """SnapMLA decode from the model's query on an sm_90 GPU.
+    """SnapMLA decode from the model's query on an sm_90 GPU, the kernel chosen by row count
+    (``snapmla_decode_sm90`` takes a fixed ``schedule``).
 
     ``q_nope [B,s_q,H,512]``, ``q_pe [B,s_q,H,64]`` (bf16, fp16 or fp32; row-strided views are
     read in place); ``kv_cache`` uint8 ``[num_blocks,64,656]``; ``block_table`` int32 or int64
@@ -80,10 +81,9 @@ def decode_sm90(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
     """
     # The op's float argument would also take an int, a bool or a one-element tensor (read on
     # the host): ops.decode checks the scale before this call.
-    schedule_id = _schedule_id(schedule)
     return require_native("decode_sm90").decode_sm90(
         q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, bool(causal),
-        num_splits or 0, schedule_id, plan)
+        num_splits or 0, _schedule_id(None), plan)
 
 
 def plan_decode_sm90(seq_lens: torch.Tensor, block_table: torch.Tensor, batch: int, s_q: int,
