@@ -964,6 +964,8 @@ def format_matrix(rows: list[dict], runs: list[str]) -> str:
     lines = _runs_header("fp8_snapmla vs vLLM's BF16 (`auto`) and FP8 caches: workload matrix",
                          runs)
     layers = sorted({layers_of(r) for r in rows})
+    # The A/A twin's columns only where a run had one (--twin).
+    twin = any(r["kv"] == TWIN_KV for r in rows)
     lines += [f"The model: DeepSeek-V3.1's attention in {'/'.join(map(str, layers))} dense "
               "layers (`--layers`).", ""]
     lines += ["decode tok/s = B / TPOT; TPOT = median over the timed windows of the engine "
@@ -972,15 +974,13 @@ def format_matrix(rows: list[dict], runs: list[str]) -> str:
               "**bold** marks those below 1.0x, with ▼ where every run was below (or the cell "
               "ran once) and ≈ where the runs lie on both sides of 1.0x (they do not agree on "
               "which format is faster).  B: batch per format (BF16 / fp8_snapmla / "
-              f"fp8{' / BF16 twin' if any(r['kv'] == TWIN_KV for r in rows) else ''}).  "
+              f"fp8{' / BF16 twin' if twin else ''}).  "
               "Where a note lists the runs' TPOTs, the cell ran that many times on each "
               "format (`--repeats`: a fresh engine each time; `--rounds`: the same engines, the "
               "formats in turn each round) and TPOT is their median; the ratio compares the "
               "medians of the runs both formats measured; `(runs a-b)` after a "
               "ratio: the lowest and highest ratio of one run to BF16's of the same run.", ""]
     by_key = {matrix_key(r): r for r in rows}
-    # The A/A twin's columns only where a run had one (--twin).
-    twin = any(r["kv"] == TWIN_KV for r in rows)
     shown = (*KV_SETTINGS, TWIN_KV) if twin else KV_SETTINGS
     twin_head = "BF16 twin tok/s | " if twin else ""
     twin_ratio = " | BF16 twin / BF16 (A/A)" if twin else ""
