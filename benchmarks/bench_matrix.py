@@ -1066,8 +1066,9 @@ def plot_matrix(rows: list[dict], path: Path, title: str) -> list[str]:
     max_model_len, mode): rows = context, columns = batch, a diverging colormap centred at 1.0
     with the ratio in each cell (under it, with ``--repeats`` or ``--rounds``, the range of the
     per-run ratios, and ≈ before it where they lie on both sides of 1.0x), missing cells grey
-    and hatched.  Returns the panels' titles (empty, and no file,
-    without matplotlib)."""
+    and hatched.  Where the cells come from more than one commit, each panel's title names the
+    commits of its cells.  Returns the panels' titles (empty, and no file, without
+    matplotlib)."""
     try:
         import matplotlib
     except ImportError:
@@ -1094,6 +1095,7 @@ def plot_matrix(rows: list[dict], path: Path, title: str) -> list[str]:
     fig, axes = plt.subplots(grid_rows, columns, figsize=(width_in, 3.6 * grid_rows + 1),
                              squeeze=False, layout="constrained")
     titles, image = [], None
+    several_commits = len({r.get("commit") for r in ours.values()}) > 1
     for ax, (heads, mml, mode) in zip(axes.flat, panels):
         mine = [matrix_key(r) for r in rows if matrix_key(r)[:3] == (heads, mml, mode)]
         contexts = sorted({k[3] for k in mine})
@@ -1126,6 +1128,10 @@ def plot_matrix(rows: list[dict], path: Path, title: str) -> list[str]:
         ax.set_xlabel("batch")
         ax.set_ylabel("context")
         titles.append(f"H={heads}, {mml}, {mode}")
+        if several_commits:
+            commits = sorted({r.get("commit") or "?" for cell, r in ours.items()
+                              if cell[:3] == (heads, mml, mode)})
+            titles[-1] += "\nat " + ", ".join(commits)
         ax.set_title(titles[-1])
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
@@ -1173,9 +1179,21 @@ def write_outputs(out: Path, info: dict | None, matrix_rows=(), serve_rows=(), *
         (out / f"{name}.md").write_text(table(rows, runs))
         if name == "matrix" and plot:
             plot_matrix(rows, out / "matrix.png", "fp8_snapmla / BF16 decode tok/s through vLLM; "
-                        + (runs[-1] if runs else ""))
+                        + plot_runs_line(runs))
         results.append(rows)
     return results[0], results[1]
+
+
+def plot_runs_line(runs: list[str]) -> str:
+    """The heat map's line about its runs: the run itself where there is one, else how many,
+    from when to when and on which GPUs (matrix.md lists each with its command)."""
+    if len(runs) <= 1:
+        return runs[0] if runs else ""
+    fields = [run.split(" | ") for run in runs]
+    dates = sorted(f[0] for f in fields)
+    gpus = ", ".join(sorted({f[2] for f in fields if len(f) > 2}))
+    return (f"{len(runs)} runs, {dates[0]} to {dates[-1]}, {gpus} (matrix.md lists each run's "
+            f"commit and command)")
 
 
 def _record_repeats(out: Path, info: dict, rows, run_fields: dict) -> list[dict]:

@@ -550,6 +550,27 @@ def test_heat_maps_have_a_panel_per_heads_table_and_mode(tmp_path):
     assert bm.plot_matrix([], tmp_path / "none.png", "t") == []
 
 
+def test_heat_map_panels_from_several_commits_name_them(tmp_path):
+    # A folder merges runs of different commits; the figure's title names one run only if
+    # there is one, and each panel then says which commits its cells are from.
+    pytest.importorskip("matplotlib")
+    old = [{**r, "commit": "aaa1111"} for r in _sweep()]
+    new = [{**_cell(kv, tok_s, heads=128, mml="tight"), "commit": "bbb2222"}
+           for kv, tok_s in (("auto", 50.0), ("fp8_snapmla", 60.0))]
+    titles = bm.plot_matrix(bm.add_ratios(old + new), tmp_path / "m.png", "title")
+    assert titles == ["H=16, wide, graph\nat aaa1111", "H=16, wide, eager\nat aaa1111",
+                      "H=128, tight, graph\nat bbb2222"]
+    one = bm.plot_matrix(bm.add_ratios(old), tmp_path / "one.png", "title")
+    assert one == ["H=16, wide, graph", "H=16, wide, eager"]
+    runs = ["2026-12-03 10:00 UTC | commit aaa1111 | NVIDIA H100 | vLLM 0.26.0 | cmd a",
+            "2026-12-05 09:00 UTC | commit bbb2222 | NVIDIA H200 | vLLM 0.26.0 | cmd b"]
+    assert bm.plot_runs_line(runs[:1]) == runs[0]
+    assert bm.plot_runs_line(runs) == ("2 runs, 2026-12-03 10:00 UTC to 2026-12-05 09:00 UTC, "
+                                       "NVIDIA H100, NVIDIA H200 (matrix.md lists each run's "
+                                       "commit and command)")
+    assert bm.plot_runs_line([]) == ""
+
+
 def test_serve_rows_merge_with_ratios_and_a_table(tmp_path):
     serve = [{"heads": 16, "mode": "graph", "kv": kv, "status": "ok", "requests": 96,
               "completed": 96, "rate": 3.0, "output_tok_s": tok_s, "ttft_p50_ms": 80.0,
