@@ -2,6 +2,7 @@
 benchmarks/results is replaced by a new run, the quoted numbers must follow it, and these tests
 fail until they do."""
 
+import math
 from pathlib import Path
 
 import pytest
@@ -197,8 +198,69 @@ def test_deeper_model_range_is_the_recorded_one():
     line = _readme_line("| the 1-64 request cells at 512-8k tokens with 16 layers")
     _, rows = read_csv(RESULTS / "matrix-h100-16layers" / "matrix.csv")
     assert {r["layers"] for r in rows} == {"16"}, {r["layers"] for r in rows}
-    fixed = _matrix_range(16, "graph", "wide", False, folder="matrix-h100-16layers")
-    assert f"{fixed} (see" in line.replace("**", ""), (fixed, line)
+    fixed16 = _matrix_range(16, "graph", "wide", False, folder="matrix-h100-16layers")
+    # at 128 heads the ratios are quoted to three decimals: two would hide them
+    ratios128 = [float(r["vs_bf16"]) for r in _matrix_cells("matrix-h100-16layers")[0]
+                 if r["heads"] == "128" and r["mode"] == "graph"]
+    assert len(ratios128) == 9, ratios128
+    fixed128 = f"{min(ratios128):.3f}-{max(ratios128):.3f}x"
+    assert f"{fixed16} / {fixed128} (see" in line.replace("**", ""), (fixed16, fixed128, line)
+
+
+def test_results_deeper_model_tables_are_the_recorded_runs():
+    """RESULTS.md's two 16-layer tables (16 heads to two decimals, 128 heads to three), each
+    cell's ratio, its rounds' range and bold exactly under 1.0x, against matrix.csv."""
+    ours, _ = _matrix_cells("matrix-h100-16layers")
+    tables = [rows for names, rows in _markdown_tables("| context | 1 request | 8 | 64 |",
+                                                         ROOT / "benchmarks" / "RESULTS.md")
+              if names == ["context", "1 request", "8", "64"]]
+    assert len(tables) == 2, len(tables)
+    for rows, heads, digits in ((tables[0], "16", 2), (tables[1], "128", 3)):
+        cells = {(int(r["context"]), r["batch"]): r for r in ours
+                 if r["heads"] == heads and r["mode"] == "graph"}
+        assert len(rows) == 3 and len(cells) == 9, (heads, rows, len(cells))
+        for context, *quoted in rows:
+            for batch, text in zip(("1", "8", "64"), quoted):
+                r = cells[(int(context), batch)]
+                runs = _runs(r)
+                want = (f"{float(r['vs_bf16']):.{digits}f}x",
+                        f"{min(runs):.{digits}f}-{max(runs):.{digits}f}")
+                ratio, span = text.replace("**", "").rstrip(")").split(" (")
+                assert (ratio, span.removeprefix("rounds ")) == want, (heads, context, batch)
+                assert text.startswith("**") == (float(r["vs_bf16"]) < 1.0), (heads, context)
+
+
+def _twin_cells() -> list[tuple[dict, dict]]:
+    """(ours, the A/A twin's) row of every H100 matrix cell that ran with a twin."""
+    _, rows = read_csv(RESULTS / "matrix-h100" / "matrix.csv")
+    twins = {matrix_key(r)[:5]: r for r in rows if r["kv"] == "auto_twin" and r["vs_bf16"]}
+    return [(r, twins[matrix_key(r)[:5]]) for r in _matrix_cells()[0]
+            if matrix_key(r)[:5] in twins]
+
+
+def test_results_and_readme_quote_the_recorded_a_a_control():
+    pairs = _twin_cells()
+    assert len(pairs) == 26, len(pairs)
+    table = _markdown_table(ROOT / "benchmarks" / "RESULTS.md",
+                            "| heads | mode | cells | ours / BF16 (cells under 1.0x) |")
+    quoted = 0
+    for row in table:
+        mine = [(o, t) for o, t in pairs if (o["heads"], o["mode"]) == (row["heads"], row["mode"])]
+        assert row["cells"] == str(len(mine)), row
+        for column, side in (("ours / BF16 (cells under 1.0x)", 0),
+                             ("twin / BF16 (cells under 1.0x)", 1)):
+            values = [float(pair[side]["vs_bf16"]) for pair in mine]
+            under = sum(v < 1.0 for v in values)
+            assert row[column] == f"{_range(map(_ratio, values))} ({under})", (row, column)
+        logs = [math.log(float(o["vs_bf16"]) / float(t["vs_bf16"])) for o, t in mine]
+        assert row["ours / twin, geometric mean"] == _ratio(math.exp(sum(logs) / len(logs))), row
+        quoted += len(mine)
+    assert quoted == len(pairs)
+    twin = _range(_ratio(t["vs_bf16"]) for _, t in pairs)
+    ours = _range(_ratio(o["vs_bf16"]) for o, _ in pairs)
+    item = _readme_item("  - The A/A control measures the method itself.")
+    assert f"read {twin} the first over {len(pairs)} of these cells" in item, (twin, item)
+    assert f"where ours read {ours}" in item, (ours, item)
 
 
 def test_continuous_batching_ratios_are_the_recorded_ones():
