@@ -959,6 +959,28 @@ def matrix_panels(rows: list[dict]) -> list[tuple]:
                   key=lambda k: (k[0], _order(k[1], MAX_MODEL_LENS), _order(k[2], MODES)))
 
 
+def twin_summary(rows: list[dict], kv: str = "fp8_snapmla") -> str | None:
+    """What the A/A control says about ``kv`` in ``rows`` (one panel's), or None without a
+    twin: the range of the twin's ratios to BF16, in how many cells ``kv``'s ratio is further
+    from 1.0x than the twin's (and on which side), and ``kv`` over the twin as a geometric mean.
+    A format the twin's spread covers is not told apart from BF16 by these cells."""
+    by_cell: dict[tuple, dict] = {}
+    for r in rows:
+        if r.get("status") == "ok" and number(r.get("vs_bf16")):
+            by_cell.setdefault(matrix_key(r)[:5], {})[r["kv"]] = number(r["vs_bf16"])
+    pairs = [(c[kv], c[TWIN_KV]) for c in by_cell.values() if kv in c and TWIN_KV in c]
+    if not pairs:
+        return None
+    twins = [t for _, t in pairs]
+    outside = [o for o, t in pairs if abs(o - 1) > abs(t - 1)]
+    below = sum(o < 1 for o in outside)
+    mean = math.exp(sum(math.log(o / t) for o, t in pairs) / len(pairs))
+    return (f"A/A control ({len(pairs)} cells with a BF16 twin): the twin read "
+            f"{min(twins):.2f}-{max(twins):.2f}x BF16; {KV_NAMES[kv]} is further from 1.0x than "
+            f"the twin in {len(outside)} of them ({len(outside) - below} above, {below} below); "
+            f"{KV_NAMES[kv]} / twin, geometric mean: {mean:.2f}x.")
+
+
 def format_matrix(rows: list[dict], runs: list[str]) -> str:
     """matrix.md: a table per (heads, max_model_len, mode), a line per (context, batch)."""
     lines = _runs_header("fp8_snapmla vs vLLM's BF16 (`auto`) and FP8 caches: workload matrix",
@@ -989,8 +1011,11 @@ def format_matrix(rows: list[dict], runs: list[str]) -> str:
                         if matrix_key(r)[:3] == (heads, mml, mode)},
                        key=lambda c: (c[0], batch_order(c[1])))
         tag = " (one TP8 rank of DeepSeek-V3.1)" if heads == 16 else ""
-        lines += [f"## H={heads}{tag}, max_model_len {mml}, {mode}", "",
-                  "| context | batch | max_model_len (table pages per format) | B | BF16 tok/s | "
+        lines += [f"## H={heads}{tag}, max_model_len {mml}, {mode}", ""]
+        summary = twin_summary([r for r in rows if matrix_key(r)[:3] == (heads, mml, mode)])
+        if summary:
+            lines += [summary, ""]
+        lines += ["| context | batch | max_model_len (table pages per format) | B | BF16 tok/s | "
                   f"fp8_snapmla tok/s | fp8 tok/s | {twin_head}TPOT ms (BF16 / snap / fp8"
                   f"{' / twin' if twin else ''}) | fp8_snapmla / BF16 | fp8 / BF16"
                   f"{twin_ratio} | notes |",

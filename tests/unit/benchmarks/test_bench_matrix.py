@@ -1068,6 +1068,28 @@ def test_twin_is_a_second_bf16_engine_measured_in_turn_as_an_a_a_control(tmp_pat
         assert "--twin measures a second BF16 engine" in capsys.readouterr().err
 
 
+def test_a_panel_with_a_twin_says_what_the_a_a_control_tells():
+    twin = vllm_engine.TWIN_KV
+    # ours / BF16 and twin / BF16 per cell: ours outside the twin's spread in two cells (one
+    # above, one below), inside it in one; a cell without a twin is not counted.
+    cells = {512: (1.30, 1.10), 2048: (0.80, 0.90), 8192: (1.05, 0.90), 32768: (0.70, None)}
+    rows = []
+    for context, (ours, other) in cells.items():
+        rows += [_cell("auto", 100.0, context), _cell("fp8_snapmla", 100.0 * ours, context)]
+        if other is not None:
+            rows.append(_cell(twin, 100.0 * other, context))
+    rows = bm.add_ratios(rows)
+    geo = math.exp((math.log(1.30 / 1.10) + math.log(0.80 / 0.90) + math.log(1.05 / 0.90)) / 3)
+    summary = bm.twin_summary(rows)
+    assert summary == ("A/A control (3 cells with a BF16 twin): the twin read 0.90-1.10x BF16; "
+                       "fp8_snapmla is further from 1.0x than the twin in 2 of them (1 above, 1 "
+                       f"below); fp8_snapmla / twin, geometric mean: {geo:.2f}x.")
+    assert summary in bm.format_matrix(rows, ["run"])
+    without = [r for r in rows if r["kv"] != twin]
+    assert bm.twin_summary(without) is None
+    assert "A/A control" not in bm.format_matrix(without, ["run"])
+
+
 def test_rounds_multiply_the_estimate_and_each_round_gets_a_row():
     settings = bm.Settings()
     engines, _ = bm.plan_matrix(["auto"], [16], [512, 2048], ["1"], ["wide"], ["eager"],

@@ -252,6 +252,11 @@ def test_results_and_readme_quote_the_recorded_a_a_control():
             values = [float(pair[side]["vs_bf16"]) for pair in mine]
             under = sum(v < 1.0 for v in values)
             assert row[column] == f"{_range(map(_ratio, values))} ({under})", (row, column)
+        outside = [float(o["vs_bf16"]) for o, t in mine
+                   if abs(float(o["vs_bf16"]) - 1) > abs(float(t["vs_bf16"]) - 1)]
+        below = sum(v < 1.0 for v in outside)
+        assert row["cells where ours is further from 1.0x than the twin (above / below)"] == \
+            f"{len(outside)} ({len(outside) - below} / {below})", row
         logs = [math.log(float(o["vs_bf16"]) / float(t["vs_bf16"])) for o, t in mine]
         assert row["ours / twin, geometric mean"] == _ratio(math.exp(sum(logs) / len(logs))), row
         quoted += len(mine)
