@@ -1007,12 +1007,12 @@ def format_matrix(rows: list[dict], runs: list[str]) -> str:
     twin_head = "BF16 twin tok/s | " if twin else ""
     twin_ratio = " | BF16 twin / BF16 (A/A)" if twin else ""
     for heads, mml, mode in matrix_panels(rows):
-        cells = sorted({matrix_key(r)[3:5] for r in rows
-                        if matrix_key(r)[:3] == (heads, mml, mode)},
+        panel_rows = [r for r in rows if matrix_key(r)[:3] == (heads, mml, mode)]
+        cells = sorted({matrix_key(r)[3:5] for r in panel_rows},
                        key=lambda c: (c[0], batch_order(c[1])))
         tag = " (one TP8 rank of DeepSeek-V3.1)" if heads == 16 else ""
         lines += [f"## H={heads}{tag}, max_model_len {mml}, {mode}", ""]
-        summary = twin_summary([r for r in rows if matrix_key(r)[:3] == (heads, mml, mode)])
+        summary = twin_summary(panel_rows)
         if summary:
             lines += [summary, ""]
         lines += ["| context | batch | max_model_len (table pages per format) | B | BF16 tok/s | "

@@ -251,7 +251,6 @@ __device__ __forceinline__ float quad_sum(float x) {
       "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]),           \
       "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 
-
 // The narrow kernel's (decode_narrow_kernel.cuh) N = 16 tiles, 8 accumulators per thread.
 #define SNAPMLA_ACC8(d)                                                                       \
   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
