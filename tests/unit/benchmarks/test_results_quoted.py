@@ -388,3 +388,35 @@ def test_three_format_matrix_table_is_the_recorded_run():
             # bold exactly where a ratio is under 1.0x
             bold = row[column].count("**") // 2
             assert bold == (float(ours) < 1) + (float(fp8) < 1), (context, batch, row[column])
+
+
+def test_short_call_table_is_the_recorded_run():
+    """RESULTS.md's table of where a short call's time goes: graph replays from decode.csv, each
+    kernel's time from kernels.csv, for every shape the run measured."""
+    folder = RESULTS / "short-calls-h100"
+    rows = bench_decode._read_csv(folder / "decode.csv")
+    _, kernels = read_csv(folder / "kernels.csv")
+    text = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+
+    def times(backend, r):
+        return {k["kernel"]: float(k["us_per_call"]) for k in kernels
+                if k["backend"] == backend and (int(k["B"]), int(k["H"]), int(k["N"])) ==
+                (r["B"], r["H"], r["N"])}
+
+    ours = [r for r in rows if r["backend"] == "snapmla"]
+    assert len(ours) == 6
+    for r in ours:
+        fa3 = next(x for x in rows if x["backend"] == "fa3-mla-bf16"
+                   and (x["B"], x["H"], x["N"]) == (r["B"], r["H"], r["N"]))
+        mine, theirs = times("snapmla", r), times("fa3-mla-bf16", r)
+        q = next(v for k, v in mine.items() if "quantize" in k)
+        d = next(v for k, v in mine.items() if "decode" in k)
+        c = next(v for k, v in mine.items() if "combine" in k)
+        fc = next(v for k, v in theirs.items() if "Combine" in k)
+        fd = next(v for k, v in theirs.items() if "Combine" not in k)
+        assert len(mine) == 3 and len(theirs) == 2, (mine, theirs)
+        line = (f"| {r['B']} x {r['H']} x {r['N']:,} | {fa3['us']:.1f} | {r['us']:.1f} | "
+                f"{fa3['us'] / r['us']:.2f}x | {fd:.1f} + {fc:.1f} = {fd + fc:.1f} | "
+                f"{q:.1f} + {d:.1f} + {c:.1f} = {q + d + c:.1f} | "
+                f"{fa3['us'] - (fd + fc):.1f} / {r['us'] - (q + d + c):.1f} |")
+        assert line in text, line
