@@ -1,12 +1,12 @@
 // Programmatic dependent launch (PDL, sm_90 and later) of the Hopper decode kernel right after our
 // own query quantization (with or without the split planner) or the planner alone.  After any
 // other kernel (a pre-quantized query with a fixed split count or a given plan) it is an
-// ordinary launch: that kernel's
-// author made no promise about the kernels before it.  The combine is a programmatic dependent
-// of our decode kernel, which never triggers its dependents early: the combine's CTAs are
-// placed only once every decode CTA has exited, so they take no SM the decode still needs (an
-// early trigger made 4 x 128 x 4k 6% slower: docs/decode-kernels.md).  A failed launch clears
-// the runtime's last error, as the caller reports it, so that the next launch does not.
+// ordinary launch: that kernel's author made no promise about the kernels before it.  The
+// combine is a programmatic dependent of our decode kernel, which never triggers its
+// dependents early: the combine's CTAs are placed only once every decode CTA has exited (a
+// trigger at the decode's start made 4 x 128 x 4k 6% slower, for reasons not established:
+// docs/decode-kernels.md).  A failed launch clears the runtime's last error, as the caller
+// reports it, so that the next launch does not.
 //
 // A kernel launched with the attribute may start before the kernel ahead of it in the stream
 // has finished: its CTAs become resident while the previous grid drains, so the launch
