@@ -15,8 +15,11 @@ The report, ``ab.md`` and ``ab.csv`` in ``--out``: per backend every tree measur
 shape, each tree's median over its rounds of ``us`` (CUDA-graph replay, L2 flushed),
 ``eager_us`` and ``host_us`` (bench_decode's docstring says how each is timed), its ratio to the
 first tree's, and a verdict: *faster* where all its rounds lie below all of the first tree's,
-*slower* where all lie above, else *within the spread*.  Per tree and time, the geometric mean
-of the ratios over the shapes.
+*slower* where all lie above, else *within the spread*; with fewer than two rounds on either
+side, no verdict.  Two rounds a tree are a weak test: where two trees do not differ, all of one
+tree's two rounds lie below or above the other's one time in three.  Per tree and time, the
+geometric mean of the ratios over the shapes.  ``--out`` must be a new (or empty) folder, so
+that no earlier run's rounds mix in.
 """
 from __future__ import annotations
 
@@ -51,6 +54,11 @@ def parse_tree(text: str) -> tuple[str, Path]:
             not (root / "vllm_snapmla").is_dir():
         raise argparse.ArgumentTypeError(f"{path} is not a checkout of vllm-snapmla (no "
                                          "benchmarks/bench_decode.py or vllm_snapmla/)")
+    # Without its extension the tree's ops.decode runs the portable path and would be timed as
+    # that tree's kernels.
+    if not list((root / "vllm_snapmla").glob("_C*.so")):
+        raise argparse.ArgumentTypeError(f"{path} has no built extension (vllm_snapmla/_C*.so): "
+                                         "build it first (docs/development.md, \"Build\")")
     return name, root
 
 
@@ -94,10 +102,15 @@ def run_rounds(trees: list[tuple[str, Path]], rounds: int, bench_args: list[str]
                                  f"{folder / 'run.log'}")
 
 
-def read_rounds(out: Path, tree: str) -> dict[tuple, dict[str, list[float]]]:
+def _round_files(out: Path, tree: str, rounds: int) -> list[Path]:
+    return [p for k in range(1, rounds + 1)
+            if (p := out / tree / f"round{k}" / "decode.csv").is_file()]
+
+
+def read_rounds(out: Path, tree: str, rounds: int) -> dict[tuple, dict[str, list[float]]]:
     """(backend, shape...) -> time -> the tree's values, one per round that measured it."""
     found: dict[tuple, dict[str, list[float]]] = {}
-    for path in sorted((out / tree).glob("round*/decode.csv")):
+    for path in _round_files(out, tree, rounds):
         with open(path) as f:
             for row in csv.DictReader(line for line in f if not line.startswith("#")):
                 key = (row["backend"], *(row[c] for c in SHAPE_COLUMNS))
@@ -107,10 +120,10 @@ def read_rounds(out: Path, tree: str) -> dict[tuple, dict[str, list[float]]]:
     return found
 
 
-def run_gpus(out: Path, tree: str) -> set[str]:
+def run_gpus(out: Path, tree: str, rounds: int) -> set[str]:
     """The GPUs named in the provenance line of the tree's decode.csv files."""
     gpus = set()
-    for path in (out / tree).glob("round*/decode.csv"):
+    for path in _round_files(out, tree, rounds):
         with open(path) as f:
             first = f.readline()
         fields = first.lstrip("# ").split(" | ")
@@ -120,6 +133,8 @@ def run_gpus(out: Path, tree: str) -> set[str]:
 
 
 def verdict(base: list[float], other: list[float]) -> str:
+    if len(base) < 2 or len(other) < 2:
+        return "too few rounds"
     if max(other) < min(base):
         return "faster"
     if min(other) > max(base):
@@ -127,12 +142,12 @@ def verdict(base: list[float], other: list[float]) -> str:
     return "within the spread"
 
 
-def compare(out: Path, trees: list[str]) -> list[dict]:
+def compare(out: Path, trees: list[str], rounds: int) -> list[dict]:
     """One row per (tree after the first, backend, shape, time) both trees measured."""
     base_name, rows = trees[0], []
-    base = read_rounds(out, base_name)
+    base = read_rounds(out, base_name, rounds)
     for name in trees[1:]:
-        other = read_rounds(out, name)
+        other = read_rounds(out, name, rounds)
         for key in sorted(set(base) & set(other), key=_sort_key):
             for t in TIMES:
                 b, o = base[key].get(t), other[key].get(t)
@@ -158,12 +173,16 @@ def _shape(row: dict) -> str:
     return text + (", ragged" if row["ragged"] not in ("0", "", "False") else "")
 
 
-def _span(values: list[float]) -> str:
-    return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
+def _span(values: list[float], rounds: int) -> str:
+    text = f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
+    return text if len(values) == rounds else f"{text}, {len(values)} of {rounds} rounds"
 
 
 def format_report(rows: list[dict], meta: dict) -> str:
-    trees = meta["trees"]
+    trees, rounds = meta["trees"], meta["rounds"]
+    times = dict(TIMES)
+    if "--eager" in meta["bench_args"]:
+        times["us"] = "eager calls, Python timed (--eager)"   # bench_decode's us under --eager
     lines = [f"# Decode A/B: {', '.join(t['name'] for t in trees[1:])} against "
              f"{trees[0]['name']}", "",
              f"{meta['date']} | {meta['rounds']} round(s), the trees in turn | "
@@ -177,10 +196,11 @@ def format_report(rows: list[dict], meta: dict) -> str:
         lines += [f"- GPU: {gpus[0]}"]
     lines += ["", "µs: the median over the rounds (lowest-highest round); ratio: the tree's "
               "median over the first tree's (under 1: faster). faster / slower: every round "
-              "of the tree below / above every round of the first tree.", ""]
+              "of the tree below / above every round of the first tree (with two rounds a tree, "
+              "one time in three where the trees do not differ).", ""]
     for name in [t["name"] for t in trees[1:]]:
         for backend in sorted({r["backend"] for r in rows if r["tree"] == name}):
-            for t, what in TIMES.items():
+            for t, what in times.items():
                 part = [r for r in rows if r["tree"] == name and r["backend"] == backend
                         and r["time"] == t]
                 if not part:
@@ -194,16 +214,18 @@ def format_report(rows: list[dict], meta: dict) -> str:
                           f"the spread at {counts['within the spread']}.", "",
                           f"| B x H x N | {part[0]['baseline']} µs | {name} µs | ratio | |",
                           "|---|---|---|---|---|"]
-                lines += [f"| {_shape(r)} | {_span(r['baseline_rounds'])} | {_span(r['rounds'])}"
-                          f" | {r['ratio']:.3f} | {r['verdict']} |" for r in part]
+                lines += [f"| {_shape(r)} | {_span(r['baseline_rounds'], rounds)} | "
+                          f"{_span(r['rounds'], rounds)} | {r['ratio']:.3f} | {r['verdict']} |"
+                          for r in part]
                 lines.append("")
     return "\n".join(lines)
 
 
 def write_report(out: Path) -> str:
     meta = json.loads((out / "ab.json").read_text())
-    meta["gpus"] = {t["name"]: sorted(run_gpus(out, t["name"])) for t in meta["trees"]}
-    rows = compare(out, [t["name"] for t in meta["trees"]])
+    meta["gpus"] = {t["name"]: sorted(run_gpus(out, t["name"], meta["rounds"]))
+                    for t in meta["trees"]}
+    rows = compare(out, [t["name"] for t in meta["trees"]], meta["rounds"])
     if not rows:
         raise SystemExit(f"{out}: no shape that the first tree and another both measured")
     report = format_report(rows, meta)
@@ -244,6 +266,9 @@ def main(argv: list[str] | None = None, run=subprocess.run) -> None:
     if {"--out", "--replot"} & set(bench_args):
         parser.error("the bench_decode arguments may not contain --out or --replot: "
                      "ab_decode gives each run its folder")
+    if args.out.exists() and any(args.out.iterdir()):
+        parser.error(f"--out {args.out} is not empty: give a new folder, so that no earlier "
+                     "run's rounds mix into the report")
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "rounds": args.rounds, "bench_args": bench_args,
