@@ -145,7 +145,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from benchmarks.provenance import describe, run_info
+from benchmarks.provenance import describe, described, run_info
 from benchmarks.vllm_engine import (
     BASELINE_KV, BLOCK_SIZE, BUDGET_SKIP, DEEPSEEK_V31_ATTENTION, ENGINE_OVERHEAD_GIB,
     KV_BYTES_PER_TOKEN, KV_SETTINGS, SETTLE_STEPS, TWIN_KV, apply_switch_interval, batch_to_fill,
@@ -1214,9 +1214,9 @@ def plot_runs_line(runs: list[str]) -> str:
     from when to when and on which GPUs (matrix.md lists each with its command)."""
     if len(runs) <= 1:
         return runs[0] if runs else ""
-    fields = [run.split(" | ") for run in runs]
-    dates = sorted(f[0] for f in fields)
-    gpus = ", ".join(sorted({f[2] for f in fields if len(f) > 2}))
+    fields = [described(run) for run in runs]
+    dates = sorted(f["date"] for f in fields)
+    gpus = ", ".join(sorted({f["gpu"] for f in fields if "gpu" in f}))
     return (f"{len(runs)} runs, {dates[0]} to {dates[-1]}, {gpus} (matrix.md lists each run's "
             f"commit and command)")
 

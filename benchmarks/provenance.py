@@ -116,3 +116,13 @@ def describe(info: dict) -> str:
     """One line: ``date | commit | GPU | vLLM | command``."""
     return (f"{info['date']} | commit {info['commit']} | {info['gpu']} | vLLM {info['vllm']} | "
             f"{info['command']}")
+
+
+def described(line: str) -> dict:
+    """``describe``'s line back into ``run_info``'s fields; a field a shorter line lacks is
+    absent."""
+    fields = dict(zip(("date", "commit", "gpu", "vllm", "command"), line.split(" | ", 4)))
+    for key, prefix in (("commit", "commit "), ("vllm", "vLLM ")):
+        if key in fields:
+            fields[key] = fields[key].removeprefix(prefix)
+    return fields

@@ -36,6 +36,9 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.provenance import described
+from benchmarks.vllm_engine import read_csv
+
 # The times compared, as bench_decode's decode.csv names them, and what the report calls them.
 TIMES = {"us": "graph replay", "eager_us": "eager calls", "host_us": "host time of a call"}
 # What one measurement is of (bench_decode's key, less the backend).
@@ -107,29 +110,21 @@ def _round_files(out: Path, tree: str, rounds: int) -> list[Path]:
             if (p := out / tree / f"round{k}" / "decode.csv").is_file()]
 
 
-def read_rounds(out: Path, tree: str, rounds: int) -> dict[tuple, dict[str, list[float]]]:
-    """(backend, shape...) -> time -> the tree's values, one per round that measured it."""
+def read_rounds(out: Path, tree: str,
+                rounds: int) -> tuple[dict[tuple, dict[str, list[float]]], set[str]]:
+    """(backend, shape...) -> time -> the tree's values, one per round that measured it; and
+    the GPUs its runs' provenance lines name."""
     found: dict[tuple, dict[str, list[float]]] = {}
+    gpus: set[str] = set()
     for path in _round_files(out, tree, rounds):
-        with open(path) as f:
-            for row in csv.DictReader(line for line in f if not line.startswith("#")):
-                key = (row["backend"], *(row[c] for c in SHAPE_COLUMNS))
-                for t in TIMES:
-                    if row.get(t):
-                        found.setdefault(key, {}).setdefault(t, []).append(float(row[t]))
-    return found
-
-
-def run_gpus(out: Path, tree: str, rounds: int) -> set[str]:
-    """The GPUs named in the provenance line of the tree's decode.csv files."""
-    gpus = set()
-    for path in _round_files(out, tree, rounds):
-        with open(path) as f:
-            first = f.readline()
-        fields = first.lstrip("# ").split(" | ")
-        if first.startswith("#") and len(fields) > 2:
-            gpus.add(fields[2].strip())
-    return gpus
+        runs, rows = read_csv(path)
+        gpus |= {f["gpu"] for f in map(described, runs) if "gpu" in f}
+        for row in rows:
+            key = (row["backend"], *(row[c] for c in SHAPE_COLUMNS))
+            for t in TIMES:
+                if row.get(t):
+                    found.setdefault(key, {}).setdefault(t, []).append(float(row[t]))
+    return found, gpus
 
 
 def verdict(base: list[float], other: list[float]) -> str:
@@ -142,12 +137,13 @@ def verdict(base: list[float], other: list[float]) -> str:
     return "within the spread"
 
 
-def compare(out: Path, trees: list[str], rounds: int) -> list[dict]:
-    """One row per (tree after the first, backend, shape, time) both trees measured."""
+def compare(measured: dict[str, dict], trees: list[str]) -> list[dict]:
+    """One row per (tree after the first, backend, shape, time) both trees measured, from each
+    tree's ``read_rounds`` values."""
     base_name, rows = trees[0], []
-    base = read_rounds(out, base_name, rounds)
+    base = measured[base_name]
     for name in trees[1:]:
-        other = read_rounds(out, name, rounds)
+        other = measured[name]
         for key in sorted(set(base) & set(other), key=_sort_key):
             for t in TIMES:
                 b, o = base[key].get(t), other[key].get(t)
@@ -223,9 +219,10 @@ def format_report(rows: list[dict], meta: dict) -> str:
 
 def write_report(out: Path) -> str:
     meta = json.loads((out / "ab.json").read_text())
-    meta["gpus"] = {t["name"]: sorted(run_gpus(out, t["name"], meta["rounds"]))
-                    for t in meta["trees"]}
-    rows = compare(out, [t["name"] for t in meta["trees"]], meta["rounds"])
+    trees = [t["name"] for t in meta["trees"]]
+    read = {name: read_rounds(out, name, meta["rounds"]) for name in trees}
+    meta["gpus"] = {name: sorted(read[name][1]) for name in trees}
+    rows = compare({name: read[name][0] for name in trees}, trees)
     if not rows:
         raise SystemExit(f"{out}: no shape that the first tree and another both measured")
     report = format_report(rows, meta)

@@ -89,3 +89,11 @@ def test_code_version_tells_uncommitted_changes_apart(tmp_path, monkeypatch):
     assert "+changes" in first and first != second
     (repo / "notes.md").write_text("results\n")      # not code: no effect
     assert provenance.code_version() == second
+
+
+def test_described_reads_describes_line_back():
+    info = {"date": "2026-12-07 21:31 UTC", "commit": "606f8e7", "gpu": "NVIDIA H100 80GB HBM3",
+            "vllm": "0.26.0", "command": "python -m benchmarks.bench_decode --shapes 1x16x512"}
+    assert provenance.described(provenance.describe(info)) == info
+    assert provenance.described("2026-12-07 21:31 UTC | commit 606f8e7") == {
+        "date": "2026-12-07 21:31 UTC", "commit": "606f8e7"}
